@@ -1,0 +1,264 @@
+/* The part of llama.h that llamabatch uses, for cffi's API mode.
+ *
+ * Hand-written on purpose: only what the project calls. Structs end in `...;` so the
+ * C compiler fills in the real layout from the vendored llama.h and checks every field
+ * named here (llama.h changes its structs often). tests/test_ffi_cdefs.py fails if a
+ * function named here is missing from the vendored header.
+ */
+
+typedef int32_t llama_pos;
+typedef int32_t llama_token;
+typedef int32_t llama_seq_id;
+
+struct llama_vocab;
+struct llama_model;
+struct llama_context;
+struct llama_sampler;
+typedef struct llama_memory_i * llama_memory_t;
+
+#define LLAMA_DEFAULT_SEED ...
+#define LLAMA_TOKEN_NULL ...
+
+enum llama_vocab_type { LLAMA_VOCAB_TYPE_NONE, LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE,
+                        LLAMA_VOCAB_TYPE_WPM, LLAMA_VOCAB_TYPE_UGM, ... };
+
+enum llama_pooling_type {
+    LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN,
+    LLAMA_POOLING_TYPE_CLS, LLAMA_POOLING_TYPE_LAST, LLAMA_POOLING_TYPE_RANK, ...
+};
+
+enum llama_attention_type {
+    LLAMA_ATTENTION_TYPE_UNSPECIFIED, LLAMA_ATTENTION_TYPE_CAUSAL, LLAMA_ATTENTION_TYPE_NON_CAUSAL, ...
+};
+
+enum llama_flash_attn_type {
+    LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED, ...
+};
+
+enum llama_load_mode {
+    LLAMA_LOAD_MODE_AUTO, LLAMA_LOAD_MODE_NONE, LLAMA_LOAD_MODE_MMAP, LLAMA_LOAD_MODE_MLOCK,
+    LLAMA_LOAD_MODE_MMAP_MLOCK, LLAMA_LOAD_MODE_DIRECT_IO, ...
+};
+
+enum llama_token_attr { LLAMA_TOKEN_ATTR_CONTROL, LLAMA_TOKEN_ATTR_BYTE, ... };
+
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO, GGML_LOG_LEVEL_WARN,
+    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
+};
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+typedef bool (*ggml_abort_callback)(void * data);
+
+typedef struct llama_token_data {
+    llama_token id;
+    float logit;
+    float p;
+} llama_token_data;
+
+typedef struct llama_token_data_array {
+    llama_token_data * data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} llama_token_data_array;
+
+typedef struct llama_batch {
+    int32_t n_tokens;
+    llama_token  *  token;
+    float        *  embd;
+    llama_pos    *  pos;
+    int32_t      *  n_seq_id;
+    llama_seq_id ** seq_id;
+    int8_t       *  logits;
+} llama_batch;
+
+struct llama_model_params {
+    int32_t n_gpu_layers;
+    enum llama_load_mode load_mode;
+    int32_t main_gpu;
+    bool vocab_only;
+    bool check_tensors;
+    ...;
+};
+
+struct llama_context_params {
+    uint32_t n_ctx;
+    uint32_t n_batch;
+    uint32_t n_ubatch;
+    uint32_t n_seq_max;
+    int32_t  n_threads;
+    int32_t  n_threads_batch;
+    enum llama_pooling_type    pooling_type;
+    enum llama_attention_type  attention_type;
+    enum llama_flash_attn_type flash_attn_type;
+    ggml_abort_callback abort_callback;
+    void *              abort_callback_data;
+    bool embeddings;
+    bool offload_kqv;
+    bool no_perf;
+    bool swa_full;
+    bool kv_unified;
+    ...;
+};
+
+typedef struct llama_logit_bias {
+    llama_token token;
+    float bias;
+} llama_logit_bias;
+
+typedef struct llama_sampler_chain_params {
+    bool no_perf;
+    ...;
+} llama_sampler_chain_params;
+
+typedef struct llama_chat_message {
+    const char * role;
+    const char * content;
+} llama_chat_message;
+
+struct llama_perf_context_data {
+    double t_start_ms;
+    double t_load_ms;
+    double t_p_eval_ms;
+    double t_eval_ms;
+    int32_t n_p_eval;
+    int32_t n_eval;
+    ...;
+};
+
+struct llama_perf_sampler_data {
+    double t_sample_ms;
+    int32_t n_sample;
+    ...;
+};
+
+/* version, backend, logging */
+const char * llama_version(void);
+void llama_backend_init(void);
+void llama_backend_free(void);
+const char * llama_print_system_info(void);
+bool llama_supports_gpu_offload(void);
+size_t llama_max_parallel_sequences(void);
+int64_t llama_time_us(void);
+void llama_log_set(ggml_log_callback log_callback, void * user_data);
+extern "Python" void _llamabatch_log_callback(enum ggml_log_level, const char *, void *);
+extern "Python" bool _llamabatch_abort_callback(void *);
+
+/* model */
+struct llama_model_params llama_model_default_params(void);
+struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+void llama_model_free(struct llama_model * model);
+const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+int32_t llama_model_n_ctx_train(const struct llama_model * model);
+int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_n_head(const struct llama_model * model);
+int32_t llama_model_n_head_kv(const struct llama_model * model);
+uint32_t llama_model_n_cls_out(const struct llama_model * model);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+int32_t llama_model_meta_count(const struct llama_model * model);
+int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+int32_t llama_model_meta_val_str_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+uint64_t llama_model_size(const struct llama_model * model);
+uint64_t llama_model_n_params(const struct llama_model * model);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+bool llama_model_has_encoder(const struct llama_model * model);
+bool llama_model_has_decoder(const struct llama_model * model);
+bool llama_model_is_recurrent(const struct llama_model * model);
+bool llama_model_is_hybrid(const struct llama_model * model);
+
+/* vocab */
+enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
+int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
+enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token);
+llama_token llama_vocab_bos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eot(const struct llama_vocab * vocab);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);
+llama_token llama_vocab_nl(const struct llama_vocab * vocab);
+llama_token llama_vocab_pad(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_sep(const struct llama_vocab * vocab);
+int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                       llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+                             int32_t length, int32_t lstrip, bool special);
+int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+                         char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
+
+/* context */
+struct llama_context_params llama_context_default_params(void);
+struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+void llama_free(struct llama_context * ctx);
+uint32_t llama_n_ctx(const struct llama_context * ctx);
+uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
+uint32_t llama_n_batch(const struct llama_context * ctx);
+uint32_t llama_n_ubatch(const struct llama_context * ctx);
+uint32_t llama_n_seq_max(const struct llama_context * ctx);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+llama_memory_t llama_get_memory(const struct llama_context * ctx);
+void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
+void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
+void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
+void llama_synchronize(struct llama_context * ctx);
+
+/* batches, decode, outputs */
+struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+void llama_batch_free(struct llama_batch batch);
+int32_t llama_encode(struct llama_context * ctx, struct llama_batch batch);
+int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+float * llama_get_logits(struct llama_context * ctx);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings(struct llama_context * ctx);
+float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+
+/* memory (KV cache) */
+void llama_memory_clear(llama_memory_t mem, bool data);
+bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
+void llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
+llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
+llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+bool llama_memory_can_shift(llama_memory_t mem);
+
+/* samplers */
+struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
+struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+int32_t llama_sampler_chain_n(const struct llama_sampler * chain);
+const char * llama_sampler_name(const struct llama_sampler * smpl);
+void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+void llama_sampler_reset(struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
+void llama_sampler_free(struct llama_sampler * smpl);
+llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+uint32_t llama_sampler_get_seed(const struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_init_greedy(void);
+struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
+struct llama_sampler * llama_sampler_init_top_k(int32_t k);
+struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_temp(float t);
+struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root);
+struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
+                                                    float penalty_freq, float penalty_present);
+struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias, const llama_logit_bias * logit_bias);
+
+/* chat templates */
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
+int32_t llama_chat_builtin_templates(const char ** output, size_t len);
+
+/* perf counters */
+struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
+void llama_perf_context_reset(struct llama_context * ctx);
+struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * chain);

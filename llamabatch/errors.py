@@ -1,0 +1,48 @@
+"""Exceptions raised by llamabatch."""
+
+from __future__ import annotations
+
+
+class LlamaBatchError(Exception):
+    """Base class of every llamabatch error."""
+
+
+class ModelLoadError(LlamaBatchError):
+    """llama.cpp could not load a model file (not a GGUF, truncated, unsupported)."""
+
+    def __init__(self, path: str, reason: str = "") -> None:
+        self.path = path
+        detail = f": {reason}" if reason else ""
+        super().__init__(f"cannot load model {path!r}{detail}")
+
+
+class ContextError(LlamaBatchError):
+    """llama.cpp could not create a context (usually out of memory for the KV cache)."""
+
+
+class DecodeError(LlamaBatchError):
+    """``llama_decode`` / ``llama_encode`` failed; ``code`` is llama.cpp's return value."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class KVCacheFull(DecodeError):
+    """No room in the KV cache for the batch, even after retrying with smaller batches."""
+
+
+class QueueFull(LlamaBatchError):
+    """The request queue holds ``max_queue`` requests already."""
+
+
+class PromptTooLong(LlamaBatchError, ValueError):
+    """A prompt (plus ``max_tokens``) or an input text exceeds the per-sequence limit."""
+
+
+class EngineClosed(LlamaBatchError):
+    """The engine was closed; it accepts no more requests."""
+
+
+class RequestCancelled(LlamaBatchError):
+    """The request was cancelled before it produced a result."""
