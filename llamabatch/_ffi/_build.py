@@ -20,6 +20,15 @@ MODULE_NAME = "llamabatch._ffi._llama"
 RUNTIME_RPATH = "$ORIGIN/../../llama_cpp/lib"
 
 
+C_SOURCE = """
+#include "llama.h"
+
+static bool llamabatch_abort_flag_cb(void * data) {
+    return data != NULL && *(volatile int *) data != 0;
+}
+"""
+
+
 def cdef_source() -> str:
     return (HERE / "_cdefs.h").read_text()
 
@@ -30,7 +39,7 @@ def make_ffi(include_dir: Path, lib_dir: Path, extra_rpaths: list[str] | None = 
     rpaths = [RUNTIME_RPATH, *(extra_rpaths or [])]
     ffibuilder.set_source(
         MODULE_NAME,
-        '#include "llama.h"\n',
+        C_SOURCE,
         include_dirs=[str(include_dir)],
         library_dirs=[str(lib_dir)],
         libraries=["llama"],

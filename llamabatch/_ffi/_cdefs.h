@@ -142,7 +142,6 @@ size_t llama_max_parallel_sequences(void);
 int64_t llama_time_us(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 extern "Python" void _llamabatch_log_callback(enum ggml_log_level, const char *, void *);
-extern "Python" bool _llamabatch_abort_callback(void *);
 
 /* model */
 struct llama_model_params llama_model_default_params(void);
@@ -262,3 +261,8 @@ int32_t llama_chat_builtin_templates(const char ** output, size_t len);
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 void llama_perf_context_reset(struct llama_context * ctx);
 struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * chain);
+
+/* llamabatch's own C helper (defined in _build.py): an abort callback that reads an int
+ * flag, so that close() or a test can stop llama_decode without calling into Python
+ * from llama.cpp's compute threads. */
+bool llamabatch_abort_flag_cb(void * data);

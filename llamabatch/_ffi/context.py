@@ -1,0 +1,275 @@
+"""``Context``: owner of a ``llama_context`` — decode/encode, outputs and KV memory.
+
+``check_decode`` is the ONE place that maps llama.cpp's decode return codes to Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from llamabatch._ffi import ffi, lib
+from llamabatch._ffi.model import POOLING_NAMES, Model
+from llamabatch.errors import ContextError, DecodeError, KVCacheFull
+
+POOLING_TYPES = {name: value for value, name in POOLING_NAMES.items()}
+
+FLASH_ATTN = {
+    None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+DECODE_OK = 0
+DECODE_NO_KV_SLOT = 1
+DECODE_ABORTED = 2
+
+
+def decode_error(code: int, what: str = "llama_decode") -> DecodeError | None:
+    """Map a ``llama_decode``/``llama_encode`` return code to an exception (None for 0)."""
+    if code == DECODE_OK:
+        return None
+    if code == DECODE_NO_KV_SLOT:
+        return KVCacheFull(code, f"{what}: no room in the KV cache for the batch (code 1)")
+    if code == DECODE_ABORTED:
+        return DecodeError(code, f"{what}: aborted (code 2)")
+    if code == -1:
+        return DecodeError(code, f"{what}: invalid input batch (code -1)")
+    return DecodeError(code, f"{what}: fatal error (code {code})")
+
+
+def check_decode(code: int, what: str = "llama_decode") -> None:
+    """Raise the exception for a non-zero return code."""
+    error = decode_error(code, what)
+    if error is not None:
+        raise error
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class Context:
+    """A llama.cpp context on a :class:`Model`: KV memory, decode, logits and embeddings.
+
+    Only one thread may use a context at a time; llamabatch's engines give each context
+    to one worker thread.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        embeddings: bool = False,
+        pooling: str | None = None,
+        flash_attn: bool | str | None = None,
+        kv_unified: bool = True,
+        offload_kqv: bool = True,
+        no_perf: bool = False,
+    ) -> None:
+        self._ptr = ffi.NULL
+        _positive("n_ctx", n_ctx)
+        _positive("n_batch", n_batch)
+        n_ubatch = n_batch if n_ubatch is None else n_ubatch
+        _positive("n_ubatch", n_ubatch)
+        if n_ubatch > n_batch:
+            raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
+        _positive("n_seq_max", n_seq_max)
+        max_seq = int(lib.llama_max_parallel_sequences())
+        if n_seq_max > max_seq:
+            raise ValueError(f"n_seq_max must be <= {max_seq} (llama.cpp's limit), got {n_seq_max}")
+        cpus = os.cpu_count() or 1
+        n_threads = cpus if n_threads is None else n_threads
+        n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
+        _positive("n_threads", n_threads)
+        _positive("n_threads_batch", n_threads_batch)
+        if pooling is not None and pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {sorted(POOLING_TYPES)}, got {pooling!r}")
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be True, False, 'auto' or None, got {flash_attn!r}")
+
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads_batch
+        params.embeddings = embeddings
+        if pooling is not None:
+            params.pooling_type = POOLING_TYPES[pooling]
+        params.flash_attn_type = FLASH_ATTN[flash_attn]
+        params.kv_unified = kv_unified
+        params.offload_kqv = offload_kqv
+        params.no_perf = no_perf
+
+        ptr = lib.llama_init_from_model(model.ptr, params)
+        if ptr == ffi.NULL:
+            raise ContextError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, "
+                f"n_ubatch={n_ubatch}, n_seq_max={n_seq_max}) for {model.path.name}: "
+                "likely out of memory for the KV cache, or parameters the model does not support"
+            )
+        self.model = model
+        self._ptr = ffi.gc(ptr, lib.llama_free)
+        model._register_context(self)
+        self._memory = lib.llama_get_memory(ptr)
+        # A C-level flag read by llama.cpp between graph nodes (CPU backend): abort()
+        # makes a running or the next llama_decode return 2 without touching Python.
+        self._abort_flag = ffi.new("int *", 0)
+        lib.llama_set_abort_callback(ptr, ffi.addressof(lib, "llamabatch_abort_flag_cb"), self._abort_flag)
+        self.n_ctx: int = lib.llama_n_ctx(ptr)
+        self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
+        self.n_batch: int = lib.llama_n_batch(ptr)
+        self.n_ubatch: int = lib.llama_n_ubatch(ptr)
+        self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        self.n_threads = n_threads
+        self.n_threads_batch = n_threads_batch
+        self.embeddings = embeddings
+        self.kv_unified = kv_unified
+        self.pooling: str = POOLING_NAMES.get(lib.llama_pooling_type(ptr), "unspecified")
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    @property
+    def ptr(self):
+        """The ``llama_context *``."""
+        if self._ptr == ffi.NULL:
+            raise ValueError("the context is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr == ffi.NULL
+
+    def close(self) -> None:
+        """Free the context now. Idempotent."""
+        if self._ptr != ffi.NULL:
+            ffi.release(self._ptr)
+            self._ptr = ffi.NULL
+            self._memory = ffi.NULL
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        """Make the running (or next) decode return 2 ("aborted"); safe from any thread."""
+        self._abort_flag[0] = 1
+
+    def clear_abort(self) -> None:
+        self._abort_flag[0] = 0
+
+    @property
+    def abort_requested(self) -> bool:
+        return bool(self._abort_flag[0])
+
+    # -- compute ------------------------------------------------------------------------
+
+    def decode_address(self, batch_address: int) -> int:
+        """``llama_decode`` on the ``llama_batch`` struct at ``batch_address`` (a batch from
+        the core's pool); returns llama.cpp's code. The GIL is released during the call."""
+        return lib.llama_decode(self.ptr, ffi.cast("llama_batch *", batch_address)[0])
+
+    def encode_address(self, batch_address: int) -> int:
+        """``llama_encode`` (encoder models) on the batch at ``batch_address``."""
+        return lib.llama_encode(self.ptr, ffi.cast("llama_batch *", batch_address)[0])
+
+    def decode_tokens(self, tokens: list[int], pos0: int = 0, seq_id: int = 0, all_logits: bool = False) -> None:
+        """Decode one sequence's tokens in one batch (simple paths and tests); raises on error."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("no tokens to decode")
+        batch = lib.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i, token in enumerate(tokens):
+                batch.token[i] = token
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_id
+                batch.logits[i] = 1 if (all_logits or i == n - 1) else 0
+            check_decode(lib.llama_decode(self.ptr, batch))
+        finally:
+            lib.llama_batch_free(batch)
+
+    def logits_ith(self, i: int) -> np.ndarray:
+        """A copy of the logits of output ``i`` of the last decode (batch index)."""
+        ptr = lib.llama_get_logits_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise IndexError(f"no logits at batch index {i}")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32).copy()
+
+    def logits_ptr(self, i: int):
+        """The raw ``float *`` of output ``i`` (valid until the next decode)."""
+        return lib.llama_get_logits_ith(self.ptr, i)
+
+    def embeddings_seq(self, seq_id: int, n: int | None = None) -> np.ndarray | None:
+        """A copy of the pooled embedding of ``seq_id`` (``n`` floats: n_embd, or n_cls_out
+        for rank pooling), or None when the context does not pool."""
+        ptr = lib.llama_get_embeddings_seq(self.ptr, seq_id)
+        if ptr == ffi.NULL:
+            return None
+        n = self.model.n_embd if n is None else n
+        return np.frombuffer(ffi.buffer(ptr, 4 * n), dtype=np.float32).copy()
+
+    def embeddings_ith(self, i: int) -> np.ndarray:
+        """A copy of the embedding of output ``i`` of the last decode."""
+        ptr = lib.llama_get_embeddings_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise IndexError(f"no embedding at batch index {i}")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_embd), dtype=np.float32).copy()
+
+    # -- KV memory ----------------------------------------------------------------------
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq_id`` (-1: open end; seq_id -1: all)."""
+        return bool(lib.llama_memory_seq_rm(self._memory_or_raise(), seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share ``src``'s cells at positions [p0, p1)."""
+        lib.llama_memory_seq_cp(self._memory_or_raise(), src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        lib.llama_memory_seq_keep(self._memory_or_raise(), seq_id)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return lib.llama_memory_seq_pos_min(self._memory_or_raise(), seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of ``seq_id`` in the KV cache, -1 when it holds none."""
+        return lib.llama_memory_seq_pos_max(self._memory_or_raise(), seq_id)
+
+    def memory_clear(self, data: bool = True) -> None:
+        lib.llama_memory_clear(self._memory_or_raise(), data)
+
+    def _memory_or_raise(self):
+        self.ptr  # noqa: B018 - raises when closed
+        return self._memory
+
+    # -- perf ---------------------------------------------------------------------------
+
+    def perf(self) -> dict[str, float]:
+        """llama.cpp's own counters for this context."""
+        data = lib.llama_perf_context(self.ptr)
+        return {
+            "t_load_ms": data.t_load_ms,
+            "t_p_eval_ms": data.t_p_eval_ms,
+            "t_eval_ms": data.t_eval_ms,
+            "n_p_eval": data.n_p_eval,
+            "n_eval": data.n_eval,
+        }
+
+    def perf_reset(self) -> None:
+        lib.llama_perf_context_reset(self.ptr)

@@ -1,0 +1,266 @@
+"""``Model``: owner of a ``llama_model`` (and its vocabulary), with tokenization."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+from llamabatch._ffi import ensure_backend, ffi, lib
+from llamabatch.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+
+LOAD_MODES = {
+    "auto": lib.LLAMA_LOAD_MODE_AUTO,
+    "none": lib.LLAMA_LOAD_MODE_NONE,
+    "mmap": lib.LLAMA_LOAD_MODE_MMAP,
+    "mlock": lib.LLAMA_LOAD_MODE_MLOCK,
+    "mmap_mlock": lib.LLAMA_LOAD_MODE_MMAP_MLOCK,
+    "direct_io": lib.LLAMA_LOAD_MODE_DIRECT_IO,
+}
+
+POOLING_NAMES = {
+    lib.LLAMA_POOLING_TYPE_UNSPECIFIED: "unspecified",
+    lib.LLAMA_POOLING_TYPE_NONE: "none",
+    lib.LLAMA_POOLING_TYPE_MEAN: "mean",
+    lib.LLAMA_POOLING_TYPE_CLS: "cls",
+    lib.LLAMA_POOLING_TYPE_LAST: "last",
+    lib.LLAMA_POOLING_TYPE_RANK: "rank",
+}
+
+
+def _check_gguf_file(path: Path) -> None:
+    """Fail early, with the file's name, on what llama.cpp would only log."""
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ModelLoadError(str(path), "not a regular file")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(str(path), f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+
+
+def _read_str(fn, *args: Any, size: int = 256) -> str:
+    """Call a llama.cpp ``(..., char *buf, size_t size) -> int32`` getter, growing the buffer."""
+    while True:
+        buf = ffi.new("char[]", size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return ""
+        if n < size:
+            return ffi.string(buf, n).decode("utf-8", "replace")
+        size = n + 1
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp.
+
+    Args:
+        path: the ``.gguf`` file.
+        n_gpu_layers: layers to offload to a GPU (-1: all; ignored by CPU builds).
+        load_mode: ``"mmap"`` (default), ``"none"`` (read into memory), ``"mlock"``,
+            ``"mmap_mlock"``, ``"direct_io"`` or ``"auto"``.
+        vocab_only: load only the vocabulary (tokenization without weights).
+        check_tensors: validate tensor data while loading.
+        main_gpu: the GPU that holds the whole model when not splitting.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ModelLoadError: the file is not a GGUF, is truncated or corrupt, or unsupported.
+        ValueError: an invalid parameter.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int = 0,
+        load_mode: str = "mmap",
+        vocab_only: bool = False,
+        check_tensors: bool = False,
+        main_gpu: int = 0,
+    ) -> None:
+        self._ptr = ffi.NULL
+        self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.path = Path(path)
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}, got {load_mode!r}")
+        if not isinstance(n_gpu_layers, int):
+            raise ValueError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+        if main_gpu < 0:
+            raise ValueError(f"main_gpu must be >= 0, got {main_gpu}")
+        _check_gguf_file(self.path)
+        ensure_backend()
+
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = LOAD_MODES[load_mode]
+        params.vocab_only = vocab_only
+        params.check_tensors = check_tensors
+        params.main_gpu = main_gpu
+        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ptr == ffi.NULL:
+            raise ModelLoadError(
+                str(self.path),
+                "llama.cpp rejected the file (corrupt, truncated or unsupported; enable the "
+                "'llamabatch.llama_cpp' logger at DEBUG for llama.cpp's own message)",
+            )
+        self._ptr = ffi.gc(ptr, lib.llama_model_free)
+        self._vocab = lib.llama_model_get_vocab(ptr)
+        self.vocab_only = vocab_only
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
+        self.n_embd: int = lib.llama_model_n_embd(ptr)
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
+        self.n_layer: int = lib.llama_model_n_layer(ptr)
+        self.n_head: int = lib.llama_model_n_head(ptr)
+        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr)
+        self.size: int = lib.llama_model_size(ptr)
+        self.n_params: int = lib.llama_model_n_params(ptr)
+        self.description: str = _read_str(lib.llama_model_desc, ptr)
+        self.architecture: str = self.meta("general.architecture") or ""
+        self.has_encoder: bool = bool(lib.llama_model_has_encoder(ptr))
+        self.has_decoder: bool = bool(lib.llama_model_has_decoder(ptr))
+        self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr))
+        self.is_hybrid: bool = bool(lib.llama_model_is_hybrid(ptr))
+        self.n_cls_out: int = lib.llama_model_n_cls_out(ptr)
+        tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
+        self.chat_template: str | None = ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None
+        self.bos: int = lib.llama_vocab_bos(self._vocab)
+        self.eos: int = lib.llama_vocab_eos(self._vocab)
+        self.eot: int = lib.llama_vocab_eot(self._vocab)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(self._vocab))
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    @property
+    def ptr(self):
+        """The ``llama_model *`` (for the binding's other owners)."""
+        if self._ptr == ffi.NULL:
+            raise ValueError("the model is closed")
+        return self._ptr
+
+    @property
+    def vocab(self):
+        """The ``const llama_vocab *``."""
+        self.ptr  # noqa: B018 - raises when closed
+        return self._vocab
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr == ffi.NULL
+
+    def _register_context(self, context: Any) -> None:
+        self._contexts.add(context)
+
+    def close(self) -> None:
+        """Free the model now (and any context still using it). Idempotent."""
+        if self._ptr == ffi.NULL:
+            return
+        for context in list(self._contexts):
+            context.close()
+        ffi.release(self._ptr)
+        self._ptr = ffi.NULL
+        self._vocab = ffi.NULL
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.description!r}"
+        return f"<llamabatch.Model {self.path.name} {state}>"
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        """One GGUF metadata value as a string, or None when absent."""
+        buf_size = 256
+        while True:
+            buf = ffi.new("char[]", buf_size)
+            n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, buf_size)
+            if n < 0:
+                return None
+            if n < buf_size:
+                return ffi.string(buf, n).decode("utf-8", "replace")
+            buf_size = n + 1
+
+    def metadata(self) -> dict[str, str]:
+        """Every GGUF metadata key and value (arrays are summarised by llama.cpp)."""
+        out = {}
+        for i in range(lib.llama_model_meta_count(self.ptr)):
+            key = _read_str(lib.llama_model_meta_key_by_index, self.ptr, i)
+            out[key] = _read_str(lib.llama_model_meta_val_str_by_index, self.ptr, i)
+        return out
+
+    @property
+    def pooling_type(self) -> str:
+        """The pooling the GGUF declares (``mean``, ``cls``, ``last``, ``rank``, ``none``)."""
+        value = self.meta(f"{self.architecture}.pooling_type")
+        if value is None:
+            return "unspecified"
+        try:
+            return POOLING_NAMES.get(int(value), "unspecified")
+        except ValueError:
+            return "unspecified"
+
+    # -- tokens -------------------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Tokenize ``text``; ``add_special`` adds BOS/EOS as the model wants, ``parse_special``
+        turns special-token text such as ``<|im_start|>`` into those tokens."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n_max = len(data) + 8
+        while True:
+            tokens = ffi.new("llama_token[]", n_max)
+            n = lib.llama_tokenize(self.vocab, data, len(data), tokens, n_max, add_special, parse_special)
+            if n >= 0:
+                return list(ffi.unpack(tokens, n))
+            if -n <= n_max:  # pragma: no cover - llama.cpp reports overflow as -needed
+                raise RuntimeError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
+            n_max = -n
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character); ``special`` renders
+        control tokens as their text."""
+        self._check_token(token)
+        buf = ffi.new("char[]", 64)
+        n = lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return ffi.unpack(buf, n)
+
+    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Text of ``tokens`` (invalid UTF-8 replaced)."""
+        for token in tokens:
+            self._check_token(token)
+        arr = ffi.new("llama_token[]", list(tokens))
+        size = max(16, 8 * len(tokens))
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.llama_detokenize(self.vocab, arr, len(tokens), buf, size, remove_special, unparse_special)
+            if n >= 0:
+                return ffi.unpack(buf, n).decode("utf-8", "replace")
+            size = -n
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry of ``token`` as stored in the GGUF."""
+        self._check_token(token)
+        return ffi.string(lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ...)."""
+        return bool(lib.llama_vocab_is_eog(self.vocab, token))
+
+    def is_control(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_control(self.vocab, token))
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")

@@ -1,0 +1,104 @@
+"""``SamplerChain``: owner of a llama.cpp sampler chain built from ``SamplingParams``."""
+
+from __future__ import annotations
+
+import random
+
+from llamabatch._ffi import ffi, lib
+from llamabatch._ffi.model import Model
+from llamabatch.params import SamplingParams
+
+
+class SamplerChain:
+    """One request's sampler chain; it keeps its own state (penalty window, grammar, RNG).
+
+    The order follows llama.cpp's usual chain: logit bias, penalties, grammar, then either
+    greedy, or top-k, typical, top-p, min-p, temperature and a seeded draw.
+    """
+
+    def __init__(self, model: Model, params: SamplingParams) -> None:
+        self._ptr = ffi.NULL
+        chain_params = lib.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = lib.llama_sampler_chain_init(chain_params)
+        if chain == ffi.NULL:
+            raise MemoryError("llama_sampler_chain_init returned NULL")
+        # Own the chain first so a failure below frees what was added.
+        self._ptr = ffi.gc(chain, lib.llama_sampler_free)
+        self.seed = params.seed if params.seed is not None else random.getrandbits(32)
+        n_vocab = model.n_vocab
+
+        if params.logit_bias:
+            for token in params.logit_bias:
+                if token >= n_vocab:
+                    raise ValueError(f"SamplingParams.logit_bias: token id {token} >= n_vocab {n_vocab}")
+            biases = ffi.new("llama_logit_bias[]", [(t, b) for t, b in params.logit_bias.items()])
+            self._add(lib.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+        if params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            self._add(
+                lib.llama_sampler_init_penalties(
+                    n_vocab,
+                    params.penalty_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )
+        if params.grammar is not None:
+            grammar = lib.llama_sampler_init_grammar(model.vocab, params.grammar.encode(), b"root")
+            if grammar == ffi.NULL:
+                raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
+            self._add(grammar)
+        if params.greedy:
+            self._add(lib.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                self._add(lib.llama_sampler_init_top_k(params.top_k))
+            if params.typical_p < 1.0:
+                self._add(lib.llama_sampler_init_typical(params.typical_p, 1))
+            if params.top_p < 1.0:
+                self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                self._add(lib.llama_sampler_init_min_p(params.min_p, 1))
+            self._add(lib.llama_sampler_init_temp(params.temperature))
+            self._add(lib.llama_sampler_init_dist(self.seed))
+
+    def _add(self, sampler) -> None:
+        if sampler == ffi.NULL:
+            raise MemoryError("llama.cpp returned a NULL sampler")
+        lib.llama_sampler_chain_add(self._ptr, sampler)  # the chain owns it from here
+
+    @property
+    def ptr(self):
+        if self._ptr == ffi.NULL:
+            raise ValueError("the sampler chain is closed")
+        return self._ptr
+
+    def sample(self, context, idx: int) -> int:
+        """Sample from the logits at batch index ``idx`` of ``context``'s last decode; the
+        chosen token is accepted into the chain's state."""
+        return lib.llama_sampler_sample(self.ptr, context.ptr, idx)
+
+    def accept(self, token: int) -> None:
+        lib.llama_sampler_accept(self.ptr, token)
+
+    def reset(self) -> None:
+        lib.llama_sampler_reset(self.ptr)
+
+    def clone(self) -> SamplerChain:
+        """An independent copy with the same state (for parallel sampling)."""
+        twin = SamplerChain.__new__(SamplerChain)
+        ptr = lib.llama_sampler_clone(self.ptr)
+        if ptr == ffi.NULL:
+            raise MemoryError("llama_sampler_clone returned NULL")
+        twin._ptr = ffi.gc(ptr, lib.llama_sampler_free)
+        twin.seed = self.seed
+        return twin
+
+    def close(self) -> None:
+        if self._ptr != ffi.NULL:
+            ffi.release(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __len__(self) -> int:
+        return lib.llama_sampler_chain_n(self.ptr)
