@@ -1,0 +1,655 @@
+"""Convert BERT-family Hugging Face / sentence-transformers models to GGUF.
+
+The output is a GGUF that llama.cpp loads as architecture ``bert``: a non-causal encoder whose
+pooled output (mean, CLS or last token, as the sentence-transformers pooling config says) is the
+sentence embedding. Only the facts of the format are shared with llama.cpp (key names, tensor
+names, the WordPiece convention below); the code is this project's own.
+
+WordPiece in llama.cpp: its WPM tokenizer splits text into words, prefixes each word with the
+phantom space ``"\u2581"`` and then matches the longest vocabulary entries from the left. So a
+word-start piece ``"play"`` is stored as ``"\u2581play"`` and a continuation piece ``"##ing"`` as
+``"ing"``; special and reserved tokens (``[CLS]``, ``[unused0]``) are stored unchanged.
+
+Public API: :func:`convert_bert`, :func:`cached_conversion`, :func:`default_cache_dir`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CONVERTER_VERSION",
+    "BertConfig",
+    "cached_conversion",
+    "convert_bert",
+    "default_cache_dir",
+]
+
+#: Bumped whenever the bytes :func:`convert_bert` writes change; part of the cache key.
+CONVERTER_VERSION = 1
+
+_DTYPES = ("f16", "f32")
+_PHANTOM_SPACE = "\u2581"
+_CONTINUATION = "##"
+
+# GGUF token types (gguf.TokenType); plain ints so this module imports without gguf.
+_TOKEN_NORMAL = 1
+_TOKEN_CONTROL = 3
+_TOKEN_UNUSED = 5
+
+# GGUF pooling types (gguf.PoolingType / enum llama_pooling_type).
+_POOLING_IDS = {"mean": 1, "cls": 2, "last": 3}
+# sentence-transformers Pooling config flags, and which GGUF pooling each maps to (None: unsupported).
+_ST_POOLING_FLAGS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_max_tokens": None,
+    "pooling_mode_mean_sqrt_len_tokens": None,
+    "pooling_mode_weightedmean_tokens": None,
+}
+# the single-string ``pooling_mode`` spelling -> the flag it stands for
+_ST_POOLING_NAMES = {
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+    "lasttoken": "pooling_mode_lasttoken",
+    "max": "pooling_mode_max_tokens",
+    "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+}
+_ST_ALLOWED_MODULES = {
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.models.Normalize",  # llama.cpp's consumers normalise themselves
+}
+_GELU_ACTIVATIONS = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
+
+# Hugging Face BertModel tensor names (after dropping a "bert." prefix) -> GGUF names.
+_EMBEDDING_TENSORS = {
+    "embeddings.word_embeddings.weight": "token_embd.weight",
+    "embeddings.token_type_embeddings.weight": "token_types.weight",
+    "embeddings.position_embeddings.weight": "position_embd.weight",
+    "embeddings.LayerNorm.weight": "token_embd_norm.weight",
+    "embeddings.LayerNorm.bias": "token_embd_norm.bias",
+}
+_LAYER_TENSORS = {
+    "attention.self.query": "attn_q",
+    "attention.self.key": "attn_k",
+    "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output",
+    "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up",
+    "output.dense": "ffn_down",
+    "output.LayerNorm": "layer_output_norm",
+}
+_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)$")
+# Tensors of heads sentence embeddings do not use.
+_IGNORED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
+# Kept in float32 whatever ``dtype`` says: llama.cpp adds a row of it to the f32 activations.
+_ALWAYS_F32 = {"token_types.weight"}
+
+# safetensors dtype -> (numpy dtype of the stored bytes); BF16 is widened by hand.
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The hyperparameters of a BERT encoder that the GGUF needs, read from ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    base_model: str | None
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    pieces: list[str]
+    types: list[int]
+    cls_id: int
+    sep_id: int
+    unk_id: int
+    pad_id: int | None
+    mask_id: int | None
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def convert_bert(
+    model_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    dtype: str = "f16",
+    name: str | None = None,
+) -> Path:
+    """Convert a BERT-family model directory to a GGUF file that llama.cpp loads as ``bert``.
+
+    ``model_dir`` is a Hugging Face / sentence-transformers directory with ``config.json``,
+    ``model.safetensors`` (or a sharded ``model.safetensors.index.json``), ``vocab.txt`` (or
+    ``tokenizer.json``) and optionally ``modules.json`` + ``1_Pooling/config.json``, whose pooling
+    mode (mean, CLS or last token) becomes the GGUF's ``bert.pooling_type`` (mean when absent).
+
+    ``dtype`` is ``"f16"`` (2-D weights in float16) or ``"f32"``; 1-D tensors (norms, biases) are
+    always float32. ``name`` is the GGUF's ``general.name`` (default: the directory's name, or
+    its parent's when the directory is called ``model``). The file is written to a temporary
+    name beside ``out_path`` and renamed into place, so ``out_path`` never holds a partial file.
+    Returns ``Path(out_path)``.
+
+    Raises ``FileNotFoundError`` for a missing directory or required file and ``ValueError``
+    naming what is unsupported (a non-BERT ``model_type``, max pooling, a Dense module, ...).
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    model_dir = _check_model_dir(model_dir)
+    out_path = Path(out_path)
+
+    config = _read_config(model_dir)
+    pooling = _read_pooling(model_dir)
+    vocab = _read_vocab(model_dir, config.vocab_size)
+    tensors = dict(_convert_tensors(model_dir, config, dtype))
+
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - gguf is a declared extra
+        raise ImportError("convert_bert needs the 'gguf' package: pip install 'llamabatch[models]'") from exc
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    # a unique sibling name (same filesystem, so the final rename is atomic); created by the
+    # writer with the usual umask-governed permissions
+    tmp = out_path.parent / f".{out_path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    try:
+        writer = gguf.GGUFWriter(tmp, "bert")
+        _write_metadata(writer, gguf, config, pooling, vocab, dtype, name or _model_name(model_dir))
+        for tensor_name, array in tensors.items():
+            writer.add_tensor(tensor_name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def default_cache_dir() -> Path:
+    """The directory :func:`cached_conversion` uses: ``$LLAMABATCH_CACHE_DIR`` or
+    ``~/.cache/llamabatch/models``."""
+    env = os.environ.get("LLAMABATCH_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "llamabatch" / "models"
+
+
+def cached_conversion(
+    model_dir: str | os.PathLike[str],
+    dtype: str = "f16",
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Return a GGUF converted from ``model_dir``, converting only on a cache miss.
+
+    The cache key hashes the content of every input file the converter reads, the ``dtype`` and
+    :data:`CONVERTER_VERSION`, so a changed model or converter gives a new file. The file lives in
+    ``cache_dir`` (default :func:`default_cache_dir`) and is written atomically, so concurrent
+    callers (test sessions, benchmarks) at worst convert twice and never see a partial file.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    model_dir = _check_model_dir(model_dir)
+    _read_config(model_dir)  # fail early, with the converter's errors, before hashing
+    digest = hashlib.sha256(f"llamabatch-convert-bert v{CONVERTER_VERSION} {dtype}\n".encode())
+    for path in _input_files(model_dir):
+        digest.update(f"{path.relative_to(model_dir).as_posix()}\n".encode())
+        digest.update(_file_sha256(path).encode())
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", _model_name(model_dir)).strip("-.") or "model"
+    out = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = out / f"{slug}-{dtype}-{digest.hexdigest()[:20]}.gguf"
+    if target.is_file():
+        return target
+    return convert_bert(model_dir, target, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
+    path = Path(model_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory not found: {str(path)!r}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"not a model directory: {str(path)!r}")
+    return path
+
+
+def _require_file(model_dir: Path, name: str, what: str) -> Path:
+    path = model_dir / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {str(path)!r}")
+    return path
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+
+
+def _read_config(model_dir: Path) -> BertConfig:
+    raw = _load_json(_require_file(model_dir, "config.json", "model config"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(model_dir / 'config.json')!r} does not hold a JSON object")
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if model_type != "bert":
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (architectures {archs}): "
+            "only BERT-family models (model_type 'bert') can be converted"
+        )
+    if raw.get("is_decoder") or raw.get("add_cross_attention"):
+        raise ValueError("unsupported BERT variant: decoder / cross-attention models cannot be converted")
+    pos_type = raw.get("position_embedding_type", "absolute")
+    if pos_type != "absolute":
+        raise ValueError(f"unsupported position_embedding_type {pos_type!r}: only 'absolute' is supported")
+    act = raw.get("hidden_act", "gelu")
+    if act not in _GELU_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}: llama.cpp's bert graph uses GELU")
+
+    def need_int(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+        return value
+
+    cfg = BertConfig(
+        vocab_size=need_int("vocab_size"),
+        hidden_size=need_int("hidden_size"),
+        intermediate_size=need_int("intermediate_size"),
+        num_hidden_layers=need_int("num_hidden_layers"),
+        num_attention_heads=need_int("num_attention_heads"),
+        max_position_embeddings=need_int("max_position_embeddings"),
+        type_vocab_size=int(raw.get("type_vocab_size", 2)),
+        layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+        base_model=str(raw["_name_or_path"]) if raw.get("_name_or_path") else None,
+    )
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"config.json: hidden_size {cfg.hidden_size} is not a multiple of "
+            f"num_attention_heads {cfg.num_attention_heads}"
+        )
+    if cfg.type_vocab_size < 1:
+        raise ValueError(f"config.json: type_vocab_size must be >= 1, got {cfg.type_vocab_size}")
+    return cfg
+
+
+def _st_modules(model_dir: Path) -> list[dict[str, Any]]:
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return []
+    modules = _load_json(path)
+    if not isinstance(modules, list):
+        raise ValueError(f"{str(path)!r} does not hold a JSON list")
+    return [m for m in modules if isinstance(m, dict)]
+
+
+def _pooling_config_path(model_dir: Path) -> Path | None:
+    modules = _st_modules(model_dir)
+    for module in modules:
+        mtype = module.get("type", "")
+        if mtype not in _ST_ALLOWED_MODULES:
+            raise ValueError(
+                f"unsupported sentence-transformers module {mtype!r} in modules.json: "
+                "only Transformer, Pooling and Normalize can be expressed in a llama.cpp bert GGUF"
+            )
+    for module in modules:
+        if module.get("type") == "sentence_transformers.models.Pooling":
+            path = model_dir / str(module.get("path", "")) / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"pooling config named by modules.json not found: {str(path)!r}")
+            return path
+    fallback = model_dir / "1_Pooling" / "config.json"
+    return fallback if fallback.is_file() else None
+
+
+def _read_pooling(model_dir: Path) -> str:
+    """The pooling name (mean, cls, last) from the sentence-transformers Pooling config."""
+    path = _pooling_config_path(model_dir)
+    if path is None:
+        return "mean"
+    raw = _load_json(path)
+    if isinstance(raw.get("pooling_mode"), str):  # the single-string spelling
+        mode_name = raw["pooling_mode"]
+        if mode_name not in _ST_POOLING_NAMES:
+            raise ValueError(f"unsupported pooling mode {mode_name!r} in {str(path)!r}")
+        flags = {_ST_POOLING_NAMES[mode_name]: True}
+    else:
+        flags = {k: v for k, v in raw.items() if k.startswith("pooling_mode_")}
+    chosen = [k for k, v in flags.items() if v]
+    if not chosen:
+        return "mean"
+    if len(chosen) > 1:
+        raise ValueError(f"unsupported pooling in {str(path)!r}: several modes at once {chosen}")
+    mode = chosen[0]
+    if mode not in _ST_POOLING_FLAGS:
+        raise ValueError(f"unsupported pooling mode {mode!r} in {str(path)!r}")
+    pooling = _ST_POOLING_FLAGS[mode]
+    if pooling is None:
+        raise ValueError(
+            f"unsupported pooling mode {mode!r} in {str(path)!r}: llama.cpp pools by mean, cls or last token"
+        )
+    return pooling
+
+
+def _special_token_strings(model_dir: Path) -> dict[str, str]:
+    names = {
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "mask_token": "[MASK]",
+    }
+    for fname in ("tokenizer_config.json", "special_tokens_map.json"):  # the latter wins
+        path = model_dir / fname
+        if not path.is_file():
+            continue
+        raw = _load_json(path)
+        for key in names:
+            value = raw.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and value:
+                names[key] = value
+    return names
+
+
+def _vocab_tokens(model_dir: Path) -> tuple[list[str], set[str]]:
+    """Tokens in id order, and the strings ``tokenizer.json`` marks as special added tokens."""
+    special: set[str] = set()
+    tok_json = model_dir / "tokenizer.json"
+    tok_raw = _load_json(tok_json) if tok_json.is_file() else None
+    if tok_raw is not None:
+        for added in tok_raw.get("added_tokens", []):
+            if added.get("special"):
+                special.add(added["content"])
+    vocab_txt = model_dir / "vocab.txt"
+    if vocab_txt.is_file():
+        text = vocab_txt.read_text(encoding="utf-8")
+        tokens = text.split("\n")
+        if tokens and tokens[-1] == "":
+            tokens.pop()
+        return [t.rstrip("\r") for t in tokens], special
+    if tok_raw is not None:
+        model = tok_raw.get("model", {})
+        if model.get("type") != "WordPiece":
+            raise ValueError(
+                f"unsupported tokenizer model {model.get('type')!r}: only WordPiece is supported"
+            )
+        by_id = {int(i): t for t, i in model.get("vocab", {}).items()}
+        for added in tok_raw.get("added_tokens", []):
+            by_id.setdefault(int(added["id"]), added["content"])
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ValueError(f"{str(tok_json)!r}: vocabulary ids are not contiguous from 0")
+        return [by_id[i] for i in range(len(by_id))], special
+    raise FileNotFoundError(
+        f"vocabulary not found: neither vocab.txt nor tokenizer.json in {str(model_dir)!r}"
+    )
+
+
+def _read_vocab(model_dir: Path, n_vocab: int) -> _Vocab:
+    tokens, special = _vocab_tokens(model_dir)
+    if len(tokens) > n_vocab:
+        raise ValueError(f"vocabulary has {len(tokens)} tokens but config.json vocab_size is {n_vocab}")
+    names = _special_token_strings(model_dir)
+    special |= set(names.values())
+    index = {tok: i for i, tok in enumerate(tokens)}
+
+    def find(key: str, required: bool) -> int | None:
+        tok = names[key]
+        if tok in index:
+            return index[tok]
+        if required:
+            raise ValueError(f"special token {key} {tok!r} is not in the vocabulary")
+        return None
+
+    pieces: list[str] = []
+    types: list[int] = []
+    for tok in tokens:
+        if tok in special:
+            pieces.append(tok)
+            types.append(_TOKEN_CONTROL)
+        elif len(tok) > 2 and tok.startswith("[") and tok.endswith("]"):
+            # reserved entries such as [unused17]: the pre-tokenizer splits brackets off, so they
+            # can never be produced from text; keep them verbatim and out of the way
+            pieces.append(tok)
+            types.append(_TOKEN_UNUSED)
+        elif tok.startswith(_CONTINUATION) and len(tok) > len(_CONTINUATION):
+            pieces.append(tok[len(_CONTINUATION) :])
+            types.append(_TOKEN_NORMAL)
+        else:
+            pieces.append(_PHANTOM_SPACE + tok)
+            types.append(_TOKEN_NORMAL)
+    # an embedding table larger than the vocabulary (padding rows): fill with unreachable names
+    for i in range(len(tokens), n_vocab):
+        pieces.append(f"[PAD{i}]")
+        types.append(_TOKEN_UNUSED)
+    if len(set(pieces)) != len(pieces):
+        seen: set[str] = set()
+        dups = [p for p in pieces if p in seen or seen.add(p)]  # type: ignore[func-returns-value]
+        raise ValueError(f"vocabulary pieces collide after the WordPiece mapping: {dups[:5]}")
+
+    cls_id = find("cls_token", True)
+    sep_id = find("sep_token", True)
+    unk_id = find("unk_token", True)
+    assert cls_id is not None and sep_id is not None and unk_id is not None
+    return _Vocab(
+        pieces=pieces,
+        types=types,
+        cls_id=cls_id,
+        sep_id=sep_id,
+        unk_id=unk_id,
+        pad_id=find("pad_token", False),
+        mask_id=find("mask_token", False),
+    )
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _load_json(index).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"weight shard named by {index.name} not found: {str(f)!r}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = " (pytorch_model.bin is not supported; save the model as safetensors)"
+    has_bin = (model_dir / "pytorch_model.bin").is_file()
+    raise FileNotFoundError(f"model weights not found: {str(single)!r}{hint if has_bin else ''}")
+
+
+def _input_files(model_dir: Path) -> list[Path]:
+    """Every file the converter reads for ``model_dir`` (the cache key hashes these)."""
+    names = [
+        "config.json",
+        "modules.json",
+        "vocab.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "model.safetensors.index.json",
+    ]
+    files = [model_dir / n for n in names if (model_dir / n).is_file()]
+    pooling = _pooling_config_path(model_dir)
+    if pooling is not None:
+        files.append(pooling)
+    files.extend(_weight_files(model_dir))
+    return files
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, array)`` from a safetensors file (memory-mapped, float32 for BF16)."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len <= 0 or header_len > 100_000_000:
+            raise ValueError(f"{str(path)!r} is not a safetensors file")
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        st_dtype = info["dtype"]
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if st_dtype not in _SAFETENSORS_DTYPES:
+            if name.endswith("position_ids"):
+                continue  # an integer buffer some checkpoints carry; not a weight
+            raise ValueError(f"{str(path)!r}: tensor {name!r} has unsupported dtype {st_dtype}")
+        array = data[start:end].view(_SAFETENSORS_DTYPES[st_dtype]).reshape(shape)
+        if st_dtype == "BF16":
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        yield name, array
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    """The GGUF tensor name for a Hugging Face BERT tensor name, None for an unused head."""
+    name = hf_name.removeprefix("bert.")
+    if name.startswith(_IGNORED_PREFIXES):
+        return None
+    name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+    if name in _EMBEDDING_TENSORS:
+        return _EMBEDDING_TENSORS[name]
+    m = _LAYER_RE.match(name)
+    if m:
+        layer, module, kind = m.groups()
+        kind = {"gamma": "weight", "beta": "bias"}.get(kind, kind)
+        if module in _LAYER_TENSORS:
+            return f"blk.{int(layer)}.{_LAYER_TENSORS[module]}.{kind}"
+    raise ValueError(f"unsupported tensor {hf_name!r}: not part of a plain BERT encoder")
+
+
+def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> numpy (row-major) shape, for every tensor the GGUF must hold."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.vocab_size, d),
+        "token_types.weight": (cfg.type_vocab_size, d),
+        "position_embd.weight": (cfg.max_position_embeddings, d),
+        "token_embd_norm.weight": (d,),
+        "token_embd_norm.bias": (d,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            shapes[f"blk.{i}.{part}.weight"] = (d, d)
+            shapes[f"blk.{i}.{part}.bias"] = (d,)
+        shapes[f"blk.{i}.ffn_up.weight"] = (ff, d)
+        shapes[f"blk.{i}.ffn_up.bias"] = (ff,)
+        shapes[f"blk.{i}.ffn_down.weight"] = (d, ff)
+        shapes[f"blk.{i}.ffn_down.bias"] = (d,)
+        for norm in ("attn_output_norm", "layer_output_norm"):
+            shapes[f"blk.{i}.{norm}.weight"] = (d,)
+            shapes[f"blk.{i}.{norm}.bias"] = (d,)
+    return shapes
+
+
+def _convert_tensors(model_dir: Path, cfg: BertConfig, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
+    expected = _expected_shapes(cfg)
+    found: dict[str, np.ndarray] = {}
+    for path in _weight_files(model_dir):
+        for hf_name, array in _iter_safetensors(path):
+            name = _gguf_name(hf_name)
+            if name is None:
+                continue
+            if name not in expected:
+                raise ValueError(f"unsupported tensor {hf_name!r}: layer index beyond num_hidden_layers")
+            if name in found:
+                raise ValueError(f"tensor {hf_name!r} appears twice")
+            if tuple(array.shape) != expected[name]:
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {tuple(array.shape)}, config.json implies {expected[name]}"
+                )
+            found[name] = array
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise ValueError(f"model weights lack {len(missing)} BERT tensors, e.g. {missing[:3]}")
+    for name in expected:  # a stable, conventional order: embeddings, then layer by layer
+        array = found[name]
+        if dtype == "f16" and array.ndim == 2 and name not in _ALWAYS_F32:
+            yield name, np.ascontiguousarray(array, dtype=np.float16)
+        else:
+            yield name, np.ascontiguousarray(array, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _model_name(model_dir: Path) -> str:
+    """A display name: the directory's name, or its parent's when the directory is just "model"."""
+    resolved = model_dir.resolve()
+    if resolved.name.lower() in {"model", "models"} and resolved.parent.name:
+        return resolved.parent.name
+    return resolved.name or "model"
+
+
+def _write_metadata(
+    writer: Any, gguf: Any, cfg: BertConfig, pooling: str, vocab: _Vocab, dtype: str, name: str
+) -> None:
+    writer.add_name(name)
+    if cfg.base_model:
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, cfg.base_model)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(_POOLING_IDS[pooling]))
+
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(vocab.pieces)
+    writer.add_token_types(vocab.types)
+    writer.add_token_type_count(cfg.type_vocab_size)
+    # llama.cpp's WPM convention: BOS is [CLS]; [SEP] closes the sequence via add_sep
+    writer.add_bos_token_id(vocab.cls_id)
+    writer.add_sep_token_id(vocab.sep_id)
+    writer.add_unk_token_id(vocab.unk_id)
+    if vocab.pad_id is not None:
+        writer.add_pad_token_id(vocab.pad_id)
+    if vocab.mask_id is not None:
+        writer.add_mask_token_id(vocab.mask_id)
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)
+    writer.add_add_eos_token(False)
