@@ -12,7 +12,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from llamabatch import ContextError, ModelLoadError, testing
+from llamabatch import ModelLoadError, testing
 from llamabatch._ffi.chat import apply_template, builtin_templates
 from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.model import Model
@@ -74,7 +74,11 @@ def test_directory_is_not_a_model(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"load_mode": "bogus"}, "load_mode"), ({"main_gpu": -1}, "main_gpu"), ({"n_gpu_layers": 1.5}, "n_gpu_layers")],
+    [
+        ({"load_mode": "bogus"}, "load_mode"),
+        ({"main_gpu": -1}, "main_gpu"),
+        ({"n_gpu_layers": 1.5}, "n_gpu_layers"),
+    ],
 )
 def test_invalid_model_params(tiny_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -106,11 +110,6 @@ def test_decode_codes_map_to_exceptions():
     for code in (2, -1, -3):
         with pytest.raises(DecodeError, match=f"code {code}"):
             check_decode(code)
-
-
-def test_context_too_large_is_an_exception(tiny):
-    with pytest.raises((ContextError, ValueError)):
-        Context(tiny, n_ctx=2**31 - 1, n_batch=2**31 - 1)
 
 
 # -- metadata and tokens ----------------------------------------------------------------------
@@ -148,7 +147,9 @@ def test_tokenization_matches_llama_cpp_python(tiny, reference):
     assert tiny.tokenize(special, parse_special=False) == reference.tokenize(special.encode(), special=False)
 
 
-@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 🎉🚀 mix", "tabs\tand\nnewlines", " "])
+@pytest.mark.parametrize(
+    "text", ["héllo wörld", "日本語のテキスト", "emoji 🎉🚀 mix", "tabs\tand\nnewlines", " "]
+)
 def test_detokenize_round_trip(tiny, text):
     tokens = tiny.tokenize(text, add_special=False)
     assert tiny.detokenize(tokens).lstrip(" ") == text.lstrip(" ")
@@ -233,7 +234,11 @@ def test_llama_log_goes_to_logging(tiny_path, caplog):
 
 
 def test_installed_package_imports_from_any_directory(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMABATCH", "LD_LIBRARY_PATH", "PYTHONPATH"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LLAMABATCH", "LD_LIBRARY_PATH", "PYTHONPATH"))
+    }
     code = "import llamabatch._ffi as f; print(f.llama_version())"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

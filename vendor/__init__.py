@@ -98,7 +98,9 @@ def _pinned_build() -> LlamaBuild:
     if not build.header.exists():
         raise LlamaBuildNotFound(f"{LLAMA_CPP_PYTHON_DIST} installed no {build.header}. {_HOW_TO_FIX}")
     if build.library("llama") is None:
-        raise LlamaBuildNotFound(f"{LLAMA_CPP_PYTHON_DIST} installed no libllama in {build.lib_dir}. {_HOW_TO_FIX}")
+        raise LlamaBuildNotFound(
+            f"{LLAMA_CPP_PYTHON_DIST} installed no libllama in {build.lib_dir}. {_HOW_TO_FIX}"
+        )
     return build
 
 

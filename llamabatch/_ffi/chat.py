@@ -39,7 +39,9 @@ def apply_template(template: str, messages: Sequence[Mapping[str, str]], add_ass
         buf = ffi.new("char[]", size)
         n = lib.llama_chat_apply_template(tmpl, chat, len(messages), add_assistant, buf, size)
         if n < 0:
-            raise ValueError("llama.cpp does not support this chat template (llama_chat_apply_template failed)")
+            raise ValueError(
+                "llama.cpp does not support this chat template (llama_chat_apply_template failed)"
+            )
         if n <= size:
             return ffi.unpack(buf, n).decode("utf-8", "replace")
         size = n

@@ -186,7 +186,9 @@ class Context:
         """``llama_encode`` (encoder models) on the batch at ``batch_address``."""
         return lib.llama_encode(self.ptr, ffi.cast("llama_batch *", batch_address)[0])
 
-    def decode_tokens(self, tokens: list[int], pos0: int = 0, seq_id: int = 0, all_logits: bool = False) -> None:
+    def decode_tokens(
+        self, tokens: list[int], pos0: int = 0, seq_id: int = 0, all_logits: bool = False
+    ) -> None:
         """Decode one sequence's tokens in one batch (simple paths and tests); raises on error."""
         n = len(tokens)
         if n == 0:

@@ -127,7 +127,9 @@ class Model:
         self.is_hybrid: bool = bool(lib.llama_model_is_hybrid(ptr))
         self.n_cls_out: int = lib.llama_model_n_cls_out(ptr)
         tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
-        self.chat_template: str | None = ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None
+        self.chat_template: str | None = (
+            ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None
+        )
         self.bos: int = lib.llama_vocab_bos(self._vocab)
         self.eos: int = lib.llama_vocab_eos(self._vocab)
         self.eot: int = lib.llama_vocab_eot(self._vocab)
@@ -236,7 +238,9 @@ class Model:
             n = lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
         return ffi.unpack(buf, n)
 
-    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+    def detokenize(
+        self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
         for token in tokens:
             self._check_token(token)
