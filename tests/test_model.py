@@ -39,14 +39,14 @@ def reference(tiny_path):
 
 
 def test_missing_file_raises_file_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         Model(tmp_path / "nope.gguf")
 
 
 def test_not_a_gguf_names_the_file(tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_text("this is not a model\n")
-    with pytest.raises(ModelLoadError, match="notes.gguf") as info:
+    with pytest.raises(ModelLoadError, match=r"notes\.gguf") as info:
         Model(path)
     assert "not a GGUF" in str(info.value)
 
@@ -54,7 +54,7 @@ def test_not_a_gguf_names_the_file(tmp_path):
 def test_empty_file(tmp_path):
     path = tmp_path / "empty.gguf"
     path.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="empty.gguf"):
+    with pytest.raises(ModelLoadError, match=r"empty\.gguf"):
         Model(path)
 
 
@@ -63,7 +63,7 @@ def test_truncated_gguf_raises_not_crashes(tmp_path, tiny_path, fraction):
     data = tiny_path.read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(ModelLoadError, match="truncated.gguf"):
+    with pytest.raises(ModelLoadError, match=r"truncated\.gguf"):
         Model(path)
 
 

@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on how the package was 
         "compiles it against the vendored llama.cpp build."
     ) from exc
 
-__all__ = ["BUILD", "ffi", "lib", "llama_version", "ensure_backend"]
+__all__ = ["BUILD", "ensure_backend", "ffi", "lib", "llama_version"]
 
 _backend_lock = threading.Lock()
 _backend_ready = False
