@@ -13,12 +13,20 @@ from llamabatch.errors import (
     QueueFull,
     RequestCancelled,
 )
+from llamabatch.llm import LLM
+from llamabatch.outputs import CompletionOutput, Delta, Timings, Usage
+from llamabatch.params import SamplingParams
+from llamabatch.request import RequestHandle
+from llamabatch.telemetry import RequestEvent, TickEvent
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "CompletionOutput",
     "ContextError",
     "DecodeError",
+    "Delta",
     "EngineClosed",
     "KVCacheFull",
     "LlamaBatchError",
@@ -26,5 +34,11 @@ __all__ = [
     "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
+    "RequestEvent",
+    "RequestHandle",
+    "SamplingParams",
+    "TickEvent",
+    "Timings",
+    "Usage",
     "__version__",
 ]

@@ -1,0 +1,397 @@
+"""The generation engine: one thread, one context, one ``llama_decode`` per tick.
+
+Each tick (``_tick``):
+  1. end cancelled requests, admit queued requests into free slots (FIFO);
+  2. the Cython core builds the batch under the token budget (``SlotTable.fill``);
+  3. decode once; on code 1 (no KV room) retry with half the budget, as llama.cpp's server
+     does, and fail only the request that cannot proceed even alone;
+  4. sample every output at its batch index with the request's own sampler chain;
+  5. detokenize incrementally, check stop conditions, deliver deltas, free finished slots.
+
+The engine thread is the context's only user; callers talk to it through a queue guarded
+by a condition variable, and it sleeps when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from llamabatch._core.batch import BatchPool
+from llamabatch._core.slots import SlotState, SlotTable
+from llamabatch._core.strategies import DecodeMaximal, get_strategy
+from llamabatch._ffi import ffi, lib
+from llamabatch._ffi.context import DECODE_NO_KV_SLOT, Context, decode_error
+from llamabatch._ffi.model import Model
+from llamabatch.errors import EngineClosed, QueueFull
+from llamabatch.request import Request
+from llamabatch.telemetry import RequestEvent, Telemetry, TickEvent
+
+logger = logging.getLogger("llamabatch")
+
+
+class Engine:
+    """Continuous batching over ``n_parallel`` slots of one context (seq_id = slot)."""
+
+    def __init__(
+        self,
+        model: Model,
+        context: Context,
+        *,
+        n_parallel: int,
+        n_batch: int,
+        chunk_size: int,
+        strategy: Any,
+        max_queue: int,
+        telemetry: Telemetry,
+    ) -> None:
+        self.model = model
+        self.context = context
+        self.n_parallel = n_parallel
+        self.n_batch = n_batch
+        self.n_ctx_seq = context.n_ctx_seq
+        self.max_queue = max_queue
+        self.telemetry = telemetry
+        self.strategy = get_strategy(strategy)
+        self._fallback_strategy = DecodeMaximal()
+        self.table = SlotTable(n_parallel, self.n_ctx_seq, chunk_size)
+        self.pool = BatchPool(n_batch, 1)
+        self.batch = self.pool.acquire()
+        self.slots: list[Request | None] = [None] * n_parallel
+        self.n_active = 0
+        self.tick_count = 0
+        self._queue: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._cancel_pending = False
+        self._closing = False
+        self._ctx_ptr = context.ptr
+        self._n_vocab = model.n_vocab
+        # Per-token lookups, filled once: end-of-generation flags and piece bytes.
+        self._eog = np.array(
+            [lib.llama_vocab_is_eog(model.vocab, t) for t in range(model.n_vocab)], dtype=bool
+        )
+        self._pieces: list[bytes | None] = [None] * model.n_vocab
+        self._pieces_special: list[bytes | None] = [None] * model.n_vocab
+        self._thread = threading.Thread(target=self._run, name="llamabatch-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread) --------------------------------------------------------
+
+    def submit(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
+        """Queue requests (all or none). ``QueueFull`` when ``max_queue`` would be exceeded,
+        unless ``block``, which waits for room."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closing:
+                    raise EngineClosed("the engine is closed")
+                if len(self._queue) + len(requests) <= self.max_queue:
+                    break
+                if not block:
+                    raise QueueFull(
+                        f"the request queue is full ({len(self._queue)} waiting, max_queue={self.max_queue})"
+                    )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise QueueFull(f"no room in the queue within {timeout} s (max_queue={self.max_queue})")
+                self._cond.wait(left)
+            self._queue.extend(requests)
+            self._cond.notify_all()
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request: at once when still queued, at the next tick when running."""
+        with self._cond:
+            if request.done:
+                return
+            request.cancel_requested = True
+            try:
+                self._queue.remove(request)
+            except ValueError:
+                self._cancel_pending = True
+                self._cond.notify_all()
+                return
+            self._cond.notify_all()
+        self._end_request(request, "cancelled")
+
+    def attach_async(self, request: Request, loop: Any, aqueue: Any) -> None:
+        """Mirror a (not yet submitted) request's deltas into an asyncio queue."""
+        request._loop_queues.append((loop, aqueue))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the engine; requests still queued or running end as ``"cancelled"``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.context.abort()  # stop a long decode early
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing and not self._thread.is_alive()
+
+    # -- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and self.n_active == 0 and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    admitted = self._take_admissions()
+                    cancels = self._cancel_pending
+                    self._cancel_pending = False
+                    if admitted:
+                        self._cond.notify_all()  # room in the queue for blocked submitters
+                if cancels:
+                    self._end_cancelled()
+                for request in admitted:
+                    self._admit(request)
+                if self.n_active:
+                    self._tick()
+        except BaseException:  # pragma: no cover - a bug; never leave callers hanging
+            logger.critical("llamabatch engine thread crashed", exc_info=True)
+            self._fail_all("error", "the engine thread crashed (see the 'llamabatch' log)")
+            with self._cond:
+                self._closing = True
+            raise
+        finally:
+            self._shutdown()
+
+    def _take_admissions(self) -> list[Request]:
+        free = self.n_parallel - self.n_active
+        admitted = []
+        while free > 0 and self._queue:
+            request = self._queue.popleft()
+            if request.done:  # cancelled while queued
+                continue
+            admitted.append(request)
+            free -= 1
+        self.n_active += len(admitted)
+        return admitted
+
+    def _admit(self, request: Request) -> None:
+        slot = self.slots.index(None)
+        request.slot = slot
+        request.t_admitted = time.perf_counter()
+        self.slots[slot] = request
+        self.context.seq_rm(slot, -1, -1)
+        self.table.start(slot, request.prompt_tokens, 0)
+
+    def _end_cancelled(self) -> None:
+        for slot, request in enumerate(self.slots):
+            if request is not None and request.cancel_requested:
+                self._finish(slot, "cancelled")
+
+    def _fill(self, budget: int) -> int:
+        try:
+            return self.table.fill(self.batch, self.strategy, budget, len(self._queue))
+        except Exception:
+            logger.exception("batching strategy %r failed; using decode_maximal for this tick", self.strategy)
+            return self.table.fill(self.batch, self._fallback_strategy, budget, len(self._queue))
+
+    def _tick(self) -> None:
+        t_tick = time.perf_counter()
+        budget = self.n_batch
+        retries = 0
+        decode_time = 0.0
+        while True:
+            n_tokens = self._fill(budget)
+            if n_tokens == 0:
+                return
+            t0 = time.perf_counter()
+            code = self.context.decode_address(self.batch.address)
+            decode_time += time.perf_counter() - t0
+            if code == 0:
+                n_decode, n_prefill = self.table.last_fill_stats
+                self.table.commit()
+                break
+            batch_slots = self._slots_in_batch()
+            self.table.rollback()
+            for slot in batch_slots:  # drop what a partly processed batch left behind
+                self.context.seq_rm(slot, self.table.n_past(slot), -1)
+            if code == DECODE_NO_KV_SLOT and budget > 1:
+                budget //= 2
+                retries += 1
+                continue
+            if self._closing:
+                return
+            self.context.clear_abort()
+            error = decode_error(code)
+            # Alone and still no room (code 1 at budget 1), or a decode error: fail the
+            # requests in this batch, free their KV, keep serving the others.
+            for slot in batch_slots:
+                self._finish(slot, "error", error=str(error))
+            if not self.n_active:
+                return
+            budget = self.n_batch
+            retries += 1
+        self.tick_count += 1
+        self._sample_outputs()
+        tick_time = time.perf_counter() - t_tick
+        self.telemetry.add(
+            ticks=1,
+            batch_tokens=n_tokens,
+            decode_tokens=n_decode,
+            prefill_tokens=n_prefill,
+            busy_slots=self.n_active,
+            decode_time=decode_time,
+            tick_time=tick_time,
+            retries=retries,
+        )
+        if self.telemetry.has_listeners:
+            self.telemetry.emit(
+                TickEvent(
+                    self.tick_count,
+                    n_tokens,
+                    n_decode,
+                    n_prefill,
+                    self.n_active,
+                    len(self._queue),
+                    decode_time,
+                    tick_time,
+                    retries,
+                )
+            )
+
+    def _slots_in_batch(self) -> list[int]:
+        table = self.table
+        return [
+            s for s in range(self.n_parallel) if self.slots[s] is not None and table.tokens_in_batch(s) > 0
+        ]
+
+    def _sample_outputs(self) -> None:
+        table = self.table
+        out_slot, out_index = table.out_slot, table.out_index
+        ctx_ptr = self._ctx_ptr
+        sample = lib.llama_sampler_sample
+        now = time.perf_counter()
+        for i in range(table.n_outputs):
+            slot = out_slot[i]
+            idx = out_index[i]
+            request = self.slots[slot]
+            token = sample(request.sampler._ptr, ctx_ptr, idx)
+            if request.logprobs is not None:
+                request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
+            self._on_token(slot, request, token, now)
+
+    def _on_token(self, slot: int, request: Request, token: int, now: float) -> None:
+        params = request.params
+        if request.t_first_token is None:
+            request.t_first_token = now
+        request.output_tokens.append(token)
+        if self._eog[token] and not params.ignore_eos:
+            request.push("", [token])
+            self._finish(slot, "stop", stop_reason=token)
+            return
+        text = request.detok.feed(self._piece(token, not params.skip_special_tokens))
+        if text:
+            text, matched = request.stop_matcher.feed(text)
+            if matched is not None:
+                request.push(text, [token])
+                self._finish(slot, "stop", stop_reason=matched)
+                return
+        request.push(text, [token])
+        if len(request.output_tokens) >= params.max_tokens or self.table.n_past(slot) + 1 >= self.n_ctx_seq:
+            self._finish(slot, "length")
+            return
+        self.table.accept(slot, token)
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        cache = self._pieces_special if special else self._pieces
+        piece = cache[token]
+        if piece is None:
+            piece = cache[token] = self.model.token_to_piece(token, special=special)
+        return piece
+
+    def _logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
+        ptr = lib.llama_get_logits_ith(self._ctx_ptr, idx)
+        logits = np.frombuffer(ffi.buffer(ptr, 4 * self._n_vocab), dtype=np.float32).astype(np.float64)
+        peak = logits.max()
+        logsumexp = peak + np.log(np.exp(logits - peak).sum())
+        out: dict[int, float] = {}
+        if n > 0:
+            top = np.argpartition(-logits, n - 1)[:n] if n < self._n_vocab else np.arange(self._n_vocab)
+            for t in top[np.argsort(-logits[top], kind="stable")]:
+                out[int(t)] = float(logits[t] - logsumexp)
+        out[int(token)] = float(logits[token] - logsumexp)
+        return out
+
+    def _finish(self, slot: int, reason: str, error: str | None = None, stop_reason: Any = None) -> None:
+        request = self.slots[slot]
+        if request is None:
+            return
+        if self.table.state(slot) != SlotState.IDLE:
+            self.table.finish(slot)
+        self.context.seq_rm(slot, -1, -1)
+        self.slots[slot] = None
+        with self._cond:
+            self.n_active -= 1
+            self._cond.notify_all()
+        self._end_request(request, reason, error, stop_reason)
+
+    def _end_request(
+        self, request: Request, reason: str, error: str | None = None, stop_reason: Any = None
+    ) -> None:
+        if request.sampler is not None:
+            request.sampler.close()
+        if not request.finish(reason, error, stop_reason):  # type: ignore[arg-type]
+            return
+        out = request.output
+        assert out is not None
+        self.telemetry.add(
+            requests=1,
+            prompt_tokens=out.usage.prompt_tokens,
+            completion_tokens=out.usage.completion_tokens,
+            reused_tokens=out.usage.n_reused_tokens,
+            **{f"finish_{out.finish_reason}": 1},
+        )
+        if self.telemetry.has_listeners:
+            ttft = out.timings.time_to_first_token
+            gen_time = out.timings.total - ttft if ttft is not None else None
+            prefill_time = ttft - out.timings.queue_wait if ttft is not None else None
+            self.telemetry.emit(
+                RequestEvent(
+                    request_id=out.request_id,
+                    finish_reason=out.finish_reason,
+                    prompt_tokens=out.usage.prompt_tokens,
+                    completion_tokens=out.usage.completion_tokens,
+                    reused_tokens=out.usage.n_reused_tokens,
+                    queue_wait=out.timings.queue_wait,
+                    time_to_first_token=ttft,
+                    total=out.timings.total,
+                    prompt_tokens_per_s=(out.usage.prompt_tokens / prefill_time) if prefill_time else None,
+                    generation_tokens_per_s=(
+                        (out.usage.completion_tokens - 1) / gen_time
+                        if gen_time and out.usage.completion_tokens > 1
+                        else None
+                    ),
+                )
+            )
+
+    def _fail_all(self, reason: str, error: str | None = None) -> None:
+        for slot in range(self.n_parallel):
+            self._finish(slot, reason, error)
+        with self._cond:
+            queued = list(self._queue)
+            self._queue.clear()
+        for request in queued:
+            self._end_request(request, reason, error)
+
+    def _shutdown(self) -> None:
+        self._fail_all("cancelled")
+        if self.batch is not None:
+            self.pool.release(self.batch)
+            self.batch = None
+        self.context.clear_abort()

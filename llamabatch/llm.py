@@ -1,0 +1,327 @@
+"""``LLM``: the generation facade — model, context and engine behind a small API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+from llamabatch._ffi.chat import apply_template
+from llamabatch._ffi.context import Context
+from llamabatch._ffi.model import Model
+from llamabatch._ffi.sampler import SamplerChain
+from llamabatch.engine import Engine
+from llamabatch.errors import EngineClosed, PromptTooLong
+from llamabatch.outputs import CompletionOutput, Delta
+from llamabatch.params import SamplingParams
+from llamabatch.request import _END, Request, RequestHandle
+from llamabatch.telemetry import Listener, Telemetry
+
+Prompt = str | Sequence[int]
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class LLM:
+    """Many concurrent generations from one GGUF model, batched into one forward pass per tick.
+
+    Args:
+        model_path: the ``.gguf`` file.
+        n_ctx: KV cache size in tokens, shared by all sequences (unified KV cache).
+        n_parallel: sequences decoded together (slots).
+        n_batch: the most tokens in one forward pass (the per-tick token budget).
+        n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
+        chunk_size: the most prompt tokens one sequence prefills per tick.
+        strategy: ``"decode_maximal"`` (default), ``"prefill_priority"``, ``"balanced"``,
+            or a strategy object (see ``llamabatch._core.strategies``).
+        max_queue: requests allowed to wait for a slot; beyond it ``submit`` raises
+            ``QueueFull``.
+        n_threads: CPU threads for llama.cpp (default: all cores).
+        n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
+        flash_attn: ``True``, ``False`` or ``None``/``"auto"``.
+        load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        n_parallel: int = 8,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        chunk_size: int = 512,
+        strategy: Any = "decode_maximal",
+        max_queue: int = 1024,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        n_gpu_layers: int = 0,
+        flash_attn: bool | str | None = None,
+        load_mode: str = "mmap",
+    ) -> None:
+        self._engine: Engine | None = None
+        _positive_int("n_ctx", n_ctx)
+        _positive_int("n_parallel", n_parallel)
+        _positive_int("n_batch", n_batch)
+        _positive_int("chunk_size", chunk_size)
+        _positive_int("max_queue", max_queue)
+        if n_parallel > n_ctx:
+            raise ValueError(f"n_parallel ({n_parallel}) must be <= n_ctx ({n_ctx})")
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode)
+        try:
+            if not self.model.has_decoder or self.model.has_encoder:
+                raise ValueError(f"{self.model.path.name} is not a decoder-only model; use Embedder for it")
+            self.context = Context(
+                self.model,
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_ubatch=n_ubatch,
+                n_seq_max=n_parallel,
+                n_threads=n_threads,
+                n_threads_batch=n_threads_batch,
+                flash_attn=flash_attn,
+                kv_unified=True,
+            )
+            self.telemetry = Telemetry()
+            self._engine = Engine(
+                self.model,
+                self.context,
+                n_parallel=n_parallel,
+                n_batch=n_batch,
+                chunk_size=chunk_size,
+                strategy=strategy,
+                max_queue=max_queue,
+                telemetry=self.telemetry,
+            )
+        except BaseException:
+            self.model.close()
+            raise
+        self.n_ctx = self.context.n_ctx
+        self.n_ctx_seq = self.context.n_ctx_seq
+        self.n_parallel = n_parallel
+        self.n_batch = n_batch
+
+    # -- requests -----------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None or self._engine._closing:
+            raise EngineClosed("the LLM is closed")
+        return self._engine
+
+    def _prompt_tokens(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            tokens = self.model.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            tokens = list(prompt)
+            if not tokens:
+                raise ValueError("the prompt is empty")
+            for t in tokens:
+                if not isinstance(t, int) or not 0 <= t < self.model.n_vocab:
+                    raise ValueError(f"prompt token {t!r} is not a token id in [0, {self.model.n_vocab})")
+        if not tokens:
+            raise ValueError("the prompt tokenizes to nothing")
+        limit = self.n_ctx_seq - params.max_tokens
+        if len(tokens) > limit:
+            if params.truncate and limit > 0:
+                tokens = tokens[len(tokens) - limit :]
+            else:
+                raise PromptTooLong(
+                    f"prompt of {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds the "
+                    f"per-sequence context of {self.n_ctx_seq} tokens"
+                    + ("" if params.truncate else " (set SamplingParams(truncate=True) to keep its end)")
+                )
+        return tokens
+
+    def _make_requests(self, prompt: Prompt, params: SamplingParams | None) -> list[Request]:
+        params = _DEFAULT_PARAMS if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        tokens = self._prompt_tokens(prompt, params)
+        requests = []
+        for i in range(params.n):
+            request = Request(tokens, params, index=i)
+            # Built here, on the caller's thread, so a bad grammar raises at submit.
+            sampler_params = params if params.seed is None or i == 0 else _with_seed(params, params.seed + i)
+            request.sampler = SamplerChain(self.model, sampler_params)
+            requests.append(request)
+        return requests
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one prompt (text or token ids); returns at once. Thread-safe.
+
+        Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
+        prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""
+        engine = self.engine
+        requests = self._make_requests(prompt, params)
+        engine.submit(requests)
+        return RequestHandle(requests, engine)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt concurrently; outputs in input order (for ``n > 1``, a
+        prompt's completions follow each other)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, SamplingParams) or params is None:
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        batches = [self._make_requests(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        handles = []
+        try:
+            for requests in batches:
+                engine.submit(requests, block=True)  # wait for queue room rather than fail
+                handles.append(RequestHandle(requests, engine))
+            return [out for handle in handles for out in handle.results()]
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Yield deltas as tokens arrive; closing the iterator early cancels the request."""
+        handle = self.submit(prompt, params)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        """Async iterator of deltas; cancelling the consuming task cancels the request."""
+        engine = self.engine
+        requests = self._make_requests(prompt, params)
+        if len(requests) != 1:
+            raise ValueError("astream serves one completion; use agenerate for n > 1")
+        request = requests[0]
+        loop = asyncio.get_running_loop()
+        aqueue: asyncio.Queue[Any] = asyncio.Queue()
+        engine.attach_async(request, loop, aqueue)
+        engine.submit(requests)
+        try:
+            while True:
+                item = await aqueue.get()
+                if item is _END:
+                    return
+                yield item
+        finally:
+            if not request.done:
+                engine.cancel(request)
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> CompletionOutput:
+        """Await one completion (the first when ``n > 1``)."""
+        final = None
+        async for delta in self.astream(prompt, params):
+            final = delta.output or final
+        assert final is not None
+        return final
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams | None = None,
+        template: str | None = None,
+    ) -> CompletionOutput:
+        """One chat completion, formatted with the GGUF's chat template (or ``template``)."""
+        return self.generate(self.apply_chat_template(messages, template), params)[0]
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], template: str | None = None) -> str:
+        """The prompt text for ``messages`` under the model's chat template."""
+        template = template or self.model.chat_template
+        if template is None:
+            raise ValueError(
+                f"{self.model.path.name} has no chat template; pass template=... (e.g. 'chatml')"
+            )
+        return apply_template(template, messages, add_assistant=True)
+
+    # -- tokens, telemetry, lifetime -----------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` under the model's vocabulary."""
+        return self.model.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens``."""
+        return self.model.detokenize(list(tokens))
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` for every ``TickEvent`` and ``RequestEvent``."""
+        self.telemetry.add_listener(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self.telemetry.remove_listener(listener)
+
+    def stats(self) -> dict[str, Any]:
+        """Slots, queue depth, ticks, tokens/s and other running totals."""
+        engine = self._engine
+        c = self.telemetry.snapshot()
+        ticks = c.get("ticks", 0)
+        decode_time = c.get("decode_time", 0.0)
+        tick_time = c.get("tick_time", 0.0)
+        return {
+            "n_parallel": self.n_parallel,
+            "busy_slots": engine.n_active if engine else 0,
+            "queue_depth": engine.queue_depth if engine else 0,
+            "ticks": int(ticks),
+            "requests": int(c.get("requests", 0)),
+            "finish_reasons": {k[7:]: int(v) for k, v in c.items() if k.startswith("finish_")},
+            "prompt_tokens": int(c.get("prompt_tokens", 0)),
+            "completion_tokens": int(c.get("completion_tokens", 0)),
+            "reused_prompt_tokens": int(c.get("reused_tokens", 0)),
+            "computed_prompt_tokens": int(c.get("prefill_tokens", 0)),
+            "batch_tokens": int(c.get("batch_tokens", 0)),
+            "decode_tokens": int(c.get("decode_tokens", 0)),
+            "prefill_tokens": int(c.get("prefill_tokens", 0)),
+            "busy_slots_per_decode": c.get("busy_slots", 0) / ticks if ticks else 0.0,
+            "decode_time_s": decode_time,
+            "tick_time_s": tick_time,
+            "tokens_per_s": c.get("batch_tokens", 0) / tick_time if tick_time else 0.0,
+            "generated_tokens_per_s": c.get("decode_tokens", 0) / tick_time if tick_time else 0.0,
+            "decode_retries": int(c.get("retries", 0)),
+        }
+
+    def close(self) -> None:
+        """Stop the engine (requests in flight end as ``"cancelled"``) and free the model."""
+        if self._engine is not None:
+            self._engine.close()
+        if hasattr(self, "context"):
+            self.context.close()
+        self.model.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._engine is not None and not self._engine._closing:
+                self._engine.close(timeout=5)
+        except Exception:
+            pass
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed % 2**32, n=1)

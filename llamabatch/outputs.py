@@ -1,0 +1,67 @@
+"""What a generation returns: ``CompletionOutput`` and the streamed ``Delta``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request (``n_reused_tokens`` of the prompt came from the prefix cache)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    n_reused_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds: waiting in the queue, from submit to the first token, and in all."""
+
+    queue_wait: float
+    time_to_first_token: float | None
+    total: float
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """The finished result of one completion.
+
+    ``finish_reason`` is ``"stop"`` (end-of-generation token or a stop string),
+    ``"length"`` (``max_tokens`` or the sequence's context is full), ``"cancelled"`` or
+    ``"error"`` (then ``error`` says why). ``logprobs``, when asked for, holds one dict
+    per generated token mapping token id to log-probability (the sampled token and the N
+    most likely ones).
+    """
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    error: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of a completion: new text and tokens; the last one carries
+    ``finish_reason`` and the full ``output``."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    output: CompletionOutput | None = None
+    index: int = 0

@@ -1,0 +1,104 @@
+"""Telemetry: per-tick and per-request events, listeners, and the ``stats()`` aggregate.
+
+Listeners are callables taking one event (``TickEvent``, ``RequestEvent`` or
+``EmbedPackEvent``); they run on the worker thread, so they should be quick. An
+exception in a listener is logged and never stops the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("llamabatch")
+
+
+@dataclass(frozen=True)
+class TickEvent:
+    """One forward pass of the generation engine."""
+
+    tick: int
+    batch_tokens: int
+    decode_tokens: int
+    prefill_tokens: int
+    active_slots: int
+    queue_depth: int
+    decode_time: float
+    tick_time: float
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """One request ended."""
+
+    request_id: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    queue_wait: float
+    time_to_first_token: float | None
+    total: float
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class EmbedPackEvent:
+    """One packed decode of the embedder."""
+
+    pack: int
+    sequences: int
+    tokens: int
+    capacity: int
+    utilisation: float
+    queue_wait: float
+    decode_time: float
+    retries: int
+
+
+Listener = Callable[[Any], None]
+
+
+class Telemetry:
+    """Listeners plus running totals; thread-safe to read with ``snapshot()``."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+        self.started = time.perf_counter()
+        self.counters: dict[str, float] = {}
+
+    def add_listener(self, listener: Listener) -> None:
+        if not callable(listener):
+            raise TypeError("a listener must be callable")
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners = [x for x in self._listeners if x is not listener]
+
+    @property
+    def has_listeners(self) -> bool:
+        return bool(self._listeners)
+
+    def emit(self, event: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("llamabatch telemetry listener %r raised; ignored", listener)
+
+    def add(self, **amounts: float) -> None:
+        counters = self.counters
+        for key, value in amounts.items():
+            counters[key] = counters.get(key, 0) + value
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.counters)
