@@ -3,6 +3,8 @@
 One small function per subcommand (``_cmd_<name>``), each registered by ``build_parser()``
 with ``set_defaults(func=...)``; ``main`` parses and dispatches. Subcommands:
 
+- ``generate [-m MODEL] PROMPT... | --file PROMPTS.txt``: generate with the engine; one
+  prompt streams to the terminal, many run concurrently (JSON lines out).
 - ``convert MODEL_DIR OUT.gguf [--dtype f16|f32]``: convert a BERT-family Hugging Face /
   sentence-transformers model to a GGUF llama.cpp loads (see :mod:`llamabatch.convert`).
 """
@@ -10,11 +12,147 @@ with ``set_defaults(func=...)``; ``main`` parses and dispatches. Subcommands:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["build_parser", "main"]
+
+
+def _model_or_demo(model: str | None, preset: str = "135m") -> str:
+    """The model to use; without one, the project's random-weight test model (noise)."""
+    if model:
+        return model
+    from llamabatch import testing
+
+    print(
+        f"llamabatch: no -m MODEL given; using the project's random-weight '{preset}' test model "
+        "(it prints noise: pass -m your.gguf for real text)",
+        file=sys.stderr,
+    )
+    return str(testing.model_path(preset))
+
+
+def _output_record(prompt: str, out) -> dict:
+    return {
+        "index": out.index,
+        "prompt": prompt,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "token_ids": out.token_ids,
+        "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens},
+        "timings": {
+            "queue_wait_s": out.timings.queue_wait,
+            "time_to_first_token_s": out.timings.time_to_first_token,
+            "total_s": out.timings.total,
+        },
+        **({"error": out.error} if out.error else {}),
+    }
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    """``llamabatch generate``: stream one prompt, or run many concurrently."""
+    from tqdm import tqdm
+
+    from llamabatch import LLM, LlamaBatchError, SamplingParams
+
+    prompts = list(args.prompts)
+    if args.file:
+        lines = Path(args.file).read_text(encoding="utf-8").splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        print("llamabatch generate: error: give PROMPT arguments or --file", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop or (),
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(
+            _model_or_demo(args.model),
+            n_ctx=args.n_ctx,
+            n_parallel=args.n_parallel,
+            n_batch=args.n_batch,
+            n_threads=args.threads,
+            strategy=args.strategy,
+        )
+    except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
+        print(f"llamabatch generate: error: {exc}", file=sys.stderr)
+        return 1
+    with llm:
+        if args.chat:
+            prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        if len(prompts) == 1 and not args.file and not args.json:
+            for delta in llm.stream(prompts[0], params):
+                print(delta.text, end="", flush=True)
+            print()
+            return 0
+        start = time.perf_counter()
+        handles = [llm.submit(p, params) for p in prompts[: llm.engine.max_queue]]
+        waiting = prompts[len(handles) :]
+        out_file = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        n_tokens = 0
+        try:
+            with tqdm(
+                total=len(prompts), unit="req", file=sys.stderr, disable=not sys.stderr.isatty()
+            ) as bar:
+                for i, prompt in enumerate(prompts):
+                    if waiting:  # keep the queue topped up without QueueFull
+                        handles.append(llm.submit(waiting.pop(0), params))
+                    out = handles[i].result()
+                    n_tokens += out.usage.completion_tokens
+                    out_file.write(json.dumps(_output_record(prompt, out), ensure_ascii=False) + "\n")
+                    bar.update(1)
+        finally:
+            if out_file is not sys.stdout:
+                out_file.close()
+        elapsed = time.perf_counter() - start
+        print(
+            f"llamabatch: {len(prompts)} prompts, {n_tokens} tokens in {elapsed:.2f} s "
+            f"({n_tokens / elapsed:.1f} generated tokens/s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with the continuous-batching engine",
+        description=(
+            "Generate with llamabatch's engine. One PROMPT streams to the terminal; several "
+            "prompts (or --file, one prompt per line) run concurrently and print JSON lines. "
+            "Without -m, a random-weight test model is used: it prints noise."
+        ),
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text")
+    p.add_argument("-m", "--model", help="the GGUF model (default: a random-weight test model)")
+    p.add_argument("-f", "--file", help="a text file with one prompt per line")
+    p.add_argument("-o", "--output", help="write JSON lines here (default: stdout)")
+    p.add_argument("--json", action="store_true", help="print a JSON line even for one prompt")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--n-parallel", type=int, default=8)
+    p.add_argument("--n-batch", type=int, default=512)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument(
+        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    )
+    p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -66,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llamabatch {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
+    _add_generate(subparsers)
     _add_convert(subparsers)
     return parser
 
