@@ -1,7 +1,8 @@
 """The generation engine: one thread, one context, one ``llama_decode`` per tick.
 
 Each tick (``_tick``):
-  1. end cancelled requests, admit queued requests into free slots (FIFO);
+  1. end cancelled requests, admit queued requests into free slots (FIFO), reusing a
+     cached prompt prefix where one matches (``prefix_cache.py``);
   2. the Cython core builds the batch under the token budget (``SlotTable.fill``);
   3. decode once; on code 1 (no KV room) retry with half the budget, as llama.cpp's server
      does, and fail only the request that cannot proceed even alone;
@@ -29,6 +30,7 @@ from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.context import DECODE_NO_KV_SLOT, Context, decode_error
 from llamabatch._ffi.model import Model
 from llamabatch.errors import EngineClosed, QueueFull
+from llamabatch.prefix_cache import PrefixCache
 from llamabatch.request import Request
 from llamabatch.telemetry import RequestEvent, Telemetry, TickEvent
 
@@ -49,6 +51,8 @@ class Engine:
         strategy: Any,
         max_queue: int,
         telemetry: Telemetry,
+        prefix_cache: bool = True,
+        n_pinned_max: int = 0,
     ) -> None:
         self.model = model
         self.context = context
@@ -66,6 +70,7 @@ class Engine:
         self.n_active = 0
         self.tick_count = 0
         self._queue: deque[Request] = deque()
+        self._calls: deque[Any] = deque()  # work that must run on the engine thread
         self._cond = threading.Condition()
         self._cancel_pending = False
         self._closing = False
@@ -77,6 +82,19 @@ class Engine:
         )
         self._pieces: list[bytes | None] = [None] * model.n_vocab
         self._pieces_special: list[bytes | None] = [None] * model.n_vocab
+        supported = not (model.is_recurrent or model.is_hybrid or not context.kv_unified)
+        if prefix_cache and not supported:
+            logger.warning(
+                "llamabatch: prefix reuse switched off: %s, partial KV copies are unsupported",
+                f"{model.path.name} has recurrent memory"
+                if model.is_recurrent
+                else f"{model.path.name} has hybrid memory"
+                if model.is_hybrid
+                else "the KV cache is not unified (kv_unified=False)",
+            )
+        self.prefix_cache = PrefixCache(
+            context, self.table, n_parallel, n_pinned_max, prefix_cache, supported
+        )
         self._thread = threading.Thread(target=self._run, name="llamabatch-engine", daemon=True)
         self._thread.start()
 
@@ -118,6 +136,26 @@ class Engine:
             self._cond.notify_all()
         self._end_request(request, "cancelled")
 
+    def call(self, fn: Any, timeout: float | None = None) -> Any:
+        """Run ``fn()`` on the engine thread (the context's only user) and return its result."""
+        import concurrent.futures
+
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the engine is closed")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
     def attach_async(self, request: Request, loop: Any, aqueue: Any) -> None:
         """Mirror a (not yet submitted) request's deltas into an asyncio queue."""
         request._loop_queues.append((loop, aqueue))
@@ -145,7 +183,7 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not self._queue and self.n_active == 0 and not self._closing:
+                    while not (self._queue or self.n_active or self._calls or self._closing):
                         self._cond.wait()
                     if self._closing:
                         break
@@ -154,6 +192,8 @@ class Engine:
                     self._cancel_pending = False
                     if admitted:
                         self._cond.notify_all()  # room in the queue for blocked submitters
+                if self._calls:
+                    self._run_calls()
                 if cancels:
                     self._end_cancelled()
                 for request in admitted:
@@ -170,24 +210,41 @@ class Engine:
             self._shutdown()
 
     def _take_admissions(self) -> list[Request]:
+        """Pop what fits into free slots, FIFO; a parallel-sampling follower waits until its
+        leader's prompt is computed, and any request whose prompt shares a prefix with one
+        being computed waits for that part, so shared tokens are computed once and copied."""
         free = self.n_parallel - self.n_active
-        admitted = []
+        admitted: list[Request] = []
+        skipped: list[Request] = []
         while free > 0 and self._queue:
             request = self._queue.popleft()
             if request.done:  # cancelled while queued
                 continue
+            leader = request.group
+            waits_for_leader = leader is not None and not leader.done and leader.t_first_token is None
+            if waits_for_leader or self.prefix_cache.should_wait(
+                request.prompt_tokens, [r.prompt_tokens for r in admitted]
+            ):
+                skipped.append(request)
+                continue
             admitted.append(request)
             free -= 1
+        self._queue.extendleft(reversed(skipped))
         self.n_active += len(admitted)
         return admitted
 
     def _admit(self, request: Request) -> None:
-        slot = self.slots.index(None)
+        free = [s for s in range(self.n_parallel) if self.slots[s] is None]
+        leader = request.group
+        leader_slot = leader.slot if leader is not None and not leader.done else -1
+        admission = self.prefix_cache.plan(request.prompt_tokens, free, leader_slot)
+        self.prefix_cache.apply(admission)
+        slot = admission.slot
         request.slot = slot
+        request.n_reused = admission.n_reused
         request.t_admitted = time.perf_counter()
         self.slots[slot] = request
-        self.context.seq_rm(slot, -1, -1)
-        self.table.start(slot, request.prompt_tokens, 0)
+        self.table.start(slot, request.prompt_tokens, admission.n_reused)
 
     def _end_cancelled(self) -> None:
         for slot, request in enumerate(self.slots):
@@ -221,6 +278,9 @@ class Engine:
             self.table.rollback()
             for slot in batch_slots:  # drop what a partly processed batch left behind
                 self.context.seq_rm(slot, self.table.n_past(slot), -1)
+            if code == DECODE_NO_KV_SLOT and self.prefix_cache.evict_one():
+                retries += 1  # cached prefixes go first, before the batch shrinks
+                continue
             if code == DECODE_NO_KV_SLOT and budget > 1:
                 budget //= 2
                 retries += 1
@@ -281,6 +341,10 @@ class Engine:
             slot = out_slot[i]
             idx = out_index[i]
             request = self.slots[slot]
+            if request.pin is not None:  # a prefix to pin: computed, nothing to sample
+                self.prefix_cache.pin(request.pin, slot)
+                self._finish(slot, "stop")
+                continue
             token = sample(request.sampler._ptr, ctx_ptr, idx)
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
@@ -332,9 +396,13 @@ class Engine:
         request = self.slots[slot]
         if request is None:
             return
+        # Keep what the KV cache validly holds for reuse, unless the request failed.
+        kept = None
+        if reason != "error" and self.prefix_cache.enabled and self.table.n_past(slot):
+            kept = self.table.history(slot)[: self.table.n_past(slot)]
         if self.table.state(slot) != SlotState.IDLE:
             self.table.finish(slot)
-        self.context.seq_rm(slot, -1, -1)
+        self.prefix_cache.release_slot(slot, kept)
         self.slots[slot] = None
         with self._cond:
             self.n_active -= 1
@@ -391,6 +459,11 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._fail_all("cancelled")
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            future.set_exception(EngineClosed("the engine is closed"))
         if self.batch is not None:
             self.pool.release(self.batch)
             self.batch = None

@@ -47,6 +47,11 @@ class LLM:
         n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
         flash_attn: ``True``, ``False`` or ``None``/``"auto"``.
         load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
+        prefix_cache: reuse the KV of a matching prompt prefix from any slot (busy or
+            idle) or pinned prefix, copied with ``llama_memory_seq_cp`` (default on).
+        max_prefixes: how many prefixes ``register_prefix`` may pin at once.
+        kv_unified: one KV buffer shared by all sequences (default; needed for prefix
+            reuse). ``False`` gives each sequence ``n_ctx / n_seq_max`` cells of its own.
     """
 
     def __init__(
@@ -65,6 +70,9 @@ class LLM:
         n_gpu_layers: int = 0,
         flash_attn: bool | str | None = None,
         load_mode: str = "mmap",
+        prefix_cache: bool = True,
+        max_prefixes: int = 4,
+        kv_unified: bool = True,
     ) -> None:
         self._engine: Engine | None = None
         _positive_int("n_ctx", n_ctx)
@@ -72,6 +80,8 @@ class LLM:
         _positive_int("n_batch", n_batch)
         _positive_int("chunk_size", chunk_size)
         _positive_int("max_queue", max_queue)
+        if not isinstance(max_prefixes, int) or max_prefixes < 0:
+            raise ValueError(f"max_prefixes must be an int >= 0, got {max_prefixes!r}")
         if n_parallel > n_ctx:
             raise ValueError(f"n_parallel ({n_parallel}) must be <= n_ctx ({n_ctx})")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode)
@@ -83,11 +93,11 @@ class LLM:
                 n_ctx=n_ctx,
                 n_batch=n_batch,
                 n_ubatch=n_ubatch,
-                n_seq_max=n_parallel,
+                n_seq_max=n_parallel + max_prefixes,  # pinned prefixes live in sequences of their own
                 n_threads=n_threads,
                 n_threads_batch=n_threads_batch,
                 flash_attn=flash_attn,
-                kv_unified=True,
+                kv_unified=kv_unified,
             )
             self.telemetry = Telemetry()
             self._engine = Engine(
@@ -99,6 +109,8 @@ class LLM:
                 strategy=strategy,
                 max_queue=max_queue,
                 telemetry=self.telemetry,
+                prefix_cache=prefix_cache,
+                n_pinned_max=max_prefixes,
             )
         except BaseException:
             self.model.close()
@@ -147,9 +159,11 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         tokens = self._prompt_tokens(prompt, params)
-        requests = []
+        requests: list[Request] = []
         for i in range(params.n):
             request = Request(tokens, params, index=i)
+            if i:  # followers wait for the leader's prompt and copy its KV
+                request.group = requests[0]
             # Built here, on the caller's thread, so a bad grammar raises at submit.
             sampler_params = params if params.seed is None or i == 0 else _with_seed(params, params.seed + i)
             request.sampler = SamplerChain(self.model, sampler_params)
@@ -253,6 +267,37 @@ class LLM:
             )
         return apply_template(template, messages, add_assistant=True)
 
+    # -- prefixes ------------------------------------------------------------------------
+
+    def register_prefix(self, prefix: Prompt, timeout: float | None = None) -> PrefixHandle:
+        """Compute ``prefix`` (text or token ids) once and keep its KV for every request that
+        starts with it (a shared system prompt), until ``release()``. Blocks until computed.
+
+        A text prefix is tokenized as prompts are (with BOS), so it matches requests whose
+        prompt text starts with it at a token boundary."""
+        from llamabatch.prefix_cache import PinnedPrefix
+
+        engine = self.engine
+        params = SamplingParams(max_tokens=1, temperature=0)
+        tokens = self._prompt_tokens(prefix, params)
+        if len(tokens) < 2:
+            raise ValueError("a prefix must be at least 2 tokens long to be worth pinning")
+        seq_id = engine.call(engine.prefix_cache.new_pin_seq, timeout)
+        pinned = PinnedPrefix(seq_id, tokens, prefix if isinstance(prefix, str) else None)
+        # Computed like a prompt in a slot, then copied into its own sequence.
+        request = Request(tokens, params)
+        request.pin = pinned
+        engine.submit([request], block=True, timeout=timeout)
+        if not request.wait(timeout) or request.finish_reason != "stop":
+            engine.call(lambda: engine.prefix_cache.drop_pin_seq(seq_id))
+            raise RuntimeError(f"could not compute the prefix: {request.error or request.finish_reason}")
+        return PrefixHandle(self, pinned)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the prompt tokens idle slots keep for reuse (pinned prefixes stay)."""
+        engine = self.engine
+        engine.call(engine.prefix_cache.clear)
+
     # -- tokens, telemetry, lifetime -----------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -297,6 +342,9 @@ class LLM:
             "tokens_per_s": c.get("batch_tokens", 0) / tick_time if tick_time else 0.0,
             "generated_tokens_per_s": c.get("decode_tokens", 0) / tick_time if tick_time else 0.0,
             "decode_retries": int(c.get("retries", 0)),
+            "prefix_cache": bool(engine and engine.prefix_cache.enabled),
+            "cached_prefix_tokens": engine.prefix_cache.cached_tokens if engine else 0,
+            "pinned_prefixes": len(engine.prefix_cache.pinned) if engine else 0,
         }
 
     def close(self) -> None:
@@ -319,6 +367,38 @@ class LLM:
                 self._engine.close(timeout=5)
         except Exception:
             pass
+
+
+class PrefixHandle:
+    """A pinned prefix (``LLM.register_prefix``); ``release()`` frees its KV."""
+
+    def __init__(self, llm: LLM, pinned: Any) -> None:
+        self._llm = llm
+        self._pinned = pinned
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._pinned.tokens)
+
+    @property
+    def released(self) -> bool:
+        return bool(self._pinned.released)
+
+    def release(self) -> None:
+        """Free the prefix's KV cells; requests already running are unaffected. Idempotent."""
+        if self._pinned.released:
+            return
+        engine = self._llm._engine
+        if engine is None or engine._closing:
+            self._pinned.released = True
+            return
+        engine.call(lambda: engine.prefix_cache.unpin(self._pinned))
+
+    def __enter__(self) -> PrefixHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -38,6 +38,7 @@ class Request:
         "error",
         "finish_reason",
         "group",
+        "pin",
         "index",
         "logprobs",
         "n_reused",
@@ -70,7 +71,8 @@ class Request:
         self.sampler: SamplerChain | None = None
         self.slot = -1
         self.n_reused = 0
-        self.group: Any = None  # parallel-sampling group (n > 1)
+        self.group: Request | None = None  # the leader of a parallel-sampling group (n > 1)
+        self.pin: Any = None  # a PinnedPrefix this request computes (LLM.register_prefix)
         self.cancel_requested = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

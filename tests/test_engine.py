@@ -30,7 +30,13 @@ def llm(tiny_path):
 
 
 def _assert_no_kv(llm: LLM) -> None:
+    """Nothing but the prefix cache holds KV cells once requests have ended."""
+    cache = llm.engine.prefix_cache
     for seq in range(llm.n_parallel):
+        cached = cache.cached[seq]
+        assert llm.context.seq_pos_max(seq) == (-1 if cached is None else len(cached) - 1)
+    llm.clear_prefix_cache()
+    for seq in range(llm.context.n_seq_max):
         assert llm.context.seq_pos_max(seq) == -1, f"seq {seq} still holds KV cells"
 
 

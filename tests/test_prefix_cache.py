@@ -1,0 +1,149 @@
+"""Prefix reuse across slots, pinned prefixes and parallel sampling (llama_memory_seq_cp)."""
+
+from __future__ import annotations
+
+import logging
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from llamabatch import LLM, SamplingParams, testing
+
+SYSTEM = " ".join(testing.english_sentences(30))
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return testing.model_path("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    return llama_cpp.Llama(
+        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
+    )
+
+
+def _check_against_reference(reference, outs) -> None:
+    """Reported log-probs equal the teacher-forced reference's; greedy picks its argmax."""
+    for out in outs:
+        reference.reset()
+        reference.eval(out.prompt_token_ids + out.token_ids)
+        logits = np.asarray(reference.scores[: reference.n_tokens], dtype=np.float64)
+        n_prompt = len(out.prompt_token_ids)
+        for j, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            row = logits[n_prompt - 1 + j]
+            log_softmax = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+            assert logprobs[token] == pytest.approx(log_softmax[token], abs=1e-3)
+            assert log_softmax[token] >= log_softmax.max() - 1e-3
+
+
+def _prompts(llm: LLM, n: int, system_tokens: int = 200) -> list[list[int]]:
+    system = llm.tokenize(SYSTEM)[:system_tokens]
+    tails = testing.english_sentences(100)
+    return [system + llm.tokenize(f" {tails[i]}", add_special=False)[:12] for i in range(n)]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_reuse_never_changes_outputs(tiny_path, reference, prefix_cache):
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    with LLM(
+        tiny_path, n_ctx=4096, n_parallel=4, n_batch=128, flash_attn=False, prefix_cache=prefix_cache
+    ) as llm:
+        prompts = _prompts(llm, 10)
+        together = llm.generate(prompts[:6], params)  # arriving together
+        one_by_one = [llm.generate(p, params)[0] for p in prompts[6:]]  # reuse idle slots
+        stats = llm.stats()
+    outs = together + one_by_one
+    _check_against_reference(reference, outs)
+    reused = sum(o.usage.n_reused_tokens for o in outs)
+    computed = sum(o.usage.prompt_tokens for o in outs) - reused
+    assert stats["reused_prompt_tokens"] == reused
+    assert stats["computed_prompt_tokens"] == computed
+    if prefix_cache:
+        assert reused >= 9 * 190  # every request after the first reuses the system prompt
+    else:
+        assert reused == 0
+
+
+def test_prefix_is_computed_once_for_requests_arriving_together(tiny_path):
+    with LLM(tiny_path, n_ctx=8192, n_parallel=8, n_batch=256) as llm:
+        prompts = _prompts(llm, 16, system_tokens=400)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+        stats = llm.stats()
+    assert sum(o.usage.n_reused_tokens > 0 for o in outs) == 15
+    assert stats["computed_prompt_tokens"] < 400 + 16 * 14
+
+
+def test_eviction_under_kv_pressure_never_corrupts_live_sequences(tiny_path, reference):
+    params = SamplingParams(max_tokens=100, temperature=0, logprobs=1, ignore_eos=True)
+    with LLM(tiny_path, n_ctx=512, n_parallel=4, n_batch=64, flash_attn=False) as llm:
+        # Idle slots cache 4 x 110 unrelated tokens; two requests of 100 + 100 tokens then
+        # need room that only evicting those caches gives.
+        llm.generate(
+            [llm.tokenize(f"warm {i} " + SYSTEM)[:110] for i in range(4)], SamplingParams(max_tokens=1)
+        )
+        assert llm.stats()["cached_prefix_tokens"] >= 4 * 100
+        prompts = _prompts(llm, 2, system_tokens=88)
+        outs = llm.generate(prompts, params)
+        assert [o.finish_reason for o in outs] == ["length"] * 2
+        assert llm.stats()["decode_retries"] > 0  # code 1 happened; cached prefixes were evicted first
+        assert llm.stats()["finish_reasons"].get("error", 0) == 0
+    _check_against_reference(reference, outs)
+
+
+def test_pinned_prefix(tiny_path, reference):
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    with LLM(tiny_path, n_ctx=4096, n_parallel=2, n_batch=128, flash_attn=False, max_prefixes=1) as llm:
+        handle = llm.register_prefix(SYSTEM[:600])
+        n_pinned = len(handle.tokens)
+        llm.clear_prefix_cache()  # only the pinned copy remains
+        assert llm.stats()["pinned_prefixes"] == 1 and llm.stats()["cached_prefix_tokens"] == 0
+        with pytest.raises(ValueError, match="max_prefixes"):
+            llm.register_prefix(SYSTEM[:300])
+        out = llm.generate(SYSTEM[:600] + " and then a question?", params)[0]
+        assert out.usage.n_reused_tokens >= n_pinned - 2
+        handle.release()
+        handle.release()
+        llm.clear_prefix_cache()
+        assert all(llm.context.seq_pos_max(s) == -1 for s in range(llm.context.n_seq_max))
+        again = llm.register_prefix(SYSTEM[:300])  # the sequence is free again
+        again.release()
+    _check_against_reference(reference, [out])
+
+
+def test_parallel_sampling_prefills_once(tiny_path):
+    prompt = " ".join(testing.english_sentences(5))
+    for prefix_cache in (True, False):
+        with LLM(tiny_path, n_ctx=4096, n_parallel=4, n_batch=256, prefix_cache=prefix_cache) as llm:
+            n_prompt = len(llm.tokenize(prompt, parse_special=True))
+            params = SamplingParams(
+                max_tokens=12, temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=7, n=4
+            )
+            outs = llm.generate([prompt], params)
+            stats = llm.stats()
+        assert [o.index for o in outs] == [0, 1, 2, 3]
+        assert len({tuple(o.token_ids) for o in outs}) > 1  # independent samplers
+        assert [o.usage.n_reused_tokens for o in outs][1:] == [n_prompt - 1] * 3
+        assert stats["computed_prompt_tokens"] == n_prompt + 3  # prompt once, then one token each
+
+
+def test_handle_results_for_n(tiny_path):
+    with LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=64) as llm:
+        handle = llm.submit("hi there", SamplingParams(max_tokens=3, n=3, seed=1))
+        outs = handle.results(timeout=60)
+        assert len(outs) == 3 and all(o.finish_reason == "length" for o in outs)
+        assert handle.result().index == 0
+
+
+def test_reuse_switches_itself_off_where_unsupported(tiny_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="llamabatch"):
+        llm = LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=64, kv_unified=False)
+    with llm:
+        assert any("prefix reuse switched off" in r.message for r in caplog.records)
+        assert llm.stats()["prefix_cache"] is False
+        outs = llm.generate(["same prompt here", "same prompt here"], SamplingParams(max_tokens=4, n=2))
+        assert all(o.finish_reason == "length" and o.usage.n_reused_tokens == 0 for o in outs)
+        with pytest.raises(ValueError, match="prefix reuse is off"):
+            llm.register_prefix("a system prompt")
