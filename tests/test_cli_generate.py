@@ -19,7 +19,10 @@ def test_generate_file_writes_json_lines(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n\ntwo\nthree\n")
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "-m", model, "-f", str(prompts), "-n", "4", "-o", str(out), "--n-parallel", "2"]) == 0
+    assert (
+        main(["generate", "-m", model, "-f", str(prompts), "-n", "4", "-o", str(out), "--n-parallel", "2"])
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["one", "two", "three"]
     assert all(r["usage"]["completion_tokens"] == 4 and r["finish_reason"] == "length" for r in rows)
