@@ -474,3 +474,30 @@ def test_stats_and_request_events(llm):
     stats = llm.stats()
     assert stats["ticks"] > 0 and stats["tokens_per_s"] > 0 and stats["n_parallel"] == 8
     assert stats["queue_depth"] == 0
+
+
+class PrefillWhenQueued:
+    """The README's adaptive strategy."""
+
+    def __init__(self) -> None:
+        self.seen_queue_depths: set[int] = set()
+
+    def plan(self, view, budget, chunk_size, queue_depth):
+        self.seen_queue_depths.add(queue_depth)
+        decode = [(slot, 1) for slot in view.decode_slots]
+        prefill = [(slot, min(view.n_pending(slot), chunk_size)) for slot in view.prefill_slots]
+        plan, left = [], budget
+        for slot, n in (prefill + decode) if queue_depth else (decode + prefill):
+            if left == 0:
+                break
+            plan.append((slot, min(n, left)))
+            left -= min(n, left)
+        return plan
+
+
+def test_user_strategy_sees_queue_depth(tiny_path):
+    strategy = PrefillWhenQueued()
+    with LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=16, strategy=strategy) as small:
+        outs = small.generate([_prompt(i) for i in range(6)], SamplingParams(max_tokens=5, temperature=0))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 5 for o in outs)
+    assert 0 in strategy.seen_queue_depths and max(strategy.seen_queue_depths) >= 1
