@@ -7,6 +7,9 @@ with ``set_defaults(func=...)``; ``main`` parses and dispatches. Subcommands:
   prompt streams to the terminal, many run concurrently (JSON lines out).
 - ``convert MODEL_DIR OUT.gguf [--dtype f16|f32]``: convert a BERT-family Hugging Face /
   sentence-transformers model to a GGUF llama.cpp loads (see :mod:`llamabatch.convert`).
+- ``bench [--workload batched|mixed] [--npp 128 --ntg 64 --npl 1,8,16] [--compare
+  llama-cpp-python] [--raw] [--json] [--plot OUT.png]``: generation benchmarks (see
+  :mod:`llamabatch.bench.generate`).
 """
 
 from __future__ import annotations
@@ -193,6 +196,74 @@ def _add_convert(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.set_defaults(func=_cmd_convert)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """``llamabatch bench``: throughput and latency of the engine, against a raw static batch
+    (``--raw``) and llama-cpp-python (``--compare llama-cpp-python``)."""
+    from llamabatch.bench.generate import run_cli
+
+    return run_cli(args)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark generation (batched / mixed arrivals) against llama-cpp-python and a raw batch",
+        description=(
+            "Benchmark the engine. 'batched' (llama-batched-bench's workload): for every NPL, NPL "
+            "requests of NPP prompt tokens and NTG generated tokens submitted at once. 'mixed': "
+            "Poisson arrivals at --rate requests/s with prompt/output lengths from --mix. Reports "
+            "prompt, generation and total tokens/s, time to first token and inter-token latency "
+            "percentiles. --compare llama-cpp-python serves the same requests one after another "
+            "through llama-cpp-python and prints the ratios; --raw drives the same static batch "
+            "through the binding with no scheduler (the engine's ceiling)."
+        ),
+    )
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF file, or a test-model preset (tiny, small, 135m); default: the random-weight 135m",
+    )
+    p.add_argument("--workload", choices=("batched", "mixed"), default="batched")
+    p.add_argument("--npp", default="128", help="prompt tokens per request, comma list (default 128)")
+    p.add_argument("--ntg", default="64", help="tokens generated per request, comma list (default 64)")
+    p.add_argument("--npl", default="1,8,16", help="parallel requests, comma list (default 1,8,16)")
+    p.add_argument("--rate", default="2", help="mixed: arrival rates in requests/s, comma list (default 2)")
+    p.add_argument("--requests", type=int, default=32, help="mixed: requests per rate (default 32)")
+    p.add_argument(
+        "--mix",
+        default=None,
+        help="mixed: NPP:NTG[:WEIGHT],... (default 16:128,128:64,512:16, equal weights)",
+    )
+    p.add_argument("--compare", choices=("llama-cpp-python",), default=None, help="also run this baseline")
+    p.add_argument("--raw", action="store_true", help="also run the static batch through the binding")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--n-ctx", type=int, default=None, help="KV cache size (default: fits the workload)")
+    p.add_argument("-b", "--n-batch", type=int, default=512)
+    p.add_argument("-ub", "--n-ubatch", type=int, default=None, help="default: n_batch")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--n-parallel", type=int, default=None, help="engine slots (default: NPL; mixed: 16)")
+    p.add_argument(
+        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    )
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="off")
+    p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
+    p.add_argument("--repeat", type=int, default=1, help="runs per point; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="do not stream the engine's tokens (ITL becomes each request's mean gap)",
+    )
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
+    p.add_argument(
+        "--plot", metavar="OUT.png", default=None, help="draw throughput vs concurrency (matplotlib)"
+    )
+    p.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llamabatch`` argument parser, one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -206,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_generate(subparsers)
     _add_convert(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
