@@ -1,0 +1,1 @@
+# Makes ``llamabatch._core.includes`` a cimport-able package of C declarations.

@@ -1,0 +1,748 @@
+"""The slot table: per-sequence scheduling state and the per-tick batch fill.
+
+``n_parallel`` slots; slot ``i`` is llama.cpp sequence ``seq_id == i``. Each slot holds
+its token history (prompt + accepted tokens, a preallocated C array of ``n_ctx_seq``
+tokens), how many of those are in the KV cache (``n_past``, the next position) and its
+state::
+
+    IDLE --start--> PREFILL --commit (last prompt token decoded)--> AWAIT_SAMPLE
+    AWAIT_SAMPLE --accept(token)--> DECODE --commit--> AWAIT_SAMPLE
+    PREFILL / AWAIT_SAMPLE / DECODE --finish--> IDLE
+
+Every state change goes through one transition function; in a debug build
+(``LLAMABATCH_DEBUG=1`` at build time) it raises ``RuntimeError`` on an edge not in
+``EDGES``, and ``fill``/``commit`` check the table's invariants.
+
+One tick, as the engine runs it::
+
+    n = table.fill(batch, strategy, n_batch, queue_depth)  # writes the batch, nothing else
+    rc = llama_decode(ctx, batch)                         # (cffi)
+    if rc == 0:
+        table.commit()       # progress: n_past advances; slots with logits -> AWAIT_SAMPLE
+        for slot, idx in table.outputs():
+            tok = sample(slot, idx)                       # llama_sampler_sample(..., idx)
+            table.accept(slot, tok)  # or table.finish(slot) when the request is done
+    else:
+        table.rollback()     # forget the fill; fill again with a smaller n_batch
+
+``fill`` only writes the batch and records the plan; ``commit`` applies it and
+``rollback`` drops it, so a failed decode leaves the table exactly as before the fill.
+A fill must be committed or rolled back before the next one; a fill that returns 0
+leaves nothing pending (``commit()``/``rollback()`` right after it are no-ops).
+"""
+
+import enum
+
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.string cimport memcmp, memcpy, memset
+
+import operator
+
+import numpy as np
+
+from llamabatch._core.batch cimport Batch, as_int32, int32_array
+from llamabatch._core.includes.debug cimport LLAMABATCH_DEBUG
+from llamabatch._core.strategies cimport Strategy, plan_in_t
+
+from llamabatch._core.strategies import get_strategy, strategy_name
+from llamabatch.errors import PromptTooLong
+
+#: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
+DEBUG = bool(LLAMABATCH_DEBUG)
+
+cdef object _CREATE = object()
+cdef Py_ssize_t _live_tables = 0
+
+
+def live_tables():
+    """Number of ``SlotTable`` C buffers currently allocated in this process."""
+    return _live_tables
+
+
+class SlotState(enum.IntEnum):
+    """State of a slot (ordered by progress)."""
+
+    IDLE = ST_IDLE
+    PREFILL = ST_PREFILL
+    AWAIT_SAMPLE = ST_AWAIT_SAMPLE
+    DECODE = ST_DECODE
+
+
+#: The allowed state transitions, as (from, to) pairs.
+EDGES = frozenset(
+    {
+        (SlotState.IDLE, SlotState.PREFILL),
+        (SlotState.PREFILL, SlotState.AWAIT_SAMPLE),
+        (SlotState.PREFILL, SlotState.IDLE),
+        (SlotState.AWAIT_SAMPLE, SlotState.DECODE),
+        (SlotState.AWAIT_SAMPLE, SlotState.IDLE),
+        (SlotState.DECODE, SlotState.AWAIT_SAMPLE),
+        (SlotState.DECODE, SlotState.IDLE),
+    }
+)
+
+cdef bint _EDGE[N_STATES][N_STATES]
+memset(_EDGE, 0, sizeof(_EDGE))
+for _a, _b in EDGES:
+    _EDGE[<int> _a][<int> _b] = True
+
+cdef tuple _STATE_BY_VALUE = tuple(SlotState)
+
+# Built-in strategies are stateless: one shared instance per name for fill(batch, "name", ...).
+cdef dict _BY_NAME = {name: get_strategy(name) for name in ("decode_maximal", "prefill_priority", "balanced")}
+
+
+cdef class SlotTable:
+    """``n_parallel`` slots of up to ``n_ctx_seq`` tokens; prompt chunks of ``chunk_size``.
+
+    All memory is allocated here, once: token histories, the FIFO of prompts, the plan,
+    the outputs. ``fill``/``commit`` allocate nothing.
+    """
+
+    def __cinit__(self, int32_t n_parallel, int32_t n_ctx_seq, int32_t chunk_size=512):
+        cdef size_t n = n_parallel
+        if n_parallel < 1:
+            raise ValueError("n_parallel must be >= 1, got %d" % n_parallel)
+        if n_ctx_seq < 1:
+            raise ValueError("n_ctx_seq must be >= 1, got %d" % n_ctx_seq)
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1, got %d" % chunk_size)
+        self.n_parallel = n_parallel
+        self.n_ctx_seq = n_ctx_seq
+        self.chunk_size = chunk_size
+        self.slots = <slot_t *> PyMem_Calloc(n, sizeof(slot_t))
+        self.hist = <int32_t *> PyMem_Calloc(n * <size_t> n_ctx_seq, sizeof(int32_t))
+        self.fifo = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.s_decode = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.s_pending = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.s_plan_slot = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.s_plan_n = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.s_mark = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.plan_slot = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.plan_n = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.out_slot_ = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        self.out_index_ = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        if (self.slots == NULL or self.hist == NULL or self.fifo == NULL or self.s_decode == NULL
+                or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
+                or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
+                or self.out_slot_ == NULL or self.out_index_ == NULL):
+            raise MemoryError(
+                "cannot allocate a slot table of %d x %d tokens" % (n_parallel, n_ctx_seq)
+            )
+        global _live_tables
+        _live_tables += 1
+
+    def __dealloc__(self):
+        global _live_tables
+        if self.out_index_ != NULL:
+            _live_tables -= 1
+        PyMem_Free(self.slots)
+        PyMem_Free(self.hist)
+        PyMem_Free(self.fifo)
+        PyMem_Free(self.s_decode)
+        PyMem_Free(self.s_pending)
+        PyMem_Free(self.s_plan_slot)
+        PyMem_Free(self.s_plan_n)
+        PyMem_Free(self.s_mark)
+        PyMem_Free(self.plan_slot)
+        PyMem_Free(self.plan_n)
+        PyMem_Free(self.out_slot_)
+        PyMem_Free(self.out_index_)
+
+    # ------------------------------------------------------------------ state machine
+
+    cdef int transition(self, int32_t slot, int32_t new_state) except -1:
+        """The only place a slot's state changes (plus the FIFO of PREFILL slots)."""
+        cdef slot_t * s = &self.slots[slot]
+        cdef int32_t old = s.state, i, j
+        if LLAMABATCH_DEBUG:
+            if not _EDGE[old][new_state]:
+                raise RuntimeError(
+                    "illegal slot state transition %s -> %s (slot %d)"
+                    % (_STATE_BY_VALUE[old].name, _STATE_BY_VALUE[new_state].name, slot)
+                )
+        if old == ST_PREFILL:  # leave the FIFO
+            j = 0
+            for i in range(self.n_fifo):
+                if self.fifo[i] != slot:
+                    self.fifo[j] = self.fifo[i]
+                    j += 1
+            self.n_fifo = j
+        if new_state == ST_PREFILL:  # join the FIFO, last
+            s.arrival = self.next_arrival
+            self.next_arrival += 1
+            self.fifo[self.n_fifo] = slot
+            self.n_fifo += 1
+        elif new_state == ST_IDLE:
+            s.n_prompt = 0
+            s.n_hist = 0
+            s.n_past = 0
+            s.n_reused = 0
+        s.state = new_state
+        return 0
+
+    cdef int check_slot(self, int32_t slot) except -1:
+        if slot < 0 or slot >= self.n_parallel:
+            raise IndexError("slot %d out of range 0..%d" % (slot, self.n_parallel - 1))
+        return 0
+
+    cdef int check_idle_api(self) except -1:
+        if self.in_plan:
+            raise RuntimeError("the slot table cannot be changed from inside a strategy's plan()")
+        return 0
+
+    def start(self, int32_t slot, prompt_tokens, int32_t n_past=0):
+        """Start a request in an IDLE slot: IDLE -> PREFILL.
+
+        ``prompt_tokens``: any int32 buffer or sequence of ints. ``n_past > 0``: tokens
+        ``[0:n_past)`` are already in this sequence's KV cache (a copied prefix); positions
+        continue at ``n_past`` and only ``prompt_tokens[n_past:]`` is computed. At least the
+        last prompt token is always computed (``0 <= n_past <= len - 1``). Raises
+        ``PromptTooLong`` (a ``ValueError``) if the prompt exceeds ``n_ctx_seq``.
+        """
+        self.check_idle_api()
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        if s.state != ST_IDLE:
+            raise ValueError("slot %d is busy (%s)" % (slot, _STATE_BY_VALUE[s.state].name))
+        cdef const int32_t[::1] toks = as_int32(prompt_tokens)
+        cdef Py_ssize_t n = toks.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n > self.n_ctx_seq:
+            raise PromptTooLong(
+                "prompt of %d tokens does not fit the %d-token context of a slot" % (n, self.n_ctx_seq)
+            )
+        if n_past < 0 or n_past > n - 1:
+            raise ValueError("n_past must be in 0..%d (the last prompt token is always computed), got %d"
+                             % (n - 1, n_past))
+        memcpy(self.hist + <size_t> slot * self.n_ctx_seq, &toks[0], n * sizeof(int32_t))
+        s.n_prompt = <int32_t> n
+        s.n_hist = <int32_t> n
+        s.n_past = n_past
+        s.n_reused = n_past
+        s.fill_n = 0
+        self.transition(slot, ST_PREFILL)
+
+    def accept(self, int32_t slot, int32_t token):
+        """Append a sampled token: AWAIT_SAMPLE -> DECODE; it is the slot's next decode input.
+
+        Raises ``ValueError`` if the slot is not awaiting a sample or its history already
+        holds ``n_ctx_seq`` tokens (no room to decode another: finish the request instead).
+        """
+        self.check_idle_api()
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        if s.state != ST_AWAIT_SAMPLE:
+            raise ValueError("slot %d is not awaiting a sample (%s)" % (slot, _STATE_BY_VALUE[s.state].name))
+        if s.n_hist >= self.n_ctx_seq:
+            raise ValueError("slot %d is full: its %d tokens fill n_ctx_seq" % (slot, s.n_hist))
+        self.hist[<size_t> slot * self.n_ctx_seq + s.n_hist] = token
+        s.n_hist += 1
+        self.transition(slot, ST_DECODE)
+
+    def finish(self, int32_t slot):
+        """End the slot's request (done or cancelled), from any busy state: -> IDLE.
+
+        If a fill is pending, the slot drops out of its commit (its output is skipped).
+        """
+        self.check_idle_api()
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        if s.state == ST_IDLE:
+            raise ValueError("slot %d is already idle" % slot)
+        s.fill_n = 0
+        self.transition(slot, ST_IDLE)
+
+    def _transition(self, int32_t slot, state):
+        """Test hook: call the transition function directly (checked in debug builds only)."""
+        self.check_slot(slot)
+        self.transition(slot, int(state))
+
+    # ------------------------------------------------------------------ the tick
+
+    cdef int32_t gather(self, plan_in_t * p) noexcept nogil:
+        """Schedulable slots in order: DECODE round-robin from the cursor, PREFILL FIFO."""
+        cdef int32_t j, i = self.rr_cursor, nd = 0
+        for j in range(self.n_parallel):
+            if self.slots[i].state == ST_DECODE:
+                self.s_decode[nd] = i
+                self.slots[i].rank = nd
+                nd += 1
+            i += 1
+            if i == self.n_parallel:
+                i = 0
+        for j in range(self.n_fifo):
+            i = self.fifo[j]
+            self.s_pending[j] = self.slots[i].n_prompt - self.slots[i].n_past
+        p.n_decode = nd
+        p.decode_slots = self.s_decode
+        p.n_prefill = self.n_fifo
+        p.prefill_slots = self.fifo
+        p.prefill_pending = self.s_pending
+        return nd
+
+    cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand) noexcept nogil:
+        """Write the (valid) plan in s_plan_* to the batch and record it as the pending fill."""
+        cdef int32_t e, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0
+        cdef slot_t * sl
+        cdef int32_t * tok = batch.c.token
+        cdef int32_t * pos = batch.c.pos
+        cdef int32_t * nsid = batch.c.n_seq_id
+        cdef int32_t ** sid = batch.c.seq_id
+        cdef int8_t * lg = batch.c.logits
+        cdef int32_t * storage = batch.seq_storage
+        cdef int32_t nseq = batch.n_seq_max_
+        for j in range(self.n_parallel):
+            self.slots[j].fill_n = 0
+        for e in range(n):
+            s = self.s_plan_slot[e]
+            k = self.s_plan_n[e]
+            self.plan_slot[e] = s
+            self.plan_n[e] = k
+            sl = &self.slots[s]
+            sl.fill_n = k
+            sl.fill_first = idx
+            p0 = sl.n_past
+            memcpy(tok + idx, self.hist + <size_t> s * self.n_ctx_seq + p0, k * sizeof(int32_t))
+            memset(lg + idx, 0, k)
+            for j in range(k):
+                pos[idx + j] = p0 + j
+                nsid[idx + j] = 1
+            if nseq == 1:  # seq_id[i] points at storage[i] (set up by the pool, never moved)
+                for j in range(k):
+                    storage[idx + j] = s
+            else:
+                for j in range(k):
+                    sid[idx + j][0] = s
+            if sl.state == ST_DECODE:
+                nd += 1
+                if sl.rank > max_rank:
+                    max_rank = sl.rank
+                lg[idx] = 1
+                self.out_slot_[n_out] = s
+                self.out_index_[n_out] = idx
+                n_out += 1
+            else:
+                npf += k
+                if p0 + k == sl.n_prompt:  # the last prompt token: its logits start sampling
+                    lg[idx + k - 1] = 1
+                    self.out_slot_[n_out] = s
+                    self.out_index_[n_out] = idx + k - 1
+                    n_out += 1
+            idx += k
+        batch.c.n_tokens = idx
+        self.n_plan = n
+        self.n_outputs = n_out
+        self.n_decode_tokens = nd
+        self.n_prefill_tokens = npf
+        self.next_cursor = self.rr_cursor
+        if nd < n_decode_cand and max_rank >= 0:  # some left out: they come first next tick
+            self.next_cursor = self.s_decode[max_rank] + 1
+            if self.next_cursor == self.n_parallel:
+                self.next_cursor = 0
+        self.fill_pending = idx > 0  # an empty fill leaves nothing to commit
+        self.empty_fill = idx == 0
+        return idx
+
+    cdef str violation(self, int32_t s, int64_t k, int64_t total, int32_t budget):
+        """Why ``(s, k)`` cannot join a plan already holding ``total`` tokens, or None."""
+        cdef slot_t * sl
+        if s < 0 or s >= self.n_parallel:
+            return "slot %d out of range 0..%d" % (s, self.n_parallel - 1)
+        sl = &self.slots[s]
+        if self.s_mark[s]:
+            return "slot %d planned twice" % s
+        if sl.state == ST_DECODE:
+            if k != 1:
+                return "decoding slot %d must get exactly 1 token, got %d" % (s, k)
+        elif sl.state == ST_PREFILL:
+            if k < 1 or k > min(sl.n_prompt - sl.n_past, self.chunk_size):
+                return "prefilling slot %d must get 1..%d tokens (pending %d, chunk_size %d), got %d" % (
+                    s, min(sl.n_prompt - sl.n_past, self.chunk_size), sl.n_prompt - sl.n_past,
+                    self.chunk_size, k)
+        else:
+            return "slot %d cannot be scheduled (%s)" % (s, _STATE_BY_VALUE[sl.state].name)
+        if total + k > budget:
+            return "plan exceeds the budget of %d tokens (%d so far)" % (budget, total + k)
+        return None
+
+    cdef int32_t fill_python(self, Batch batch, object strategy, plan_in_t * p) except -1:
+        """Run a Python strategy's plan() and validate it into s_plan_*; returns its length."""
+        cdef int32_t n = 0, s
+        cdef int64_t k, total = 0
+        cdef str why
+        name = strategy_name(strategy)
+        view = TableView.__new__(TableView, _CREATE)
+        (<TableView> view).t = self
+        self.in_plan = True
+        try:
+            result = strategy.plan(view, p.budget, p.chunk_size, p.queue_depth)
+            try:
+                it = iter(result)
+            except TypeError:
+                raise ValueError("strategy %r: plan() returned %r, not an iterable of (slot, n_tokens)"
+                                 % (name, type(result).__name__)) from None
+            memset(self.s_mark, 0, self.n_parallel * sizeof(int32_t))
+            for item in it:
+                try:
+                    a, b = item
+                    a = operator.index(a)
+                    b = operator.index(b)
+                except (TypeError, ValueError):
+                    raise ValueError("strategy %r: plan entry %r is not a (slot, n_tokens) pair of ints"
+                                     % (name, item)) from None
+                if not (0 <= a < self.n_parallel):
+                    raise ValueError("strategy %r: slot %r out of range 0..%d" % (name, a, self.n_parallel - 1))
+                if not (-2**62 < b < 2**62):
+                    raise ValueError("strategy %r: n_tokens %r out of range" % (name, b))
+                s = a
+                k = b
+                why = self.violation(s, k, total, p.budget)
+                if why is not None:
+                    raise ValueError("strategy %r: %s" % (name, why))
+                self.s_mark[s] = 1
+                self.s_plan_slot[n] = s
+                self.s_plan_n[n] = <int32_t> k
+                total += k
+                n += 1
+        finally:
+            self.in_plan = False
+            (<TableView> view).t = None
+        return n
+
+    cpdef int32_t fill(self, Batch batch, object strategy, int32_t n_batch, int32_t queue_depth=0) except -1:
+        """Build this tick's batch in place (cleared first); return its ``n_tokens``.
+
+        ``strategy``: a built-in (fast C path), a name, or any object with ``plan()``.
+        At most ``n_batch`` tokens (``1 <= n_batch <= batch.capacity``). Records the plan
+        and the outputs (``n_outputs``, ``out_slot``, ``out_index``); the slots do not
+        change until ``commit()``. If it raises (a strategy error, an invalid plan), the
+        table and the last fill's record are left unchanged.
+        """
+        cdef plan_in_t p
+        cdef int32_t n, nd
+        cdef Strategy st
+        self.check_idle_api()
+        if self.fill_pending:
+            raise RuntimeError("fill() while the last fill is pending: commit() or rollback() it first")
+        self.empty_fill = False
+        if batch is None:
+            raise TypeError("fill() needs a Batch")
+        if n_batch < 1 or n_batch > batch.capacity_:
+            raise ValueError("n_batch must be in 1..%d (the batch capacity), got %d" % (batch.capacity_, n_batch))
+        if type(strategy) is str:
+            strategy = _BY_NAME.get(strategy) or get_strategy(strategy)
+        p.budget = n_batch
+        p.chunk_size = self.chunk_size
+        p.queue_depth = queue_depth
+        nd = self.gather(&p)
+        if isinstance(strategy, Strategy) and (<Strategy> strategy).native:
+            st = <Strategy> strategy
+            n = st.plan_c(&p, self.s_plan_slot, self.s_plan_n)
+            if LLAMABATCH_DEBUG:
+                self.debug_check_plan(n, &p, strategy)
+        else:
+            n = self.fill_python(batch, strategy, &p)
+        self.apply_plan(batch, n, nd)
+        if LLAMABATCH_DEBUG:
+            self.check_invariants()
+        return batch.c.n_tokens
+
+    cdef int debug_check_plan(self, int32_t n, plan_in_t * p, object strategy) except -1:
+        cdef int32_t e
+        cdef int64_t total = 0
+        cdef str why
+        memset(self.s_mark, 0, self.n_parallel * sizeof(int32_t))
+        for e in range(n):
+            why = self.violation(self.s_plan_slot[e], self.s_plan_n[e], total, p.budget)
+            if why is not None:
+                raise RuntimeError("built-in strategy %r: %s" % (strategy_name(strategy), why))
+            self.s_mark[self.s_plan_slot[e]] = 1
+            total += self.s_plan_n[e]
+        return 0
+
+    cpdef commit(self):
+        """The decode of the last fill succeeded: apply it.
+
+        Positions advance; a DECODE slot and a PREFILL slot whose last prompt token was in
+        the batch move to AWAIT_SAMPLE (their logits are at ``out_index``). The
+        round-robin cursor moves past the last decode slot served if some were left out.
+        """
+        cdef int32_t e, s
+        cdef slot_t * sl
+        self.check_idle_api()
+        if not self.fill_pending:
+            if self.empty_fill:  # nothing was decoded: nothing to apply
+                self.empty_fill = False
+                return
+            raise RuntimeError("commit() without a pending fill")
+        for e in range(self.n_plan):
+            s = self.plan_slot[e]
+            sl = &self.slots[s]
+            if sl.fill_n == 0:  # finished (maybe restarted) since the fill
+                continue
+            if sl.state == ST_DECODE:
+                sl.n_past += 1
+                self.transition(s, ST_AWAIT_SAMPLE)
+            else:
+                sl.n_past += self.plan_n[e]
+                if sl.n_past == sl.n_prompt:
+                    self.transition(s, ST_AWAIT_SAMPLE)
+        self.rr_cursor = self.next_cursor
+        self.fill_pending = False
+        self.n_commits += 1
+        if LLAMABATCH_DEBUG:
+            self.check_invariants()
+
+    cpdef rollback(self):
+        """The decode of the last fill failed: forget the fill (the slots never changed)."""
+        cdef int32_t j
+        self.check_idle_api()
+        if not self.fill_pending:
+            if self.empty_fill:
+                self.empty_fill = False
+                return
+            raise RuntimeError("rollback() without a pending fill")
+        for j in range(self.n_parallel):
+            self.slots[j].fill_n = 0
+        self.n_plan = 0
+        self.n_outputs = 0
+        self.n_decode_tokens = 0
+        self.n_prefill_tokens = 0
+        self.fill_pending = False
+        self.n_rollbacks += 1
+
+    # ------------------------------------------------------------------ outputs, telemetry
+
+    @property
+    def out_slot(self):
+        """int32 view: ``out_slot[i]`` is the slot whose logits are at ``out_index[i]``."""
+        return int32_array(self, self.out_slot_, self.n_outputs, 1)
+
+    @property
+    def out_index(self):
+        """int32 view: batch index of each output's logits (for ``llama_sampler_sample``)."""
+        return int32_array(self, self.out_index_, self.n_outputs, 1)
+
+    def outputs(self):
+        """The last fill's outputs as a list of ``(slot, batch_index)``, in batch order."""
+        cdef int32_t i
+        return [(self.out_slot_[i], self.out_index_[i]) for i in range(self.n_outputs)]
+
+    @property
+    def last_fill_stats(self):
+        """``(n_decode_tokens, n_prefill_tokens)`` of the last fill."""
+        return (self.n_decode_tokens, self.n_prefill_tokens)
+
+    def tokens_in_batch(self, int32_t slot):
+        """Tokens of ``slot`` in the last fill (0 if none)."""
+        self.check_slot(slot)
+        return self.slots[slot].fill_n
+
+    def batch_index(self, int32_t slot):
+        """Batch index of the slot's first token in the last fill, or -1."""
+        self.check_slot(slot)
+        return self.slots[slot].fill_first if self.slots[slot].fill_n else -1
+
+    def plan(self):
+        """The last fill's plan: ``[(slot, n_tokens), ...]`` in batch order."""
+        cdef int32_t e
+        return [(self.plan_slot[e], self.plan_n[e]) for e in range(self.n_plan)]
+
+    @property
+    def decode_cursor(self):
+        """Slot where the round-robin order of decode slots starts next fill."""
+        return self.rr_cursor
+
+    # ------------------------------------------------------------------ per-slot state
+
+    def state(self, int32_t slot):
+        self.check_slot(slot)
+        return _STATE_BY_VALUE[self.slots[slot].state]
+
+    def n_past(self, int32_t slot):
+        """Tokens of the slot already in the KV cache (= its next position)."""
+        self.check_slot(slot)
+        return self.slots[slot].n_past
+
+    def n_pending(self, int32_t slot):
+        """Prompt tokens still to compute (0 unless PREFILL)."""
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        return s.n_prompt - s.n_past if s.state == ST_PREFILL else 0
+
+    def n_prompt(self, int32_t slot):
+        self.check_slot(slot)
+        return self.slots[slot].n_prompt
+
+    def n_generated(self, int32_t slot):
+        """Tokens accepted after the prompt."""
+        self.check_slot(slot)
+        return self.slots[slot].n_hist - self.slots[slot].n_prompt
+
+    def n_reused(self, int32_t slot):
+        """Prompt tokens that were already in the KV cache at start (``n_past`` of start())."""
+        self.check_slot(slot)
+        return self.slots[slot].n_reused
+
+    def room(self, int32_t slot):
+        """How many more tokens the slot's history can hold (``n_ctx_seq - len(history)``)."""
+        self.check_slot(slot)
+        return self.n_ctx_seq - self.slots[slot].n_hist
+
+    def arrival(self, int32_t slot):
+        """Start counter of the slot's request (FIFO order of prompts)."""
+        self.check_slot(slot)
+        return self.slots[slot].arrival
+
+    def history(self, int32_t slot):
+        """A copy of the slot's prompt + accepted tokens (int32 numpy array)."""
+        self.check_slot(slot)
+        return np.array(int32_array(self, self.hist + <size_t> slot * self.n_ctx_seq,
+                                    self.slots[slot].n_hist, 1))
+
+    def common_prefix(self, int32_t slot, tokens):
+        """Length of the common prefix of ``tokens`` and the slot's tokens in the KV cache."""
+        self.check_slot(slot)
+        cdef const int32_t[::1] t = as_int32(tokens)
+        return self._common(slot, &t[0] if t.shape[0] else NULL, t.shape[0])
+
+    cdef int32_t _common(self, int32_t slot, const int32_t * t, Py_ssize_t n) noexcept nogil:
+        cdef int32_t i, m = self.slots[slot].n_past
+        cdef const int32_t * h = self.hist + <size_t> slot * self.n_ctx_seq
+        if n < m:
+            m = <int32_t> n
+        for i in range(m):
+            if h[i] != t[i]:
+                return i
+        return m
+
+    def best_prefix(self, tokens):
+        """``(slot, n)``: the busy slot whose KV cache shares the longest prefix with ``tokens``
+        (``n`` tokens; lowest slot on ties), or ``(-1, 0)``. For ``llama_memory_seq_cp``."""
+        cdef const int32_t[::1] t = as_int32(tokens)
+        cdef int32_t i, c, best = -1, best_n = 0
+        cdef Py_ssize_t n = t.shape[0]
+        if n == 0:
+            return (-1, 0)
+        for i in range(self.n_parallel):
+            if self.slots[i].state != ST_IDLE:
+                c = self._common(i, &t[0], n)
+                if c > best_n:
+                    best, best_n = i, c
+        return (best, best_n)
+
+    def free_slot(self):
+        """The lowest IDLE slot, or -1."""
+        cdef int32_t i
+        for i in range(self.n_parallel):
+            if self.slots[i].state == ST_IDLE:
+                return i
+        return -1
+
+    def count(self, state):
+        """How many slots are in ``state``."""
+        cdef int32_t i, c = 0, st = int(state)
+        for i in range(self.n_parallel):
+            if self.slots[i].state == st:
+                c += 1
+        return c
+
+    @property
+    def n_busy(self):
+        return self.n_parallel - self.count(ST_IDLE)
+
+    def states(self):
+        """A list of every slot's state."""
+        cdef int32_t i
+        return [_STATE_BY_VALUE[self.slots[i].state] for i in range(self.n_parallel)]
+
+    def view(self):
+        """A read-only view of the table (what a user strategy's ``plan`` receives)."""
+        cdef TableView v = TableView.__new__(TableView, _CREATE)
+        v.t = self
+        return v
+
+    def check_invariants(self):
+        """Raise ``AssertionError`` if the table is inconsistent (tests; debug builds check
+        after every fill and commit)."""
+        cdef int32_t i, j
+        cdef slot_t * s
+        in_fifo = [self.fifo[j] for j in range(self.n_fifo)]
+        prefill = [i for i in range(self.n_parallel) if self.slots[i].state == ST_PREFILL]
+        if sorted(in_fifo) != prefill:
+            raise AssertionError("FIFO %r != PREFILL slots %r" % (in_fifo, prefill))
+        arrivals = [self.slots[i].arrival for i in in_fifo]
+        if arrivals != sorted(arrivals):
+            raise AssertionError("FIFO not in arrival order: %r" % arrivals)
+        for i in range(self.n_parallel):
+            s = &self.slots[i]
+            ok = (
+                (s.state == ST_IDLE and s.n_hist == 0 and s.n_past == 0)
+                or (s.state == ST_PREFILL and s.n_hist == s.n_prompt and 0 <= s.n_past < s.n_prompt)
+                or (s.state == ST_AWAIT_SAMPLE and s.n_past == s.n_hist and s.n_hist >= s.n_prompt > 0)
+                or (s.state == ST_DECODE and s.n_past == s.n_hist - 1 and s.n_hist > s.n_prompt > 0)
+            )
+            if not ok or s.n_hist > self.n_ctx_seq:
+                raise AssertionError(
+                    "slot %d inconsistent: state=%s n_prompt=%d n_hist=%d n_past=%d"
+                    % (i, _STATE_BY_VALUE[s.state].name, s.n_prompt, s.n_hist, s.n_past)
+                )
+
+    def __repr__(self):
+        return "<SlotTable n_parallel=%d n_ctx_seq=%d chunk_size=%d busy=%d>" % (
+            self.n_parallel, self.n_ctx_seq, self.chunk_size, self.n_busy
+        )
+
+
+cdef class TableView:
+    """Read-only view of a :class:`SlotTable` (the ``view`` a strategy's plan receives)."""
+
+    def __cinit__(self, *args):
+        if not args or args[0] is not _CREATE:
+            raise TypeError("TableView objects are made by SlotTable; they cannot be created from Python")
+
+    cdef SlotTable table(self):
+        if self.t is None:
+            raise RuntimeError("this view was only valid during plan()")
+        return self.t
+
+    @property
+    def n_parallel(self):
+        return self.table().n_parallel
+
+    @property
+    def decode_slots(self):
+        """DECODE slots in round-robin order (the order the built-ins serve them)."""
+        cdef SlotTable t = self.table()
+        cdef int32_t j, i
+        out = []
+        for j in range(t.n_parallel):
+            i = (t.rr_cursor + j) % t.n_parallel
+            if t.slots[i].state == ST_DECODE:
+                out.append(i)
+        return out
+
+    @property
+    def prefill_slots(self):
+        """PREFILL slots in arrival order (oldest first)."""
+        cdef SlotTable t = self.table()
+        cdef int32_t j
+        return [t.fifo[j] for j in range(t.n_fifo)]
+
+    def state(self, slot):
+        return self.table().state(slot)
+
+    def n_pending(self, slot):
+        return self.table().n_pending(slot)
+
+    def n_past(self, slot):
+        return self.table().n_past(slot)
+
+    def arrival(self, slot):
+        return self.table().arrival(slot)
+
+    def n_generated(self, slot):
+        return self.table().n_generated(slot)
