@@ -1,8 +1,8 @@
 """Shared test configuration.
 
 Hypothesis profiles, chosen by the ``HYPOTHESIS_PROFILE`` environment variable:
-``dev`` (default, modest) and ``ci`` (the default when ``CI`` is set; more examples; the core tests stay within about a
-minute on 2 cores).
+``dev`` (default, modest) and ``ci`` (the default when ``CI`` is set; more examples; the
+core tests stay within about a minute on 2 cores).
 """
 
 from __future__ import annotations
