@@ -60,6 +60,14 @@ class EmbedPackEvent:
     queue_wait: float
     decode_time: float
     retries: int
+    #: distinct calls (``embed``/``aembed``) whose texts share the pack
+    callers: int = 1
+    #: ``llama_decode`` calls the pack took (1 + retries after failures)
+    decodes: int = 1
+    #: texts of the pack that failed (could not be decoded even alone)
+    failed: int = 0
+    #: tokens still queued when the pack was taken
+    pending_tokens: int = 0
 
 
 Listener = Callable[[Any], None]

@@ -47,6 +47,11 @@ def check_decode(code: int, what: str = "llama_decode") -> None:
         raise error
 
 
+def max_parallel_sequences() -> int:
+    """llama.cpp's upper bound on ``n_seq_max`` (``LLAMA_MAX_SEQ``)."""
+    return int(lib.llama_max_parallel_sequences())
+
+
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -123,6 +128,9 @@ class Context:
         self._ptr = ffi.gc(ptr, lib.llama_free)
         model._register_context(self)
         self._memory = lib.llama_get_memory(ptr)
+        # False for models llama.cpp runs without KV memory (BERT-like encoders): a whole
+        # batch must then fit in one ubatch, or llama.cpp aborts the process.
+        self.has_memory: bool = self._memory != ffi.NULL
         # A C-level flag read by llama.cpp between graph nodes (CPU backend): abort()
         # makes a running or the next llama_decode return 2 without touching Python.
         self._abort_flag = ffi.new("int *", 0)
