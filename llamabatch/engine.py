@@ -26,7 +26,6 @@ import numpy as np
 from llamabatch._core.batch import BatchPool
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._core.strategies import DecodeMaximal, get_strategy
-from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.context import DECODE_NO_KV_SLOT, Context, decode_error
 from llamabatch._ffi.model import Model
 from llamabatch.errors import EngineClosed, QueueFull
@@ -74,12 +73,9 @@ class Engine:
         self._cond = threading.Condition()
         self._cancel_pending = False
         self._closing = False
-        self._ctx_ptr = context.ptr
         self._n_vocab = model.n_vocab
         # Per-token lookups, filled once: end-of-generation flags and piece bytes.
-        self._eog = np.array(
-            [lib.llama_vocab_is_eog(model.vocab, t) for t in range(model.n_vocab)], dtype=bool
-        )
+        self._eog = model.eog_flags()
         self._pieces: list[bytes | None] = [None] * model.n_vocab
         self._pieces_special: list[bytes | None] = [None] * model.n_vocab
         supported = not (model.is_recurrent or model.is_hybrid or not context.kv_unified)
@@ -332,20 +328,28 @@ class Engine:
         ]
 
     def _sample_outputs(self) -> None:
+        """Sample every output of the tick: plain greedy requests take the argmax of their
+        logits row (numpy, no copy), the others run their own llama.cpp sampler chain."""
         table = self.table
-        out_slot, out_index = table.out_slot, table.out_index
-        ctx_ptr = self._ctx_ptr
-        sample = lib.llama_sampler_sample
+        outputs = table.outputs()  # [(slot, batch index)], in batch order
+        slots = self.slots
+        greedy = None
+        if any(slots[slot].fast_greedy for slot, _ in outputs):
+            # Output rows are stored in batch order, which is the order of ``outputs``.
+            logits = self.context.logits_rows(len(outputs))
+            greedy = logits.argmax(axis=1).tolist()
         now = time.perf_counter()
-        for i in range(table.n_outputs):
-            slot = out_slot[i]
-            idx = out_index[i]
-            request = self.slots[slot]
+        context = self.context
+        for row, (slot, idx) in enumerate(outputs):
+            request = slots[slot]
             if request.pin is not None:  # a prefix to pin: computed, nothing to sample
                 self.prefix_cache.pin(request.pin, slot)
                 self._finish(slot, "stop")
                 continue
-            token = sample(request.sampler._ptr, ctx_ptr, idx)
+            if request.fast_greedy:
+                token = greedy[row]
+            else:
+                token = request.sampler.sample(context, idx)
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
             self._on_token(slot, request, token, now)
@@ -380,8 +384,7 @@ class Engine:
         return piece
 
     def _logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
-        ptr = lib.llama_get_logits_ith(self._ctx_ptr, idx)
-        logits = np.frombuffer(ffi.buffer(ptr, 4 * self._n_vocab), dtype=np.float32).astype(np.float64)
+        logits = self.context.logits_view(idx).astype(np.float64)
         peak = logits.max()
         logsumexp = peak + np.log(np.exp(logits - peak).sum())
         out: dict[int, float] = {}

@@ -200,6 +200,9 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
         batches = [self._make_requests(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        for requests in batches:
+            for request in requests:
+                request.streaming = False  # only the results are wanted: no per-token deltas
         handles = []
         try:
             for requests in batches:

@@ -54,7 +54,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per streamed token, and frozen init is slow
 class Delta:
     """One streamed piece of a completion: new text and tokens; the last one carries
     ``finish_reason`` and the full ``output``."""

@@ -36,6 +36,7 @@ class Request:
         "cancel_requested",
         "detok",
         "error",
+        "fast_greedy",
         "finish_reason",
         "group",
         "index",
@@ -52,6 +53,7 @@ class Request:
         "stop_matcher",
         "stop_reason",
         "stream",
+        "streaming",
         "t_admitted",
         "t_first_token",
         "t_submitted",
@@ -79,6 +81,17 @@ class Request:
         self.error: str | None = None
         self.output: CompletionOutput | None = None
         self.stream: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: deliver per-token deltas (off for callers that only wait for the result)
+        self.streaming = True
+        #: plain greedy with no state in the sampler chain: the engine takes the argmax
+        self.fast_greedy = (
+            params.greedy
+            and not params.logit_bias
+            and params.grammar is None
+            and params.repeat_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0
+        )
         self._done = threading.Event()
         self._listeners: list[Any] = []
         self._loop_queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
@@ -94,8 +107,8 @@ class Request:
         """Deliver a delta (engine thread)."""
         if text:
             self.text_parts.append(text)
-        if text or tokens:
-            self._deliver(Delta(self.request_id, text, tokens, index=self.index))
+        if self.streaming:
+            self._deliver(Delta(self.request_id, text, tokens, None, None, self.index))
 
     def finish(
         self, reason: FinishReason, error: str | None = None, stop_reason: str | int | None = None

@@ -221,9 +221,22 @@ class Context:
             raise IndexError(f"no logits at batch index {i}")
         return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32).copy()
 
-    def logits_ptr(self, i: int):
-        """The raw ``float *`` of output ``i`` (valid until the next decode)."""
-        return lib.llama_get_logits_ith(self.ptr, i)
+    def logits_rows(self, n_rows: int) -> np.ndarray:
+        """The last decode's output logits as an ``(n_rows, n_vocab)`` view, rows in batch
+        order (no copy: valid until the next decode)."""
+        ptr = lib.llama_get_logits(self.ptr)
+        if ptr == ffi.NULL:
+            raise IndexError("no logits from the last decode")
+        buf = ffi.buffer(ptr, 4 * n_rows * self.model.n_vocab)
+        return np.frombuffer(buf, dtype=np.float32).reshape(n_rows, self.model.n_vocab)
+
+    def logits_view(self, i: int) -> np.ndarray:
+        """The logits at batch index ``i`` of the last decode, as a view (no copy: valid
+        until the next decode)."""
+        ptr = lib.llama_get_logits_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise IndexError(f"no logits at batch index {i}")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32)
 
     def embeddings_seq(self, seq_id: int, n: int | None = None) -> np.ndarray | None:
         """A copy of the pooled embedding of ``seq_id`` (``n`` floats: n_embd, or n_cls_out

@@ -262,6 +262,11 @@ class Model:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
         return bool(lib.llama_vocab_is_eog(self.vocab, token))
 
+    def eog_flags(self) -> bytearray:
+        """One byte per token id: 1 for end-of-generation tokens (a fast per-token lookup)."""
+        vocab = self.vocab
+        return bytearray(lib.llama_vocab_is_eog(vocab, t) for t in range(self.n_vocab))
+
     def is_control(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_control(self.vocab, token))
 

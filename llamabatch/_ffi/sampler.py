@@ -8,6 +8,8 @@ from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.params import SamplingParams
 
+_sample = lib.llama_sampler_sample
+
 
 class SamplerChain:
     """One request's sampler chain; it keeps its own state (penalty window, grammar, RNG).
@@ -77,7 +79,7 @@ class SamplerChain:
     def sample(self, context, idx: int) -> int:
         """Sample from the logits at batch index ``idx`` of ``context``'s last decode; the
         chosen token is accepted into the chain's state."""
-        return lib.llama_sampler_sample(self.ptr, context.ptr, idx)
+        return _sample(self._ptr, context._ptr, idx)
 
     def accept(self, token: int) -> None:
         lib.llama_sampler_accept(self.ptr, token)
