@@ -30,8 +30,10 @@ from the same prompt token ids, so the work is identical. Metrics per run (see
 - ``total_tokens_per_s``: (prompt + generated tokens) / wall time;
 - ``gen_tokens_per_s``: generated tokens / wall time (the aggregate generation rate);
 - ``prompt_tokens_per_s``: prompt tokens / ``t_pp``, the time until every request had its
-  first token (the prefill phase);
+  first token (the prefill phase; for the sequential runner, the sum of its requests'
+  prefill times); batched workload only;
 - ``decode_tokens_per_s``: tokens generated after the first / (wall time - ``t_pp``);
+  batched workload only;
 - time to first token (from each request's arrival) and inter-token latency (gaps between
   consecutive tokens of a request) percentiles, in milliseconds;
 - for the engine and the raw loop: the time spent inside ``llama_decode`` and the share of
@@ -40,6 +42,7 @@ from the same prompt token ids, so the work is identical. Metrics per run (see
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import queue
@@ -108,8 +111,9 @@ class BenchConfig:
         strategy: the engine's batching strategy.
         flash_attn: flash attention on or off (llama-cpp-python only takes a bool).
         n_parallel: the engine's slots; ``None``: ``npl`` (batched) or 16 (mixed).
-        stream: consume the engine's requests as streams to time every token (inter-token
-            latency); without it ITL is each request's mean gap.
+        stream: consume the engine's requests as streams, a thread each, and time every
+            delta (see :class:`EngineRunner`); without it the inter-token latency comes from
+            the engine's tick events.
         warmup: run a few tokens through each runner before timing it.
         seed: the seed of the prompts and of the mixed workload's arrivals.
         prefix_cache: let the engine reuse cached prompt prefixes (off by default: the raw
@@ -125,7 +129,7 @@ class BenchConfig:
     strategy: str = "decode_maximal"
     flash_attn: bool = False
     n_parallel: int | None = None
-    stream: bool = True
+    stream: bool = False
     warmup: bool = True
     seed: int = 0
     prefix_cache: bool = False
@@ -338,6 +342,9 @@ class RunResult:
             "e2e_p90_ms": e2e[1],
             "e2e_p99_ms": e2e[2],
         }
+        if self.workload == "mixed":
+            # Requests overlap at random: there are no prefill and decode phases to time.
+            row.update(t_pp_s=None, t_tg_s=None, prompt_tokens_per_s=None, decode_tokens_per_s=None)
         if self.rate is not None:
             row["rate"] = self.rate
         if self.decode_time is not None:
@@ -399,7 +406,16 @@ def _wait_until(t: float) -> None:
 
 
 class EngineRunner:
-    """The llamabatch engine (:class:`llamabatch.LLM`) with ``n_parallel`` slots."""
+    """The llamabatch engine (:class:`llamabatch.LLM`) with ``n_parallel`` slots.
+
+    Inter-token latency comes from the engine's tick events unless ``config.stream``: every
+    token sampled for a sequence that already had one (a tick's ``decode_tokens``) is
+    counted with the time since the previous tick ended. That is exact when every
+    generating sequence decodes every tick (``decode_maximal``, the default, with
+    ``n_batch >= n_parallel``) and costs nothing. With ``config.stream`` each request is
+    consumed as a stream by a thread of its own that timestamps every delta: the latency a
+    streaming client sees, at the price of those threads.
+    """
 
     name = ENGINE
 
@@ -426,6 +442,13 @@ class EngineRunner:
             max_queue=1 << 20,
             **extra,
         )
+        self._ticks: list[tuple[float, int]] = []
+        self.llm.add_listener(self._on_event)
+
+    def _on_event(self, event: Any) -> None:
+        decode_tokens = getattr(event, "decode_tokens", None)
+        if decode_tokens is not None:  # a TickEvent
+            self._ticks.append((time.perf_counter(), decode_tokens))
 
     def warmup(self, tokens: Sequence[int]) -> None:
         """A few tokens through the engine (pages the weights in, builds the graphs)."""
@@ -439,10 +462,8 @@ class EngineRunner:
     ) -> RunResult:
         """Serve ``requests``, each submitted at its arrival time; wait for all of them.
 
-        Streaming (``config.stream``): every request is consumed as a stream by a thread of
-        its own (started before the clock) that timestamps each token. Otherwise requests
-        that all arrive at 0 go through one ``LLM.generate`` call (they reach the engine
-        together) and the inter-token latency is each request's mean gap."""
+        Requests that all arrive at 0 (the batched workload) go through one
+        ``LLM.generate`` call, so they reach the engine together, unless streaming."""
         from llamabatch import SamplingParams
 
         llm = self.llm
@@ -451,6 +472,7 @@ class EngineRunner:
             for m in {r.max_tokens for r in requests}
         }
         stream = self.config.stream and len(requests) <= _MAX_STREAM_THREADS
+        self._ticks.clear()
         before = llm.stats()
         if not stream and all(r.arrival == 0 for r in requests):
             submitted, stamps, outputs, start = self._run_generate(requests, params)
@@ -472,14 +494,16 @@ class EngineRunner:
             counts.append(len(out.token_ids))
             if stream:
                 itl.extend(np.diff(stamps[i]).tolist())
-            elif len(out.token_ids) > 1:
-                itl.append((out.timings.total - ttft) / (len(out.token_ids) - 1))
+        if not stream:
+            ticks = list(self._ticks)
+            for (t_prev, _), (t, n_decode) in itertools.pairwise(ticks):
+                itl.extend([t - t_prev] * n_decode)
         result = _finish(self.name, workload, requests, first, end, counts, itl, start, npl, rate)
         result.decode_time = after["decode_time_s"] - before["decode_time_s"]
         result.tick_time = after["tick_time_s"] - before["tick_time_s"]
         result.ticks = after["ticks"] - before["ticks"]
-        if not stream:
-            result.notes.append("itl: per-request mean gap (not streamed)")
+        if stream:
+            result.notes.append("itl: streamed (a consumer thread per request)")
         return result
 
     def _run_generate(
@@ -1161,7 +1185,7 @@ def run_cli(args: Any) -> int:
         strategy=args.strategy,
         flash_attn=args.flash_attn == "on",
         n_parallel=args.n_parallel,
-        stream=not args.no_stream,
+        stream=args.stream,
         warmup=not args.no_warmup,
         seed=args.seed,
         prefix_cache=args.prefix_cache,
