@@ -564,9 +564,10 @@ class RawRunner:
 
     Prefill: every sequence's prompt, packed into batches of up to ``n_batch`` tokens, the
     last prompt token of each sequence requesting logits; the first token of each sequence
-    is sampled right after the decode that held its last prompt token. Then ``ntg - 1``
-    decode steps of one token per sequence, sampled greedily by one sampler chain per
-    sequence (as the engine does). No detokenization, stop checks or delivery.
+    is chosen right after the decode that held its last prompt token. Then ``ntg - 1``
+    decode steps of one token per sequence. Greedy: the argmax of each output's logits row
+    (``Context.logits_rows``, as the engine does for greedy requests). No detokenization,
+    stop checks or delivery.
     """
 
     name = RAW
@@ -617,17 +618,12 @@ class RawRunner:
         self, requests: Sequence[BenchRequest], workload: str, npl: int, rate: float | None = None
     ) -> RunResult:
         """Run the static batch of ``requests`` (all must have the same ``max_tokens``)."""
-        from llamabatch import SamplingParams
-        from llamabatch._ffi.sampler import SamplerChain
-
         n = len(requests)
         if n > self.n_seq:
             raise ValueError(f"{n} sequences but the context has n_seq_max={self.n_seq}")
         ntg = requests[0].max_tokens
         if any(r.max_tokens != ntg for r in requests):
             raise ValueError("the raw runner needs one ntg for every sequence (a static batch)")
-        greedy = SamplingParams(max_tokens=ntg, temperature=0, ignore_eos=True)
-        samplers = [SamplerChain(self.model, greedy) for _ in range(n)]
         context, batch, capacity = self.context, self.batch, self.config.n_batch
         context.memory_clear()
         decode_time = 0.0
@@ -647,7 +643,7 @@ class RawRunner:
                 if batch.n_tokens == capacity:
                     decode_time += self._decode()
                     ticks += 1
-                    self._sample_finals(samplers, finals, current, first)
+                    self._sample_finals(finals, current, first)
                     finals.clear()
                     batch.clear()
                 if pos == last:
@@ -655,7 +651,7 @@ class RawRunner:
                 batch.add(token, pos, s, pos == last)
         decode_time += self._decode()
         ticks += 1
-        self._sample_finals(samplers, finals, current, first)
+        self._sample_finals(finals, current, first)
         # Generation: ntg - 1 steps of one token per sequence, every one an output.
         positions = [len(r.prompt) for r in requests]
         for _ in range(ntg - 1):
@@ -665,12 +661,9 @@ class RawRunner:
                 positions[s] += 1
             decode_time += self._decode()
             ticks += 1
-            for s in range(n):
-                current[s] = samplers[s].sample(context, s)
+            current = context.logits_rows(n).argmax(axis=1).tolist()
             step_times.append(time.perf_counter())
         end_time = time.perf_counter()
-        for sampler in samplers:
-            sampler.close()
         context.memory_clear()
 
         itl: list[float] = []
@@ -688,11 +681,11 @@ class RawRunner:
         result.tick_time = end_time - start
         return result
 
-    def _sample_finals(
-        self, samplers: list[Any], finals: list[tuple[int, int]], current: list[int], first: list[float]
-    ) -> None:
-        for s, idx in finals:
-            current[s] = samplers[s].sample(self.context, idx)
+    def _sample_finals(self, finals: list[tuple[int, int]], current: list[int], first: list[float]) -> None:
+        # The batch's outputs are exactly the sequences' last prompt tokens, in batch order.
+        tokens = self.context.logits_rows(len(finals)).argmax(axis=1).tolist()
+        for (s, _), token in zip(finals, tokens, strict=True):
+            current[s] = token
         now = time.perf_counter()
         for s, _ in finals:
             first[s] = now
