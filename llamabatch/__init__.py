@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llamabatch.embedder import Embedder
 from llamabatch.errors import (
     ContextError,
     DecodeError,
@@ -27,6 +28,7 @@ __all__ = [
     "ContextError",
     "DecodeError",
     "Delta",
+    "Embedder",
     "EngineClosed",
     "KVCacheFull",
     "LlamaBatchError",
