@@ -333,7 +333,7 @@ class Engine:
         table = self.table
         outputs = table.outputs()  # [(slot, batch index)], in batch order
         slots = self.slots
-        greedy = None
+        greedy: list[int] = []
         if any(slots[slot].fast_greedy for slot, _ in outputs):
             # Output rows are stored in batch order, which is the order of ``outputs``.
             logits = self.context.logits_rows(len(outputs))

@@ -187,19 +187,20 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Generate for every prompt concurrently; outputs in input order (for ``n > 1``, a
         prompt's completions follow each other)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompt_list: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        params_list: list[SamplingParams | None]
         if isinstance(params, SamplingParams) or params is None:
-            params_list = [params] * len(prompts)
+            params_list = [params] * len(prompt_list)
         else:
             params_list = list(params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
         engine = self.engine
-        batches = [self._make_requests(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        batches = [self._make_requests(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
         for requests in batches:
             for request in requests:
                 request.streaming = False  # only the results are wanted: no per-token deltas
