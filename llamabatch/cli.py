@@ -252,7 +252,9 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="off")
     p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
-    p.add_argument("--repeat", type=int, default=1, help="runs per point; the median is reported")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs per point, interleaved; the fastest is reported"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stream",
