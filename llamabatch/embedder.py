@@ -174,12 +174,15 @@ class Embedder:
             GGUF declares, or ``"mean"`` when it declares nothing. ``"none"`` makes ``embed``
             return one ``(n_tokens, n_embd)`` array per text; ``"rank"`` returns the scores of
             a reranker's classification head (no normalisation).
-        normalize: ``"l2"`` (default), ``"none"`` or ``"max_abs"`` (also ``True``/``False``).
+        normalize: ``"l2"`` (default), ``"none"`` or ``"max_abs"`` (also ``True``/``False``);
+            applied to every vector returned (with pooling ``"none"``: every token's), never to
+            rank scores. All-zero vectors stay zero.
         truncate: cut texts longer than the per-text limit (keeping the model's trailing special
             token, e.g. BERT's ``[SEP]``) instead of raising ``PromptTooLong``.
         n_threads: CPU threads for llama.cpp (default: all cores).
-        flash_attn: ``True`` (default: much faster for packed encoders on CPU, since masked
-            attention blocks are skipped), ``False``, or ``"auto"``/``None``.
+        flash_attn: ``"auto"`` (default: llama.cpp enables it where the backend supports it,
+            as the CPU does), ``True``, ``False``; ``None`` means ``"auto"``. On CPU flash
+            attention skips the masked-out pairs of a pack: about 3x the texts/s of ``False``.
         n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
         kv_unified: one KV buffer for all sequences (default). ``False`` gives each sequence
             only ``n_ctx / n_seq_max`` cells (a text that does not fit in them fails with
@@ -210,7 +213,7 @@ class Embedder:
         normalize: str | bool = "l2",
         truncate: bool = False,
         n_threads: int | None = None,
-        flash_attn: bool | str | None = True,
+        flash_attn: bool | str | None = "auto",
         n_gpu_layers: int = 0,
         kv_unified: bool = True,
         load_mode: str = "mmap",

