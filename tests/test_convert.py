@@ -43,7 +43,7 @@ def sentences() -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="session", params=["f16", "f32"])
+@pytest.fixture(scope="session", params=["f16", "bf16", "f32"])
 def minilm_gguf(request: pytest.FixtureRequest, model_dir: Path) -> Path:
     """The converted GGUF (cached across sessions under $LLAMABATCH_CACHE_DIR)."""
     return cached_conversion(model_dir, dtype=request.param)
