@@ -252,6 +252,12 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
     )
     p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="off")
+    p.add_argument(
+        "--kv-unified",
+        choices=("on", "off"),
+        default="on",
+        help="one KV buffer for all sequences (default, as LLM) or one per sequence",
+    )
     p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
     p.add_argument(
         "--repeat", type=int, default=1, help="runs per point, interleaved; the fastest is reported"

@@ -57,10 +57,10 @@ def test_bench_cli_json_raw_and_llama_cpp_python(tiny_path, capsys):
 
 def test_bench_cli_table(tiny_path, capsys):
     argv = ["bench", "-m", str(tiny_path), "--npl", "2", "--npp", "8", "--ntg", "4", "-t", "2", "--raw"]
-    assert main([*argv, "--no-progress", "--stream"]) == 0
+    assert main([*argv, "--no-progress", "--stream", "--kv-unified", "off", "-fa", "on"]) == 0
     out = capsys.readouterr().out
     assert "llamabatch |" in out and "raw |" in out
-    assert "S t/s" in out and "TTFT p50" in out
+    assert "S t/s" in out and "TTFT p50" in out and "kv_unified off" in out
     assert "llamabatch vs" in out  # the ratio table
 
 

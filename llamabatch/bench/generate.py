@@ -118,6 +118,9 @@ class BenchConfig:
         seed: the seed of the prompts and of the mixed workload's arrivals.
         prefix_cache: let the engine reuse cached prompt prefixes (off by default: the raw
             loop recomputes every prompt; the prompts of a workload share no prefix anyway).
+        kv_unified: one KV buffer shared by all sequences (llamabatch's default), or a
+            stream per sequence, whose attention then spans only its own cells (the engine
+            and the raw loop).
     """
 
     model: Path
@@ -133,6 +136,7 @@ class BenchConfig:
     warmup: bool = True
     seed: int = 0
     prefix_cache: bool = False
+    kv_unified: bool = True
 
     @property
     def threads(self) -> int:
@@ -267,9 +271,13 @@ def mixed_requests(
     return [BenchRequest(p, mix[k][1], t) for p, k, t in zip(prompts, kinds, arrivals, strict=True)]
 
 
-def _auto_n_ctx(requests: Sequence[BenchRequest], n_parallel: int) -> int:
-    """A KV cache that holds the ``n_parallel`` longest requests at once (multiple of 256)."""
+def _auto_n_ctx(requests: Sequence[BenchRequest], n_parallel: int, unified: bool = True) -> int:
+    """A KV cache that holds the ``n_parallel`` longest requests at once (multiple of 256).
+    Without a unified KV cache every sequence gets ``n_ctx / n_parallel`` cells of its own,
+    so each must hold the longest request."""
     lengths = sorted((len(r.prompt) + r.max_tokens for r in requests), reverse=True)
+    if not unified:
+        return n_parallel * max(256, -(-lengths[0] // 256) * 256)
     need = sum(lengths[:n_parallel])
     return max(256, -(-need // 256) * 256)
 
@@ -427,8 +435,15 @@ class EngineRunner:
         self.config = config
         self.n_parallel = n_parallel
         extra: dict[str, Any] = {}
-        if "prefix_cache" in inspect.signature(LLM).parameters:
+        accepted = inspect.signature(LLM).parameters
+        if "prefix_cache" in accepted:
             extra["prefix_cache"] = config.prefix_cache
+        if "max_prefixes" in accepted and not config.prefix_cache:
+            extra["max_prefixes"] = 0  # no pinned-prefix sequences: n_seq_max = n_parallel
+        if "kv_unified" in accepted:
+            extra["kv_unified"] = config.kv_unified
+        elif not config.kv_unified:
+            raise ValueError("this llamabatch has no kv_unified option")
         self.llm = LLM(
             config.model,
             n_ctx=n_ctx,
@@ -589,7 +604,7 @@ class RawRunner:
                 n_seq_max=n_seq,
                 n_threads=config.threads,
                 flash_attn=config.flash_attn,
-                kv_unified=True,
+                kv_unified=config.kv_unified,
             )
         except BaseException:
             self.model.close()
@@ -857,13 +872,14 @@ def run_batched(
     try:
         for npp, ntg, npl, requests in grid:
             n_parallel = config.n_parallel or npl
-            n_ctx = config.n_ctx or _auto_n_ctx(requests, n_parallel)
+            n_ctx = config.n_ctx or _auto_n_ctx(requests, n_parallel, config.kv_unified)
             live: dict[str, Any] = {}
             try:
                 if ENGINE in runners:
                     live[ENGINE] = EngineRunner(config, n_parallel, n_ctx)
                 if RAW in runners:
-                    live[RAW] = RawRunner(config, npl, config.n_ctx or _auto_n_ctx(requests, npl))
+                    n_ctx_raw = config.n_ctx or _auto_n_ctx(requests, npl, config.kv_unified)
+                    live[RAW] = RawRunner(config, npl, n_ctx_raw)
                 if lcp is not None:
                     live[LLAMA_CPP_PYTHON] = lcp
                 if config.warmup:
@@ -908,7 +924,7 @@ def run_mixed(
         vocab.close()
     warm_tokens = _warm_prompt([r for _, reqs in workloads for r in reqs])
     n_parallel = config.n_parallel or 16
-    n_ctx = config.n_ctx or max(_auto_n_ctx(reqs, n_parallel) for _, reqs in workloads)
+    n_ctx = config.n_ctx or max(_auto_n_ctx(reqs, n_parallel, config.kv_unified) for _, reqs in workloads)
     live: dict[str, Any] = {}
     results: list[RunResult] = []
     try:
@@ -1182,6 +1198,7 @@ def run_cli(args: Any) -> int:
         warmup=not args.no_warmup,
         seed=args.seed,
         prefix_cache=args.prefix_cache,
+        kv_unified=args.kv_unified == "on",
     )
     runners = [ENGINE]
     if args.raw:
@@ -1220,7 +1237,7 @@ def run_cli(args: Any) -> int:
     rows = [r.row() for r in results]
     for row in rows:
         row.update(model=model.name, n_threads=config.threads, flash_attn=config.flash_attn)
-        row.update(n_batch=config.n_batch, strategy=config.strategy)
+        row.update(n_batch=config.n_batch, strategy=config.strategy, kv_unified=config.kv_unified)
     ratios = ratio_rows(rows)
     if args.json:
         for line in iter_json_lines(rows):
@@ -1229,6 +1246,7 @@ def run_cli(args: Any) -> int:
         print(
             f"model {model.name} | threads {config.threads} | n_batch {config.n_batch} | "
             f"strategy {config.strategy} | flash_attn {'on' if config.flash_attn else 'off'} | "
+            f"kv_unified {'on' if config.kv_unified else 'off'} | "
             f"workload {args.workload}"
             + (
                 f" ({args.requests} requests, mix {args.mix or 'default'})"
