@@ -9,7 +9,7 @@ One class per operation, ``params`` over the models, all preparation in ``setup`
   ``(tick_time - decode_time) / ticks``) and the share of wall time outside it, at 8 and 64
   slots;
 - ``PeakMemory``: peak RSS of loading a model and serving a batch;
-- ``MemoryGrowth``: RSS growth from 100 to 2,000 requests (tiny model).
+- ``MemoryGrowth``: RSS after 2,000 requests over RSS after 100 (tiny model).
 
 Workloads are scaled so each run takes seconds. Threads: ``$LLAMABATCH_BENCH_THREADS``
 (default: all cores).
@@ -214,13 +214,15 @@ class PeakMemory:
 
 
 class MemoryGrowth:
-    """RSS after 2,000 short requests against RSS after 100 (tiny model): must stay flat."""
+    """RSS after 2,000 short requests against RSS after 100 (tiny model): must stay flat
+    (``tests/test_bench.py`` fails above 1.05)."""
 
     timeout = 300
 
-    def track_rss_growth_100_to_2000_percent(self) -> float:
-        """(RSS after 2,000 requests / RSS after 100 - 1), in percent."""
+    def track_rss_ratio_2000_vs_100(self) -> float:
+        """RSS after 2,000 requests / RSS after 100 (a ratio near 1, so that asv's relative
+        comparison of two commits flags real growth, not noise on a near-zero percentage)."""
         rss = rss_after_requests("tiny", (100, 2000), n_threads=_threads())
-        return (rss[2000] / rss[100] - 1.0) * 100
+        return rss[2000] / rss[100]
 
-    track_rss_growth_100_to_2000_percent.unit = "%"  # type: ignore[attr-defined]
+    track_rss_ratio_2000_vs_100.unit = "ratio"  # type: ignore[attr-defined]
