@@ -251,7 +251,9 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
     )
-    p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="off")
+    p.add_argument(
+        "-fa", "--flash-attn", choices=("on", "off"), default="off", help="default off (llama-cpp-python's)"
+    )
     p.add_argument(
         "--kv-unified",
         choices=("on", "off"),
