@@ -243,3 +243,13 @@ def test_installed_package_imports_from_any_directory(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+
+
+def test_vocab_only_model_tokenizes_and_reports_shape(tiny_path, reference):
+    with Model(tiny_path, vocab_only=True) as model:
+        spec = testing.PRESETS["tiny"]
+        assert (model.n_vocab, model.n_embd, model.n_layer) == (spec.n_vocab, spec.n_embd, spec.n_layer)
+        assert model.tokenize("hello world") == reference.tokenize(b"hello world")
+        assert "vocabulary only" in model.description
+        with pytest.raises(ValueError, match="vocab_only"):
+            Context(model)

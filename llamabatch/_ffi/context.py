@@ -82,6 +82,10 @@ class Context:
         no_perf: bool = False,
     ) -> None:
         self._ptr = ffi.NULL
+        if model.vocab_only:
+            raise ValueError(
+                f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with"
+            )
         _positive("n_ctx", n_ctx)
         _positive("n_batch", n_batch)
         n_ubatch = n_batch if n_ubatch is None else n_ubatch

@@ -112,20 +112,32 @@ class Model:
         self._vocab = lib.llama_model_get_vocab(ptr)
         self.vocab_only = vocab_only
         self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
-        self.n_embd: int = lib.llama_model_n_embd(ptr)
-        self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
-        self.n_layer: int = lib.llama_model_n_layer(ptr)
-        self.n_head: int = lib.llama_model_n_head(ptr)
-        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr)
-        self.size: int = lib.llama_model_size(ptr)
-        self.n_params: int = lib.llama_model_n_params(ptr)
-        self.description: str = _read_str(lib.llama_model_desc, ptr)
         self.architecture: str = self.meta("general.architecture") or ""
-        self.has_encoder: bool = bool(lib.llama_model_has_encoder(ptr))
-        self.has_decoder: bool = bool(lib.llama_model_has_decoder(ptr))
-        self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr))
-        self.is_hybrid: bool = bool(lib.llama_model_is_hybrid(ptr))
-        self.n_cls_out: int = lib.llama_model_n_cls_out(ptr)
+        if vocab_only:
+            # Without weights llama.cpp has no hyperparameters to report: some getters
+            # abort the process. Read what the GGUF says instead.
+            self.n_embd = self._meta_int("embedding_length")
+            self.n_ctx_train = self._meta_int("context_length")
+            self.n_layer = self._meta_int("block_count")
+            self.n_head = self._meta_int("attention.head_count")
+            self.n_head_kv = self._meta_int("attention.head_count_kv") or self.n_head
+            self.size = self.n_params = self.n_cls_out = 0
+            self.description = f"{self.architecture} (vocabulary only)"
+            self.has_encoder = self.has_decoder = self.is_recurrent = self.is_hybrid = False
+        else:
+            self.n_embd = lib.llama_model_n_embd(ptr)
+            self.n_ctx_train = lib.llama_model_n_ctx_train(ptr)
+            self.n_layer = lib.llama_model_n_layer(ptr)
+            self.n_head = lib.llama_model_n_head(ptr)
+            self.n_head_kv = lib.llama_model_n_head_kv(ptr)
+            self.size = lib.llama_model_size(ptr)
+            self.n_params = lib.llama_model_n_params(ptr)
+            self.description = _read_str(lib.llama_model_desc, ptr)
+            self.has_encoder = bool(lib.llama_model_has_encoder(ptr))
+            self.has_decoder = bool(lib.llama_model_has_decoder(ptr))
+            self.is_recurrent = bool(lib.llama_model_is_recurrent(ptr))
+            self.is_hybrid = bool(lib.llama_model_is_hybrid(ptr))
+            self.n_cls_out = lib.llama_model_n_cls_out(ptr)
         tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
         self.chat_template: str | None = (
             ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None
@@ -191,6 +203,13 @@ class Model:
             if n < buf_size:
                 return ffi.string(buf, n).decode("utf-8", "replace")
             buf_size = n + 1
+
+    def _meta_int(self, key: str) -> int:
+        value = self.meta(f"{self.architecture}.{key}")
+        try:
+            return int(value) if value is not None else 0
+        except ValueError:
+            return 0
 
     def metadata(self) -> dict[str, str]:
         """Every GGUF metadata key and value (arrays are summarised by llama.cpp)."""
