@@ -78,15 +78,12 @@ class Engine:
         self._eog = model.eog_flags()
         self._pieces: list[bytes | None] = [None] * model.n_vocab
         self._pieces_special: list[bytes | None] = [None] * model.n_vocab
-        supported = not (model.is_recurrent or model.is_hybrid or not context.kv_unified)
+        supported = not (model.is_recurrent or model.is_hybrid)
         if prefix_cache and not supported:
             logger.warning(
-                "llamabatch: prefix reuse switched off: %s, partial KV copies are unsupported",
-                f"{model.path.name} has recurrent memory"
-                if model.is_recurrent
-                else f"{model.path.name} has hybrid memory"
-                if model.is_hybrid
-                else "the KV cache is not unified (kv_unified=False)",
+                "llamabatch: prefix reuse switched off: %s has %s memory, its KV cannot be copied in part",
+                model.path.name,
+                "recurrent" if model.is_recurrent else "hybrid",
             )
         self.prefix_cache = PrefixCache(
             context, self.table, n_parallel, n_pinned_max, prefix_cache, supported

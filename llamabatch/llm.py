@@ -50,8 +50,11 @@ class LLM:
         prefix_cache: reuse the KV of a matching prompt prefix from any slot (busy or
             idle) or pinned prefix, copied with ``llama_memory_seq_cp`` (default on).
         max_prefixes: how many prefixes ``register_prefix`` may pin at once.
-        kv_unified: one KV buffer shared by all sequences (default; needed for prefix
-            reuse). ``False`` gives each sequence ``n_ctx / n_seq_max`` cells of its own.
+        kv_unified: one KV buffer shared by all sequences (default: any sequence may use
+            up to ``n_ctx`` cells, and prefix copies share cells). ``False`` gives each
+            sequence (``n_parallel + max_prefixes`` of them) ``n_ctx / n_seq_max`` cells of its
+            own: attention then spans only a sequence's own cells, much faster with many
+            slots; prefixes are then reused by copying whole streams.
     """
 
     def __init__(

@@ -1,7 +1,10 @@
 """Prefix reuse across slots: copy a shared prompt prefix's KV with ``llama_memory_seq_cp``.
 
-The KV cache is unified, so a copy shares cells instead of duplicating them, and partial
-copies ([0, n) of a sequence) are possible. Sources of a prefix:
+With a unified KV cache a copy shares cells instead of duplicating them, and partial copies
+([0, n) of a sequence) are possible. With one KV stream per sequence (``kv_unified=False``)
+llama.cpp only copies whole streams (a partial cross-stream copy aborts the process), so
+a prefix is copied as the source's whole stream, then the copy's tail is removed
+(``_copy_prefix``). Sources of a prefix:
 
 - any slot's sequence, busy or idle: idle slots keep their last tokens in the KV cache
   until their slot is reused or evicted under KV pressure;
@@ -71,9 +74,10 @@ class PrefixCache:
         self.context = context
         self.table = table
         self.n_parallel = n_parallel
-        #: partial KV copies work on this context (unified KV, no recurrent state)
+        #: prefix copies work on this context (no recurrent or hybrid state)
         self.supported = supported
         self.enabled = enabled and supported
+        self._whole_streams = not context.kv_unified
         #: the tokens an idle slot's sequence still holds in the KV cache (the table
         #: forgets a slot's history when it goes idle)
         self.cached: list[np.ndarray | None] = [None] * n_parallel
@@ -150,9 +154,17 @@ class PrefixCache:
         if admission.source_seq < 0:
             self.context.seq_rm(slot, n if n else -1, -1)
         else:
-            self.context.seq_rm(slot, -1, -1)
-            self.context.seq_cp(admission.source_seq, slot, 0, n)
+            self._copy_prefix(admission.source_seq, slot, n)
         self.cached[slot] = None
+
+    def _copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make ``dst`` hold positions [0, n) of ``src``."""
+        self.context.seq_rm(dst, -1, -1)
+        if self._whole_streams:
+            self.context.seq_cp(src, dst, -1, -1)  # the whole stream (deferred buffer copy)
+            self.context.seq_rm(dst, n, -1)
+        else:
+            self.context.seq_cp(src, dst, 0, n)  # shared cells, no data copied
 
     # -- release and eviction ------------------------------------------------------------
 
@@ -196,8 +208,7 @@ class PrefixCache:
 
     def pin(self, prefix: PinnedPrefix, source_slot: int) -> None:
         """Copy the prefix, just computed in ``source_slot``, into its own sequence."""
-        self.context.seq_rm(prefix.seq_id, -1, -1)
-        self.context.seq_cp(source_slot, prefix.seq_id, 0, len(prefix.tokens))
+        self._copy_prefix(source_slot, prefix.seq_id, len(prefix.tokens))
         self.pinned[prefix.seq_id] = prefix
 
     def unpin(self, prefix: PinnedPrefix) -> None:

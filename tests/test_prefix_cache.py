@@ -45,12 +45,15 @@ def _prompts(llm: LLM, n: int, system_tokens: int = 200) -> list[list[int]]:
     return [system + llm.tokenize(f" {tails[i]}", add_special=False)[:12] for i in range(n)]
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_reuse_never_changes_outputs(tiny_path, reference, prefix_cache):
+@pytest.mark.parametrize(
+    ("prefix_cache", "kv_unified"),
+    [(True, True), (False, True), (True, False)],
+    ids=["on", "off", "on-split-kv"],
+)
+def test_reuse_never_changes_outputs(tiny_path, reference, prefix_cache, kv_unified):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
-    with LLM(
-        tiny_path, n_ctx=4096, n_parallel=4, n_batch=128, flash_attn=False, prefix_cache=prefix_cache
-    ) as llm:
+    kwargs = {"prefix_cache": prefix_cache, "kv_unified": kv_unified}
+    with LLM(tiny_path, n_ctx=4096, n_parallel=4, n_batch=128, flash_attn=False, **kwargs) as llm:
         prompts = _prompts(llm, 10)
         together = llm.generate(prompts[:6], params)  # arriving together
         one_by_one = [llm.generate(p, params)[0] for p in prompts[6:]]  # reuse idle slots
@@ -93,9 +96,11 @@ def test_eviction_under_kv_pressure_never_corrupts_live_sequences(tiny_path, ref
     _check_against_reference(reference, outs)
 
 
-def test_pinned_prefix(tiny_path, reference):
+@pytest.mark.parametrize("kv_unified", [True, False], ids=["unified-kv", "split-kv"])
+def test_pinned_prefix(tiny_path, reference, kv_unified):
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
-    with LLM(tiny_path, n_ctx=4096, n_parallel=2, n_batch=128, flash_attn=False, max_prefixes=1) as llm:
+    kwargs = {"flash_attn": False, "max_prefixes": 1, "kv_unified": kv_unified}
+    with LLM(tiny_path, n_ctx=4096, n_parallel=2, n_batch=128, **kwargs) as llm:
         handle = llm.register_prefix(SYSTEM[:600])
         n_pinned = len(handle.tokens)
         llm.clear_prefix_cache()  # only the pinned copy remains
@@ -115,8 +120,9 @@ def test_pinned_prefix(tiny_path, reference):
 
 def test_parallel_sampling_prefills_once(tiny_path):
     prompt = " ".join(testing.english_sentences(5))
-    for prefix_cache in (True, False):
-        with LLM(tiny_path, n_ctx=4096, n_parallel=4, n_batch=256, prefix_cache=prefix_cache) as llm:
+    for prefix_cache, kv_unified in ((True, True), (False, True), (True, False)):
+        kwargs = {"prefix_cache": prefix_cache, "kv_unified": kv_unified}
+        with LLM(tiny_path, n_ctx=4096, n_parallel=4, n_batch=256, **kwargs) as llm:
             n_prompt = len(llm.tokenize(prompt, parse_special=True))
             params = SamplingParams(
                 max_tokens=12, temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=7, n=4
@@ -137,9 +143,19 @@ def test_handle_results_for_n(tiny_path):
         assert handle.result().index == 0
 
 
-def test_reuse_switches_itself_off_where_unsupported(tiny_path, caplog):
+def test_reuse_switches_itself_off_where_unsupported(tiny_path, caplog, monkeypatch):
+    import llamabatch.llm
+
+    class RecurrentModel(llamabatch.llm.Model):
+        """A model reporting recurrent memory, whose KV cannot be copied in part."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.is_recurrent = True
+
+    monkeypatch.setattr(llamabatch.llm, "Model", RecurrentModel)
     with caplog.at_level(logging.WARNING, logger="llamabatch"):
-        llm = LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=64, kv_unified=False)
+        llm = LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=64)
     with llm:
         assert any("prefix reuse switched off" in r.message for r in caplog.records)
         assert llm.stats()["prefix_cache"] is False
