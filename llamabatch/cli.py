@@ -209,6 +209,57 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _cmd_bench_prefix(args: argparse.Namespace) -> int:
+    """``llamabatch bench-prefix``: prefix-reuse workloads with reuse off and on."""
+    from llamabatch.bench.prefix import compare
+    from llamabatch.testing import PRESETS, model_path
+
+    model = str(model_path(args.model)) if args.model in PRESETS else args.model
+    kwargs = {"n_threads": args.threads, "n_batch": args.n_batch, "flash_attn": args.flash_attn == "on"}
+    result = compare(model, **kwargs)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    shared, chat = result["shared_system_prompt"], result["multi_turn_chat"]
+    print("shared system prompt (16 requests, 512-token prefix + 32 unique, 32 new, 8 slots):")
+    for side in ("off", "on"):
+        run = shared[side]
+        print(
+            f"  reuse {side:3}: {run['wall_s']:7.2f} s, median TTFT {run['median_ttft_s']:.3f} s, "
+            f"computed {run['computed_prompt_tokens']} of {run['prompt_tokens']} prompt tokens"
+        )
+    print(
+        f"  total time {shared['total_time_ratio']:.2f}x shorter, "
+        f"median TTFT {shared['median_ttft_ratio']:.2f}x lower"
+    )
+    print("multi-turn chat (8 conversations x 4 turns, whole history resent):")
+    for side in ("off", "on"):
+        run = chat[side]
+        print(
+            f"  reuse {side:3}: {run['wall_s']:7.2f} s, "
+            f"computed {run['computed_prompt_tokens']} prompt tokens"
+        )
+    print(f"  computed prompt tokens with reuse: {chat['computed_prompt_share']:.1%} of the no-reuse run")
+    return 0
+
+
+def _add_bench_prefix(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "bench-prefix",
+        help="prefix-reuse workloads, with reuse off and on side by side",
+        description=(
+            "16 requests sharing a 512-token system prompt, and multi-turn chat resending the "
+            "whole history, each run with prefix reuse off and on (llamabatch.bench.prefix)."
+        ),
+    )
+    p.add_argument("-m", "--model", default="135m", help="GGUF or a test-model preset (default: 135m)")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-b", "--n-batch", type=int, default=512)
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="on")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench_prefix)
+
+
 def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -252,7 +303,11 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
     )
     p.add_argument(
-        "-fa", "--flash-attn", choices=("on", "off"), default="off", help="default off (llama-cpp-python's)"
+        "-fa",
+        "--flash-attn",
+        choices=("on", "off"),
+        default="on",
+        help="default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
     )
     p.add_argument(
         "--kv-unified",
@@ -434,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     _add_embed(subparsers)
     _add_bench_embed(subparsers)
+    _add_bench_prefix(subparsers)
     return parser
 
 

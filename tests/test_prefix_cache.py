@@ -178,3 +178,23 @@ def test_prefix_benchmark_workloads_run(tiny_path):
     chat_on = multi_turn_chat(str(tiny_path), prefix_cache=True, **chat)
     assert chat_on.prompt_tokens == chat_off.prompt_tokens == chat_off.computed_prompt_tokens
     assert chat_on.computed_prompt_tokens < 0.5 * chat_off.computed_prompt_tokens
+
+
+def test_bench_prefix_cli_runs(capsys, monkeypatch):
+    import llamabatch.bench.prefix as prefix
+    from llamabatch.cli import main
+
+    small_shared = prefix.shared_system_prompt
+    small_chat = prefix.multi_turn_chat
+
+    def shared(path, **kwargs):
+        return small_shared(path, n_requests=4, system_tokens=48, unique_tokens=4, new_tokens=2, **kwargs)
+
+    def chat(path, **kwargs):
+        return small_chat(path, n_conversations=2, n_turns=2, system_tokens=16, user_tokens=4, **kwargs)
+
+    monkeypatch.setattr(prefix, "shared_system_prompt", shared)
+    monkeypatch.setattr(prefix, "multi_turn_chat", chat)
+    assert main(["bench-prefix", "-m", "tiny", "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "shorter" in out and "of the no-reuse run" in out
