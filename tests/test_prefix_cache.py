@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import llama_cpp
-import numpy as np
 import pytest
+from llama_reference import check_against_reference
 
 from llamabatch import LLM, SamplingParams, testing
 
@@ -23,20 +23,6 @@ def reference(tiny_path):
     return llama_cpp.Llama(
         str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
-
-
-def _check_against_reference(reference, outs) -> None:
-    """Reported log-probs equal the teacher-forced reference's; greedy picks its argmax."""
-    for out in outs:
-        reference.reset()
-        reference.eval(out.prompt_token_ids + out.token_ids)
-        logits = np.asarray(reference.scores[: reference.n_tokens], dtype=np.float64)
-        n_prompt = len(out.prompt_token_ids)
-        for j, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            row = logits[n_prompt - 1 + j]
-            log_softmax = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
-            assert logprobs[token] == pytest.approx(log_softmax[token], abs=1e-3)
-            assert log_softmax[token] >= log_softmax.max() - 1e-3
 
 
 def _prompts(llm: LLM, n: int, system_tokens: int = 200) -> list[list[int]]:
@@ -59,7 +45,7 @@ def test_reuse_never_changes_outputs(tiny_path, reference, prefix_cache, kv_unif
         one_by_one = [llm.generate(p, params)[0] for p in prompts[6:]]  # reuse idle slots
         stats = llm.stats()
     outs = together + one_by_one
-    _check_against_reference(reference, outs)
+    check_against_reference(reference, outs)
     reused = sum(o.usage.n_reused_tokens for o in outs)
     computed = sum(o.usage.prompt_tokens for o in outs) - reused
     assert stats["reused_prompt_tokens"] == reused
@@ -93,7 +79,7 @@ def test_eviction_under_kv_pressure_never_corrupts_live_sequences(tiny_path, ref
         assert [o.finish_reason for o in outs] == ["length"] * 2
         assert llm.stats()["decode_retries"] > 0  # code 1 happened; cached prefixes were evicted first
         assert llm.stats()["finish_reasons"].get("error", 0) == 0
-    _check_against_reference(reference, outs)
+    check_against_reference(reference, outs)
 
 
 @pytest.mark.parametrize("kv_unified", [True, False], ids=["unified-kv", "split-kv"])
@@ -115,7 +101,7 @@ def test_pinned_prefix(tiny_path, reference, kv_unified):
         assert all(llm.context.seq_pos_max(s) == -1 for s in range(llm.context.n_seq_max))
         again = llm.register_prefix(SYSTEM[:300])  # the sequence is free again
         again.release()
-    _check_against_reference(reference, [out])
+    check_against_reference(reference, [out])
 
 
 def test_parallel_sampling_prefills_once(tiny_path):
