@@ -42,9 +42,9 @@ def _model_or_demo(model: str | None, preset: str = "135m") -> str:
     return str(testing.model_path(preset))
 
 
-def _output_record(prompt: str, out) -> dict:
+def _output_record(index: int, prompt: str, out) -> dict:
     return {
-        "index": out.index,
+        "index": index,
         "prompt": prompt,
         "text": out.text,
         "finish_reason": out.finish_reason,
@@ -115,7 +115,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         handles.append(llm.submit(waiting.pop(0), params))
                     out = handles[i].result()
                     n_tokens += out.usage.completion_tokens
-                    out_file.write(json.dumps(_output_record(prompt, out), ensure_ascii=False) + "\n")
+                    out_file.write(json.dumps(_output_record(i, prompt, out), ensure_ascii=False) + "\n")
                     bar.update(1)
         finally:
             if out_file is not sys.stdout:

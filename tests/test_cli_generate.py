@@ -25,6 +25,7 @@ def test_generate_file_writes_json_lines(tmp_path):
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["one", "two", "three"]
+    assert [r["index"] for r in rows] == [0, 1, 2]
     assert all(r["usage"]["completion_tokens"] == 4 and r["finish_reason"] == "length" for r in rows)
 
 
