@@ -220,10 +220,7 @@ class Context:
 
     def logits_ith(self, i: int) -> np.ndarray:
         """A copy of the logits of output ``i`` of the last decode (batch index)."""
-        ptr = lib.llama_get_logits_ith(self.ptr, i)
-        if ptr == ffi.NULL:
-            raise IndexError(f"no logits at batch index {i}")
-        return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32).copy()
+        return self.logits_view(i).copy()
 
     def logits_rows(self, n_rows: int) -> np.ndarray:
         """The last decode's output logits as an ``(n_rows, n_vocab)`` view, rows in batch

@@ -43,13 +43,14 @@ def _check_gguf_file(path: Path) -> None:
         raise ModelLoadError(str(path), f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
 
 
-def _read_str(fn, *args: Any, size: int = 256) -> str:
-    """Call a llama.cpp ``(..., char *buf, size_t size) -> int32`` getter, growing the buffer."""
+def _read_str(fn, *args: Any, size: int = 256) -> str | None:
+    """Call a llama.cpp ``(..., char *buf, size_t size) -> int32`` getter, growing the buffer;
+    None when the getter reports failure (a negative length)."""
     while True:
         buf = ffi.new("char[]", size)
         n = fn(*args, buf, size)
         if n < 0:
-            return ""
+            return None
         if n < size:
             return ffi.string(buf, n).decode("utf-8", "replace")
         size = n + 1
@@ -132,7 +133,7 @@ class Model:
             self.n_head_kv = lib.llama_model_n_head_kv(ptr)
             self.size = lib.llama_model_size(ptr)
             self.n_params = lib.llama_model_n_params(ptr)
-            self.description = _read_str(lib.llama_model_desc, ptr)
+            self.description = _read_str(lib.llama_model_desc, ptr) or ""
             self.has_encoder = bool(lib.llama_model_has_encoder(ptr))
             self.has_decoder = bool(lib.llama_model_has_decoder(ptr))
             self.is_recurrent = bool(lib.llama_model_is_recurrent(ptr))
@@ -194,15 +195,7 @@ class Model:
 
     def meta(self, key: str) -> str | None:
         """One GGUF metadata value as a string, or None when absent."""
-        buf_size = 256
-        while True:
-            buf = ffi.new("char[]", buf_size)
-            n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, buf_size)
-            if n < 0:
-                return None
-            if n < buf_size:
-                return ffi.string(buf, n).decode("utf-8", "replace")
-            buf_size = n + 1
+        return _read_str(lib.llama_model_meta_val_str, self.ptr, key.encode())
 
     def _meta_int(self, key: str) -> int:
         value = self.meta(f"{self.architecture}.{key}")
@@ -215,8 +208,8 @@ class Model:
         """Every GGUF metadata key and value (arrays are summarised by llama.cpp)."""
         out = {}
         for i in range(lib.llama_model_meta_count(self.ptr)):
-            key = _read_str(lib.llama_model_meta_key_by_index, self.ptr, i)
-            out[key] = _read_str(lib.llama_model_meta_val_str_by_index, self.ptr, i)
+            key = _read_str(lib.llama_model_meta_key_by_index, self.ptr, i) or ""
+            out[key] = _read_str(lib.llama_model_meta_val_str_by_index, self.ptr, i) or ""
         return out
 
     @property
