@@ -51,6 +51,7 @@ from llamabatch._ffi.context import DECODE_ABORTED, DECODE_NO_KV_SLOT, Context, 
 from llamabatch._ffi.context import max_parallel_sequences as _max_parallel_sequences
 from llamabatch._ffi.model import Model
 from llamabatch.errors import DecodeError, EngineClosed, KVCacheFull, LlamaBatchError, PromptTooLong
+from llamabatch.params import check_positive_int
 from llamabatch.telemetry import EmbedPackEvent, Listener, Telemetry
 
 __all__ = ["NORMALIZATIONS", "POOLINGS", "Embedder", "pack_budget"]
@@ -77,13 +78,6 @@ def pack_budget(pending_tokens: int, capacity: int) -> int:
     there is never an in-flight pack to leave room for.
     """
     return max(0, min(pending_tokens, capacity))
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -219,11 +213,11 @@ class Embedder:
         load_mode: str = "mmap",
     ) -> None:
         self._closed = True  # until fully constructed (close() and __del__ rely on it)
-        _positive_int("n_batch", n_batch)
-        _positive_int("n_ubatch", n_ubatch, allow_none=True)
-        _positive_int("n_seq_max", n_seq_max)
-        _positive_int("n_ctx", n_ctx, allow_none=True)
-        _positive_int("n_threads", n_threads, allow_none=True)
+        check_positive_int("n_batch", n_batch)
+        check_positive_int("n_ubatch", n_ubatch, allow_none=True)
+        check_positive_int("n_seq_max", n_seq_max)
+        check_positive_int("n_ctx", n_ctx, allow_none=True)
+        check_positive_int("n_threads", n_threads, allow_none=True)
         if n_ubatch is not None and n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
         max_seq = _max_parallel_sequences()

@@ -14,19 +14,13 @@ from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.engine import Engine
 from llamabatch.errors import EngineClosed, PromptTooLong
 from llamabatch.outputs import CompletionOutput, Delta
-from llamabatch.params import SamplingParams
+from llamabatch.params import SamplingParams, check_positive_int
 from llamabatch.request import _END, Request, RequestHandle
 from llamabatch.telemetry import Listener, Telemetry
 
 Prompt = str | Sequence[int]
 
 _DEFAULT_PARAMS = SamplingParams()
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class LLM:
@@ -78,11 +72,11 @@ class LLM:
         kv_unified: bool = True,
     ) -> None:
         self._engine: Engine | None = None
-        _positive_int("n_ctx", n_ctx)
-        _positive_int("n_parallel", n_parallel)
-        _positive_int("n_batch", n_batch)
-        _positive_int("chunk_size", chunk_size)
-        _positive_int("max_queue", max_queue)
+        check_positive_int("n_ctx", n_ctx)
+        check_positive_int("n_parallel", n_parallel)
+        check_positive_int("n_batch", n_batch)
+        check_positive_int("chunk_size", chunk_size)
+        check_positive_int("max_queue", max_queue)
         if not isinstance(max_prefixes, int) or max_prefixes < 0:
             raise ValueError(f"max_prefixes must be an int >= 0, got {max_prefixes!r}")
         if n_parallel > n_ctx:

@@ -117,6 +117,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int > 0 (or None, if allowed)."""
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

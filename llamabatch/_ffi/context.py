@@ -12,6 +12,7 @@ import numpy as np
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import POOLING_NAMES, Model
 from llamabatch.errors import ContextError, DecodeError, KVCacheFull
+from llamabatch.params import check_positive_int
 
 POOLING_TYPES = {name: value for value, name in POOLING_NAMES.items()}
 
@@ -52,11 +53,6 @@ def max_parallel_sequences() -> int:
     return int(lib.llama_max_parallel_sequences())
 
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class Context:
     """A llama.cpp context on a :class:`Model`: KV memory, decode, logits and embeddings.
 
@@ -86,21 +82,21 @@ class Context:
             raise ValueError(
                 f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with"
             )
-        _positive("n_ctx", n_ctx)
-        _positive("n_batch", n_batch)
+        check_positive_int("n_ctx", n_ctx)
+        check_positive_int("n_batch", n_batch)
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
-        _positive("n_ubatch", n_ubatch)
+        check_positive_int("n_ubatch", n_ubatch)
         if n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
-        _positive("n_seq_max", n_seq_max)
+        check_positive_int("n_seq_max", n_seq_max)
         max_seq = int(lib.llama_max_parallel_sequences())
         if n_seq_max > max_seq:
             raise ValueError(f"n_seq_max must be <= {max_seq} (llama.cpp's limit), got {n_seq_max}")
         cpus = os.cpu_count() or 1
         n_threads = cpus if n_threads is None else n_threads
         n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
-        _positive("n_threads", n_threads)
-        _positive("n_threads_batch", n_threads_batch)
+        check_positive_int("n_threads", n_threads)
+        check_positive_int("n_threads_batch", n_threads_batch)
         if pooling is not None and pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {sorted(POOLING_TYPES)}, got {pooling!r}")
         if flash_attn not in FLASH_ATTN:
