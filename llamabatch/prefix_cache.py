@@ -23,7 +23,7 @@ with a common system prompt compute it once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,10 +44,10 @@ class PinnedPrefix:
     tokens: list[int]
     text: str | None = None
     released: bool = False
+    array: np.ndarray = field(init=False, repr=False)  # the tokens, for prefix matching
 
-    @property
-    def array(self) -> np.ndarray:
-        return np.asarray(self.tokens, dtype=np.int32)
+    def __post_init__(self) -> None:
+        self.array = np.asarray(self.tokens, dtype=np.int32)
 
 
 @dataclass(frozen=True)
@@ -132,16 +132,16 @@ class PrefixCache:
         """True when a prompt being prefilled (or ``admitting`` in this same tick) shares
         enough not-yet-computed tokens with ``tokens`` that waiting for them beats
         computing them twice."""
-        if not self.enabled:
+        prefilling = [s for s in range(self.n_parallel) if self.table.state(s) == SlotState.PREFILL]
+        if not self.enabled or not (prefilling or admitting):
             return False
         array = np.asarray(tokens, dtype=np.int32)
         limit = len(tokens) - 1
         now = self._best(array)[1]
-        for slot in range(self.n_parallel):
-            if self.table.state(slot) == SlotState.PREFILL:
-                shared = min(_common_prefix(self.table.history(slot), array), limit)
-                if shared - max(now, self.table.n_past(slot)) >= MIN_WAIT_TOKENS:
-                    return True
+        for slot in prefilling:
+            shared = min(_common_prefix(self.table.history(slot), array), limit)
+            if shared - max(now, self.table.n_past(slot)) >= MIN_WAIT_TOKENS:
+                return True
         for other in admitting:
             shared = min(_common_prefix(np.asarray(other, dtype=np.int32), array), limit)
             if shared - now >= MIN_WAIT_TOKENS:
