@@ -330,11 +330,14 @@ class Engine:
         table = self.table
         outputs = table.outputs()  # [(slot, batch index)], in batch order
         slots = self.slots
-        greedy: list[int] = []
-        if any(slots[slot].fast_greedy for slot, _ in outputs):
-            # Output rows are stored in batch order, which is the order of ``outputs``.
+        # Output rows are stored in batch order, which is the order of ``outputs``.
+        greedy_rows = [row for row, (slot, _) in enumerate(outputs) if slots[slot].fast_greedy]
+        greedy: dict[int, int] = {}
+        if greedy_rows:
             logits = self.context.logits_rows(len(outputs))
-            greedy = logits.argmax(axis=1).tolist()
+            if len(greedy_rows) < len(outputs):
+                logits = logits[greedy_rows]
+            greedy = dict(zip(greedy_rows, logits.argmax(axis=1).tolist(), strict=True))
         now = time.perf_counter()
         context = self.context
         for row, (slot, idx) in enumerate(outputs):
