@@ -488,11 +488,14 @@ def _nbytes(shape: tuple[int, ...], dtype: WeightDType) -> int:
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
 
 
-def write_llama_gguf(path: str | os.PathLike[str], spec: ModelSpec) -> Path:
+def write_llama_gguf(
+    path: str | os.PathLike[str], spec: ModelSpec, *, chat_template: str | None = CHATML_TEMPLATE
+) -> Path:
     """Write a random-weight Llama GGUF for ``spec`` to ``path`` and return the path.
 
     The file appears atomically (written next to ``path``, then renamed). Tensors are generated
     and written one at a time, so peak memory is about one tensor, not the whole model.
+    ``chat_template`` becomes ``tokenizer.chat_template`` (ChatML by default; None: no template).
     """
     import gguf
 
@@ -528,7 +531,8 @@ def write_llama_gguf(path: str | os.PathLike[str], spec: ModelSpec) -> Path:
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
         writer.add_add_space_prefix(True)
-        writer.add_chat_template(CHATML_TEMPLATE)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
 
         for name, shape, _std in plan:
             dtype: WeightDType = "F32" if len(shape) == 1 else spec.dtype
