@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from llamabatch._core.batch import BatchPool
-from llamabatch._ffi.context import DECODE_ABORTED, DECODE_NO_KV_SLOT, Context, decode_error
+from llamabatch._ffi.context import Context, DecodeCode, decode_error
 from llamabatch._ffi.context import max_parallel_sequences as _max_parallel_sequences
 from llamabatch._ffi.model import Model
 from llamabatch.errors import DecodeError, EngineClosed, KVCacheFull, LlamaBatchError, PromptTooLong
@@ -63,9 +63,6 @@ POOLINGS = ("mean", "cls", "last", "rank", "none")
 #: Normalisation modes (``True`` means ``"l2"``, ``False`` means ``"none"``).
 NORMALIZATIONS = ("l2", "none", "max_abs")
 
-#: llama_decode's code for a failed compute-buffer allocation (ggml's GGML_STATUS_ALLOC_FAILED).
-DECODE_ALLOC_FAILED = -2
-_RETRYABLE = (DECODE_NO_KV_SLOT, DECODE_ALLOC_FAILED)
 #: Poolings whose result is wrong if a sequence is split across ubatches.
 _WHOLE_UBATCH_POOLINGS = ("mean", "cls", "rank")
 
@@ -580,12 +577,12 @@ class Embedder:
                     self._collect(part)
                     i += len(part)
                     continue
-                if self._closing and code == DECODE_ABORTED:
+                if self._closing and code == DecodeCode.ABORTED:
                     closed = EngineClosed("the embedder was closed during the call")
                     for seq in pack[i:]:
                         seq.job.fail(closed)
                     break
-                if code in _RETRYABLE and len(part) > 1:
+                if DecodeCode.of(code).retryable and len(part) > 1:
                     limit = max(1, tokens // 2)  # the floor: one sequence
                     retries += 1
                     logger.info("embed: decode code %d on %d texts (%d tokens); retrying with half", code,
@@ -649,9 +646,9 @@ class Embedder:
     def _failure(self, code: int, part: list[_Seq], retries: int) -> DecodeError:
         """The error for the texts of ``part`` that could not be decoded."""
         context = self.context
-        if code in _RETRYABLE:
+        if DecodeCode.of(code).retryable:
             seq = part[0]  # retried down to this single sequence
-            if code == DECODE_NO_KV_SLOT:
+            if code == DecodeCode.NO_KV_SLOT:
                 return KVCacheFull(
                     code,
                     f"text {seq.index} ({seq.n} tokens) does not fit in the KV cache even alone "

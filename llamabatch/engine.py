@@ -26,7 +26,7 @@ import numpy as np
 from llamabatch._core.batch import BatchPool
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._core.strategies import DecodeMaximal, get_strategy
-from llamabatch._ffi.context import DECODE_NO_KV_SLOT, Context, decode_error
+from llamabatch._ffi.context import Context, DecodeCode, decode_error
 from llamabatch._ffi.model import Model
 from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.prefix_cache import PrefixCache
@@ -271,10 +271,10 @@ class Engine:
             self.table.rollback()
             for slot in batch_slots:  # drop what a partly processed batch left behind
                 self.context.seq_rm(slot, self.table.n_past(slot), -1)
-            if code == DECODE_NO_KV_SLOT and self.prefix_cache.evict_one():
+            if DecodeCode.of(code).retryable and self.prefix_cache.evict_one():
                 retries += 1  # cached prefixes go first, before the batch shrinks
                 continue
-            if code == DECODE_NO_KV_SLOT and budget > 1:
+            if DecodeCode.of(code).retryable and budget > 1:
                 budget //= 2
                 retries += 1
                 continue

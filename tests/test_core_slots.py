@@ -73,6 +73,15 @@ def test_lifecycle_and_chunked_prefill(pool):
 def test_prefix_reuse_positions(pool):
     t = SlotTable(2, 16, chunk_size=8)
     b = pool.acquire()
+    with pytest.raises(ValueError, match="holds 0 tokens"):  # the KV record says slot 1 is empty
+        t.start(1, [1, 2, 3, 4, 5, 6], n_past=4)
+    t.start(0, [1, 2, 3, 4, 5])
+    t.fill(b, "balanced", 8)
+    t.commit()
+    t.finish(0, keep=True)  # idle, still holding [1..5]
+    assert t.seq_len(0) == 5 and t.seq_tokens(0).tolist() == [1, 2, 3, 4, 5]
+    t.copy(0, 1, 4)
+    assert t.cells_used == 5 and t.cells_owned(0) == 1 and t.cells_owned(1) == 0
     t.start(1, [1, 2, 3, 4, 5, 6], n_past=4)
     assert t.n_pending(1) == 2 and t.n_reused(1) == 4
     t.fill(b, "balanced", 8)
@@ -82,8 +91,12 @@ def test_prefix_reuse_positions(pool):
     assert t.common_prefix(1, [1, 2, 3, 4, 5, 6, 9]) == 6
     assert t.common_prefix(1, [1, 2, 9]) == 2
     assert t.common_prefix(1, [1, 2, 3, 4, 5, 6, 7, 8]) == 6  # 7 is not in the KV cache yet
-    assert t.best_prefix([1, 2, 3]) == (1, 3)
+    assert t.best_prefix([1, 2, 3]) == (0, 3)  # the idle slot wins a tie (reused in place)
+    assert t.best_prefix([1, 2, 3, 4, 5, 6]) == (1, 6)
     assert t.best_prefix([9]) == (-1, 0)
+    t.trim(0, 0)
+    assert t.cells_used == 6
+    t.check_kv()
     assert t.best_prefix([]) == (-1, 0)
     pool.release(b)
 

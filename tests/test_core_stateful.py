@@ -126,6 +126,8 @@ class CoreVsReference(RuleBasedStateMachine):
         length = data.draw(st.integers(1, self.core.n_ctx_seq), label="length")
         tokens = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=length, max_size=length))
         n_past = data.draw(st.integers(0, length - 1) | st.just(0), label="n_past")
+        self.core.trim(slot, 0)  # stands for llama.cpp's sequence holding the reused prefix
+        self.core.record_cached(slot, tokens[:n_past])
         self.core.start(slot, tokens, n_past)
         self.ref.start(slot, tokens, n_past)
         self.next_pos[slot] = n_past

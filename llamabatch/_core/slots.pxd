@@ -29,8 +29,21 @@ cdef class SlotTable:
     cdef readonly int32_t n_parallel
     cdef readonly int32_t n_ctx_seq
     cdef readonly int32_t chunk_size
+    # KV accounting: the one record of what every sequence holds in the KV cache.
+    # Sequences 0..n_parallel-1 are the slots; n_parallel..n_seq-1 hold pinned prefixes.
+    cdef readonly int32_t n_seq
+    cdef readonly bint kv_unified   # one cell pool, seq_cp shares cells (else one stream per seq)
+    cdef readonly int32_t kv_size   # cells in the pool (unified) or in each stream
     cdef slot_t * slots
-    cdef int32_t * hist          # n_parallel x n_ctx_seq token history
+    cdef int32_t * hist          # n_seq x n_ctx_seq token history
+    cdef int32_t * pin_len       # KV length of each pinned-prefix sequence
+    cdef int32_t * cell          # n_seq x n_ctx_seq: the (virtual) cell at each position (unified)
+    cdef int32_t * refc          # kv_size: sequences sharing each cell (unified)
+    cdef int32_t * free_cell     # stack of free cells (unified)
+    cdef int32_t n_free_cells
+    cdef readonly int64_t n_overflow  # cells llama.cpp held beyond the pool (accounting drift)
+    cdef int64_t * last_used     # n_seq: LRU clock of each sequence
+    cdef int64_t clock
     cdef int32_t * fifo          # PREFILL slots in arrival order
     cdef int32_t n_fifo
     cdef int32_t rr_cursor       # round-robin start for decode slots
@@ -58,6 +71,11 @@ cdef class SlotTable:
     cdef bint in_plan            # a Python strategy's plan() is running: no mutation
 
     cdef int check_slot(self, int32_t slot) except -1
+    cdef int check_seq(self, int32_t seq) except -1
+    cdef int check_resting(self, int32_t seq) except -1
+    cdef int32_t * kv_len(self, int32_t seq) noexcept nogil
+    cdef void kv_push(self, int32_t seq, int32_t n) noexcept nogil
+    cdef void kv_release(self, int32_t seq, int32_t p0) noexcept nogil
     cdef int check_idle_api(self) except -1
 
     cdef int transition(self, int32_t slot, int32_t new_state) except -1
@@ -66,7 +84,7 @@ cdef class SlotTable:
     cdef str violation(self, int32_t s, int64_t k, int64_t total, int32_t budget)
     cdef int32_t fill_python(self, Batch batch, object strategy, plan_in_t * p) except -1
     cdef int debug_check_plan(self, int32_t n, plan_in_t * p, object strategy) except -1
-    cdef int32_t _common(self, int32_t slot, const int32_t * t, Py_ssize_t n) noexcept nogil
+    cdef int32_t _common(self, int32_t seq, const int32_t * t, Py_ssize_t n, int32_t m) noexcept nogil
     cpdef int32_t fill(self, Batch batch, object strategy, int32_t n_batch, int32_t queue_depth=*) except -1
     cpdef commit(self)
     cpdef rollback(self)

@@ -29,6 +29,15 @@ One tick, as the engine runs it::
 ``rollback`` drops it, so a failed decode leaves the table exactly as before the fill.
 A fill must be committed or rolled back before the next one; a fill that returns 0
 leaves nothing pending (``commit()``/``rollback()`` right after it are no-ops).
+
+The table is also the one record of the KV cache (what the engine's ``KVCache`` mirrors
+into llama.cpp with ``seq_rm``/``seq_cp``): how many positions every sequence holds
+(``seq_len``: a busy slot's ``n_past``, an idle slot's cached tokens, a pinned prefix),
+the tokens at those positions (the history), and, with a unified KV cache, which cells
+sequences share after a copy (per-cell reference counts over a pool of ``kv_size``
+cells), so ``cells_used``/``cells_free`` are exact. With one KV stream per sequence
+(``kv_unified=False``) every sequence owns ``n_ctx_seq`` cells and copies share nothing.
+``finish(slot, keep=True)`` leaves an idle slot holding its tokens for reuse.
 """
 
 import enum
@@ -100,19 +109,40 @@ cdef class SlotTable:
     the outputs. ``fill``/``commit`` allocate nothing.
     """
 
-    def __cinit__(self, int32_t n_parallel, int32_t n_ctx_seq, int32_t chunk_size=512):
+    def __cinit__(self, int32_t n_parallel, int32_t n_ctx_seq, int32_t chunk_size=512,
+                  int32_t n_pinned=0, bint kv_unified=True, int32_t kv_size=0):
         cdef size_t n = n_parallel
+        cdef int32_t i
         if n_parallel < 1:
             raise ValueError("n_parallel must be >= 1, got %d" % n_parallel)
         if n_ctx_seq < 1:
             raise ValueError("n_ctx_seq must be >= 1, got %d" % n_ctx_seq)
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1, got %d" % chunk_size)
+        if n_pinned < 0:
+            raise ValueError("n_pinned must be >= 0, got %d" % n_pinned)
+        if kv_size < 0:
+            raise ValueError("kv_size must be >= 0, got %d" % kv_size)
+        self.n_seq = n_parallel + n_pinned
+        self.kv_unified = kv_unified
+        # default pool: room for every sequence to fill its context (never overflows)
+        self.kv_size = (kv_size or min(<int64_t> self.n_seq * n_ctx_seq, 2**30)) if kv_unified else n_ctx_seq
         self.n_parallel = n_parallel
         self.n_ctx_seq = n_ctx_seq
         self.chunk_size = chunk_size
         self.slots = <slot_t *> PyMem_Calloc(n, sizeof(slot_t))
-        self.hist = <int32_t *> PyMem_Calloc(n * <size_t> n_ctx_seq, sizeof(int32_t))
+        self.hist = <int32_t *> PyMem_Calloc(<size_t> self.n_seq * n_ctx_seq, sizeof(int32_t))
+        self.pin_len = <int32_t *> PyMem_Calloc(n_pinned + 1, sizeof(int32_t))
+        self.last_used = <int64_t *> PyMem_Calloc(self.n_seq, sizeof(int64_t))
+        if kv_unified:
+            self.cell = <int32_t *> PyMem_Calloc(<size_t> self.n_seq * n_ctx_seq, sizeof(int32_t))
+            self.refc = <int32_t *> PyMem_Calloc(self.kv_size, sizeof(int32_t))
+            self.free_cell = <int32_t *> PyMem_Calloc(self.kv_size, sizeof(int32_t))
+            if self.cell == NULL or self.refc == NULL or self.free_cell == NULL:
+                raise MemoryError("cannot allocate the KV accounting of %d cells" % self.kv_size)
+            for i in range(self.kv_size):  # pop order: cell 0 first
+                self.free_cell[i] = self.kv_size - 1 - i
+            self.n_free_cells = self.kv_size
         self.fifo = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_decode = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_pending = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
@@ -126,7 +156,8 @@ cdef class SlotTable:
         if (self.slots == NULL or self.hist == NULL or self.fifo == NULL or self.s_decode == NULL
                 or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
                 or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
-                or self.out_slot_ == NULL or self.out_index_ == NULL):
+                or self.out_slot_ == NULL or self.out_index_ == NULL or self.pin_len == NULL
+                or self.last_used == NULL):
             raise MemoryError(
                 "cannot allocate a slot table of %d x %d tokens" % (n_parallel, n_ctx_seq)
             )
@@ -139,6 +170,11 @@ cdef class SlotTable:
             _live_tables -= 1
         PyMem_Free(self.slots)
         PyMem_Free(self.hist)
+        PyMem_Free(self.pin_len)
+        PyMem_Free(self.last_used)
+        PyMem_Free(self.cell)
+        PyMem_Free(self.refc)
+        PyMem_Free(self.free_cell)
         PyMem_Free(self.fifo)
         PyMem_Free(self.s_decode)
         PyMem_Free(self.s_pending)
@@ -217,12 +253,19 @@ cdef class SlotTable:
         if n_past < 0 or n_past > n - 1:
             raise ValueError("n_past must be in 0..%d (the last prompt token is always computed), got %d"
                              % (n - 1, n_past))
+        if s.n_past != n_past:
+            raise ValueError("slot %d holds %d tokens in the KV cache, not n_past=%d (trim or copy first)"
+                             % (slot, s.n_past, n_past))
+        if n_past and memcmp(self.hist + <size_t> slot * self.n_ctx_seq, &toks[0], n_past * sizeof(int32_t)):
+            raise ValueError("slot %d's cached tokens are not the prompt's first %d tokens" % (slot, n_past))
         memcpy(self.hist + <size_t> slot * self.n_ctx_seq, &toks[0], n * sizeof(int32_t))
         s.n_prompt = <int32_t> n
         s.n_hist = <int32_t> n
         s.n_past = n_past
         s.n_reused = n_past
         s.fill_n = 0
+        self.clock += 1
+        self.last_used[slot] = self.clock
         self.transition(slot, ST_PREFILL)
 
     def accept(self, int32_t slot, int32_t token):
@@ -242,18 +285,27 @@ cdef class SlotTable:
         s.n_hist += 1
         self.transition(slot, ST_DECODE)
 
-    def finish(self, int32_t slot):
-        """End the slot's request (done or cancelled), from any busy state: -> IDLE.
+    def finish(self, int32_t slot, bint keep=False):
+        """End the slot's request (done, cancelled or preempted), from any busy state: -> IDLE.
 
-        If a fill is pending, the slot drops out of its commit (its output is skipped).
+        ``keep``: the idle slot goes on holding the tokens that are in its KV cache
+        (``n_past`` of them) for prefix reuse; otherwise its cells are released (the
+        caller removes them from llama.cpp's cache). If a fill is pending, the slot drops
+        out of its commit (its output is skipped).
         """
         self.check_idle_api()
         self.check_slot(slot)
         cdef slot_t * s = &self.slots[slot]
+        cdef int32_t n = s.n_past
         if s.state == ST_IDLE:
             raise ValueError("slot %d is already idle" % slot)
+        if not keep:
+            self.kv_release(slot, 0)
+            n = 0
         s.fill_n = 0
         self.transition(slot, ST_IDLE)
+        s.n_past = n
+        s.n_hist = n
 
     def _transition(self, int32_t slot, state):
         """Test hook: call the transition function directly (checked in debug builds only)."""
@@ -484,9 +536,11 @@ cdef class SlotTable:
             if sl.fill_n == 0:  # finished (maybe restarted) since the fill
                 continue
             if sl.state == ST_DECODE:
+                self.kv_push(s, 1)
                 sl.n_past += 1
                 self.transition(s, ST_AWAIT_SAMPLE)
             else:
+                self.kv_push(s, self.plan_n[e])
                 sl.n_past += self.plan_n[e]
                 if sl.n_past == sl.n_prompt:
                     self.transition(s, ST_AWAIT_SAMPLE)
@@ -603,15 +657,23 @@ cdef class SlotTable:
         return np.array(int32_array(self, self.hist + <size_t> slot * self.n_ctx_seq,
                                     self.slots[slot].n_hist, 1))
 
-    def common_prefix(self, int32_t slot, tokens):
-        """Length of the common prefix of ``tokens`` and the slot's tokens in the KV cache."""
+    def common_prefix(self, int32_t seq, tokens):
+        """Length of the common prefix of ``tokens`` and what sequence ``seq`` holds in the
+        KV cache (a slot, busy or idle, or a pinned prefix)."""
+        self.check_seq(seq)
+        cdef const int32_t[::1] t = as_int32(tokens)
+        return self._common(seq, &t[0] if t.shape[0] else NULL, t.shape[0], self.kv_len(seq)[0])
+
+    def common_history(self, int32_t slot, tokens):
+        """Length of the common prefix of ``tokens`` and the slot's whole history (prompt and
+        accepted tokens, computed or not)."""
         self.check_slot(slot)
         cdef const int32_t[::1] t = as_int32(tokens)
-        return self._common(slot, &t[0] if t.shape[0] else NULL, t.shape[0])
+        return self._common(slot, &t[0] if t.shape[0] else NULL, t.shape[0], self.slots[slot].n_hist)
 
-    cdef int32_t _common(self, int32_t slot, const int32_t * t, Py_ssize_t n) noexcept nogil:
-        cdef int32_t i, m = self.slots[slot].n_past
-        cdef const int32_t * h = self.hist + <size_t> slot * self.n_ctx_seq
+    cdef int32_t _common(self, int32_t seq, const int32_t * t, Py_ssize_t n, int32_t m) noexcept nogil:
+        cdef int32_t i
+        cdef const int32_t * h = self.hist + <size_t> seq * self.n_ctx_seq
         if n < m:
             m = <int32_t> n
         for i in range(m):
@@ -620,19 +682,221 @@ cdef class SlotTable:
         return m
 
     def best_prefix(self, tokens):
-        """``(slot, n)``: the busy slot whose KV cache shares the longest prefix with ``tokens``
-        (``n`` tokens; lowest slot on ties), or ``(-1, 0)``. For ``llama_memory_seq_cp``."""
+        """``(seq, n)``: the sequence (slot, busy or idle, or pinned prefix) whose KV cache
+        shares the longest prefix with ``tokens`` (``n`` tokens), or ``(-1, 0)``. On a tie an
+        idle slot wins (its cache is reused in place, with no copy), then the lowest seq."""
         cdef const int32_t[::1] t = as_int32(tokens)
         cdef int32_t i, c, best = -1, best_n = 0
+        cdef bint best_idle = False, idle
         cdef Py_ssize_t n = t.shape[0]
         if n == 0:
             return (-1, 0)
-        for i in range(self.n_parallel):
-            if self.slots[i].state != ST_IDLE:
-                c = self._common(i, &t[0], n)
-                if c > best_n:
-                    best, best_n = i, c
+        for i in range(self.n_seq):
+            c = self._common(i, &t[0], n, self.kv_len(i)[0])
+            idle = i < self.n_parallel and self.slots[i].state == ST_IDLE
+            if c > best_n or (c == best_n and c > 0 and idle and not best_idle):
+                best, best_n, best_idle = i, c, idle
         return (best, best_n)
+
+    # ------------------------------------------------------------------ the KV record
+
+    cdef int check_seq(self, int32_t seq) except -1:
+        if seq < 0 or seq >= self.n_seq:
+            raise IndexError("sequence %d out of range 0..%d" % (seq, self.n_seq - 1))
+        return 0
+
+    cdef int32_t * kv_len(self, int32_t seq) noexcept nogil:
+        if seq < self.n_parallel:
+            return &self.slots[seq].n_past
+        return &self.pin_len[seq - self.n_parallel]
+
+    cdef void kv_push(self, int32_t seq, int32_t n) noexcept nogil:
+        """Record cells for ``n`` new positions after the sequence's last (a decode)."""
+        cdef int32_t p, c, p0 = self.kv_len(seq)[0]
+        cdef int32_t * cells
+        if not self.kv_unified:
+            return
+        cells = self.cell + <size_t> seq * self.n_ctx_seq
+        for p in range(p0, p0 + n):
+            if self.n_free_cells:
+                self.n_free_cells -= 1
+                c = self.free_cell[self.n_free_cells]
+                self.refc[c] = 1
+            else:
+                c = -1
+                self.n_overflow += 1
+            cells[p] = c
+
+    cdef void kv_release(self, int32_t seq, int32_t p0) noexcept nogil:
+        """Drop the sequence's positions ``[p0, end)``; cells no sequence shares are freed."""
+        cdef int32_t p, c
+        cdef int32_t * length = self.kv_len(seq)
+        cdef int32_t * cells
+        if self.kv_unified:
+            cells = self.cell + <size_t> seq * self.n_ctx_seq
+            for p in range(p0, length[0]):
+                c = cells[p]
+                if c < 0:
+                    self.n_overflow -= 1
+                    continue
+                self.refc[c] -= 1
+                if self.refc[c] == 0:
+                    self.free_cell[self.n_free_cells] = c
+                    self.n_free_cells += 1
+        if p0 < length[0]:
+            length[0] = p0
+
+    cdef int check_resting(self, int32_t seq) except -1:
+        """Only idle slots and pinned-prefix sequences change outside a tick."""
+        self.check_idle_api()
+        self.check_seq(seq)
+        if seq < self.n_parallel and self.slots[seq].state != ST_IDLE:
+            raise ValueError("slot %d is busy (%s)" % (seq, _STATE_BY_VALUE[self.slots[seq].state].name))
+        if self.fill_pending:
+            raise RuntimeError("the KV record cannot change while a fill is pending")
+        return 0
+
+    def seq_len(self, int32_t seq):
+        """Positions ``seq`` holds in the KV cache (a slot's ``n_past``; an idle slot's cached
+        tokens; a pinned prefix's length)."""
+        self.check_seq(seq)
+        return self.kv_len(seq)[0]
+
+    def seq_tokens(self, int32_t seq):
+        """A copy of the tokens ``seq`` holds in the KV cache (int32 numpy array)."""
+        self.check_seq(seq)
+        return np.array(int32_array(self, self.hist + <size_t> seq * self.n_ctx_seq, self.kv_len(seq)[0], 1))
+
+    def trim(self, int32_t seq, int32_t n):
+        """Keep the first ``n`` positions of an idle slot or pinned prefix, drop the rest
+        (mirror it with ``llama_memory_seq_rm(seq, n, -1)``)."""
+        self.check_resting(seq)
+        if n < 0:
+            raise ValueError("n must be >= 0, got %d" % n)
+        self.kv_release(seq, n)
+        if seq < self.n_parallel:
+            self.slots[seq].n_hist = self.slots[seq].n_past
+
+    def copy(self, int32_t src, int32_t dst, int32_t n):
+        """Make the empty idle slot or pinned prefix ``dst`` hold positions ``[0, n)`` of
+        ``src`` (mirror it with ``llama_memory_seq_cp``): shared cells with a unified KV
+        cache, a copy in ``dst``'s own stream otherwise."""
+        cdef int32_t p, c
+        cdef int32_t * s_cells
+        cdef int32_t * d_cells
+        self.check_resting(dst)
+        self.check_seq(src)
+        if src == dst:
+            raise ValueError("cannot copy sequence %d onto itself" % src)
+        if self.kv_len(dst)[0]:
+            raise ValueError("sequence %d is not empty (trim it first)" % dst)
+        if n < 0 or n > self.kv_len(src)[0]:
+            raise ValueError("sequence %d holds %d positions, cannot copy %d" % (src, self.kv_len(src)[0], n))
+        memcpy(self.hist + <size_t> dst * self.n_ctx_seq, self.hist + <size_t> src * self.n_ctx_seq,
+               n * sizeof(int32_t))
+        if self.kv_unified:
+            s_cells = self.cell + <size_t> src * self.n_ctx_seq
+            d_cells = self.cell + <size_t> dst * self.n_ctx_seq
+            for p in range(n):
+                c = s_cells[p]
+                d_cells[p] = c
+                if c >= 0:
+                    self.refc[c] += 1
+                else:
+                    self.n_overflow += 1
+        self.kv_len(dst)[0] = n
+        if dst < self.n_parallel:
+            self.slots[dst].n_hist = n
+
+    def record_cached(self, int32_t seq, tokens):
+        """Record that the empty idle slot or pinned sequence ``seq`` holds ``tokens`` at
+        positions ``0..len-1`` (computed outside a tick, or restored from a saved state)."""
+        self.check_resting(seq)
+        cdef const int32_t[::1] toks = as_int32(tokens)
+        cdef int32_t n = <int32_t> toks.shape[0]
+        if self.kv_len(seq)[0]:
+            raise ValueError("sequence %d is not empty (trim it first)" % seq)
+        if n > self.n_ctx_seq:
+            raise PromptTooLong("%d tokens do not fit the %d-token context of a sequence" % (n, self.n_ctx_seq))
+        if n:
+            memcpy(self.hist + <size_t> seq * self.n_ctx_seq, &toks[0], n * sizeof(int32_t))
+        self.kv_push(seq, n)
+        self.kv_len(seq)[0] = n
+        if seq < self.n_parallel:
+            self.slots[seq].n_hist = n
+
+    def touch(self, int32_t seq):
+        """Mark ``seq`` as just used (LRU order of eviction and slot choice)."""
+        self.check_seq(seq)
+        self.clock += 1
+        self.last_used[seq] = self.clock
+
+    def lru_slot(self, bint cached_only=False):
+        """The least recently used idle slot (holding cached tokens, if ``cached_only``), or -1."""
+        cdef int32_t i, best = -1
+        for i in range(self.n_parallel):
+            if self.slots[i].state == ST_IDLE and (self.slots[i].n_past or not cached_only):
+                if best < 0 or self.last_used[i] < self.last_used[best]:
+                    best = i
+        return best
+
+    @property
+    def cells_total(self):
+        """KV cells: the pool (unified) or all streams together."""
+        return self.kv_size if self.kv_unified else self.kv_size * self.n_seq
+
+    @property
+    def cells_used(self):
+        """Cells holding some sequence's position (shared cells counted once)."""
+        cdef int32_t i
+        cdef int64_t n = 0
+        if self.kv_unified:
+            return self.kv_size - self.n_free_cells + self.n_overflow
+        for i in range(self.n_seq):
+            n += self.kv_len(i)[0]
+        return n
+
+    @property
+    def cells_free(self):
+        """Free cells of the pool (unified; 0 when overcommitted), or of all streams."""
+        return max(0, self.cells_total - self.cells_used)
+
+    def cells_owned(self, int32_t seq):
+        """Cells only ``seq`` holds: what dropping it frees."""
+        cdef int32_t p, n = 0
+        cdef int32_t * cells
+        self.check_seq(seq)
+        if not self.kv_unified:
+            return self.kv_len(seq)[0]
+        cells = self.cell + <size_t> seq * self.n_ctx_seq
+        for p in range(self.kv_len(seq)[0]):
+            if cells[p] < 0 or self.refc[cells[p]] == 1:
+                n += 1
+        return n
+
+    def check_kv(self):
+        """Raise ``AssertionError`` unless every cell's reference count equals the number of
+        sequence positions that hold it, and the free cells are exactly the unreferenced ones."""
+        cdef int32_t i, p, c
+        cdef int64_t overflow = 0
+        if not self.kv_unified:
+            return
+        counts = np.zeros(self.kv_size, dtype=np.int64)
+        for i in range(self.n_seq):
+            for p in range(self.kv_len(i)[0]):
+                c = self.cell[<size_t> i * self.n_ctx_seq + p]
+                if c < 0:
+                    overflow += 1
+                else:
+                    counts[c] += 1
+        refc = np.array([self.refc[c] for c in range(self.kv_size)], dtype=np.int64)
+        if not np.array_equal(counts, refc):
+            raise AssertionError("KV cell reference counts differ from the sequences' positions")
+        if overflow != self.n_overflow:
+            raise AssertionError("overflow count %d != %d positions without a cell" % (self.n_overflow, overflow))
+        free = sorted(self.free_cell[i] for i in range(self.n_free_cells))
+        if free != sorted(np.flatnonzero(refc == 0).tolist()):
+            raise AssertionError("the free cells are not exactly the unreferenced ones")
 
     def free_slot(self):
         """The lowest IDLE slot, or -1."""
@@ -680,7 +944,7 @@ cdef class SlotTable:
         for i in range(self.n_parallel):
             s = &self.slots[i]
             ok = (
-                (s.state == ST_IDLE and s.n_hist == 0 and s.n_past == 0)
+                (s.state == ST_IDLE and s.n_hist == s.n_past and s.n_prompt == 0)
                 or (s.state == ST_PREFILL and s.n_hist == s.n_prompt and 0 <= s.n_past < s.n_prompt)
                 or (s.state == ST_AWAIT_SAMPLE and s.n_past == s.n_hist and s.n_hist >= s.n_prompt > 0)
                 or (s.state == ST_DECODE and s.n_past == s.n_hist - 1 and s.n_hist > s.n_prompt > 0)
@@ -690,6 +954,7 @@ cdef class SlotTable:
                     "slot %d inconsistent: state=%s n_prompt=%d n_hist=%d n_past=%d"
                     % (i, _STATE_BY_VALUE[s.state].name, s.n_prompt, s.n_hist, s.n_past)
                 )
+        self.check_kv()
 
     def __repr__(self):
         return "<SlotTable n_parallel=%d n_ctx_seq=%d chunk_size=%d busy=%d>" % (

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 
 import numpy as np
@@ -23,22 +24,49 @@ FLASH_ATTN = {
     False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
 
-DECODE_OK = 0
-DECODE_NO_KV_SLOT = 1
-DECODE_ABORTED = 2
+class DecodeCode(enum.IntEnum):
+    """``llama_decode`` / ``llama_encode`` return codes: the ONE definition of their meaning.
+
+    ``of(code)`` maps any int (unknown negative codes are ``FATAL``); ``retryable`` codes
+    mean "no memory for this batch": a smaller batch, or freed cells, may succeed.
+    """
+
+    OK = 0
+    NO_KV_SLOT = 1  # no room in the KV cache for the batch
+    ABORTED = 2  # the abort callback stopped the computation
+    INVALID_BATCH = -1  # a token, position or seq_id llama.cpp rejects
+    ALLOC_FAILED = -2  # could not allocate the compute buffers (encoders, embeddings)
+    FATAL = -3  # a failed graph compute, or any other negative code
+
+    @classmethod
+    def of(cls, code: int) -> DecodeCode:
+        try:
+            return cls(code)
+        except ValueError:
+            return cls.FATAL if code < 0 else cls.NO_KV_SLOT
+
+    @property
+    def retryable(self) -> bool:
+        return self in (DecodeCode.NO_KV_SLOT, DecodeCode.ALLOC_FAILED)
+
+    def error(self, what: str = "llama_decode", code: int | None = None) -> DecodeError | None:
+        """The exception for this code (None for OK); ``code``: the raw value, when known."""
+        raw = int(self) if code is None else code
+        if self is DecodeCode.OK:
+            return None
+        if self is DecodeCode.NO_KV_SLOT:
+            return KVCacheFull(raw, f"{what}: no room in the KV cache for the batch (code {raw})")
+        reason = {
+            DecodeCode.ABORTED: "aborted",
+            DecodeCode.INVALID_BATCH: "invalid input batch",
+            DecodeCode.ALLOC_FAILED: "could not allocate compute memory",
+        }.get(self, "fatal error")
+        return DecodeError(raw, f"{what}: {reason} (code {raw})")
 
 
 def decode_error(code: int, what: str = "llama_decode") -> DecodeError | None:
     """Map a ``llama_decode``/``llama_encode`` return code to an exception (None for 0)."""
-    if code == DECODE_OK:
-        return None
-    if code == DECODE_NO_KV_SLOT:
-        return KVCacheFull(code, f"{what}: no room in the KV cache for the batch (code 1)")
-    if code == DECODE_ABORTED:
-        return DecodeError(code, f"{what}: aborted (code 2)")
-    if code == -1:
-        return DecodeError(code, f"{what}: invalid input batch (code -1)")
-    return DecodeError(code, f"{what}: fatal error (code {code})")
+    return DecodeCode.of(code).error(what, code)
 
 
 def check_decode(code: int, what: str = "llama_decode") -> None:
