@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llamabatch._ffi.model import Model
 from llamabatch.embedder import Embedder
 from llamabatch.errors import (
     ContextError,
@@ -15,10 +16,11 @@ from llamabatch.errors import (
     RequestCancelled,
 )
 from llamabatch.llm import LLM
-from llamabatch.outputs import CompletionOutput, Delta, Timings, Usage
+from llamabatch.llm_engine import LLMEngine
+from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, Usage
 from llamabatch.params import SamplingParams
 from llamabatch.request import RequestHandle
-from llamabatch.telemetry import RequestEvent, TickEvent
+from llamabatch.telemetry import EmbedPackEvent, GenerationStats, RequestEvent, TickEvent
 
 __version__ = "0.1.0"
 
@@ -28,17 +30,23 @@ __all__ = [
     "ContextError",
     "DecodeError",
     "Delta",
+    "EmbedPackEvent",
     "Embedder",
     "EngineClosed",
+    "GenerationStats",
     "KVCacheFull",
+    "LLMEngine",
     "LlamaBatchError",
+    "Model",
     "ModelLoadError",
     "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
     "RequestEvent",
     "RequestHandle",
+    "RequestOutput",
     "SamplingParams",
+    "StepOutput",
     "TickEvent",
     "Timings",
     "Usage",

@@ -1,22 +1,29 @@
-"""The generation engine: one thread, one context, one ``llama_decode`` per tick.
+"""The generation engine core: one context, one ``llama_decode`` per ``step()``.
 
-Each tick (``_tick``):
-  1. end cancelled requests, admit queued requests into free slots (FIFO), reusing a
-     cached prompt prefix where one matches (``prefix_cache.py``);
+``EngineCore`` is single-threaded: whoever drives it (``LLMEngine`` on the caller's
+thread, or ``LLM``'s engine thread) calls ``add``, ``abort`` and ``step`` from one thread.
+Each step:
+
+  1. end aborted requests, then admit waiting requests into idle slots, first come first
+     served, while their uncomputed prompt tokens fit the free KV cells (less a watermark
+     kept for running sequences' next tokens), evicting idle cached prefixes (LRU) to make
+     room, and reusing a cached prompt prefix where one matches (``kv_cache.py``);
   2. the Cython core builds the batch under the token budget (``SlotTable.fill``);
-  3. decode once; on code 1 (no KV room) retry with half the budget, as llama.cpp's server
-     does, and fail only the request that cannot proceed even alone;
+  3. decode once; if llama.cpp finds no room in the KV cache, evict cached prefixes, then
+     preempt the latest-arrived running request (its cells are freed and it goes back to
+     the front of the queue, to be recomputed with the tokens it generated appended to its
+     prompt), then halve the batch; only a request that cannot proceed even alone fails;
   4. sample every output at its batch index with the request's own sampler chain;
-  5. detokenize incrementally, check stop conditions, deliver deltas, free finished slots.
+  5. detokenize incrementally, check stop conditions, record deltas and finish requests.
 
-The engine thread is the context's only user; callers talk to it through a queue guarded
-by a condition variable, and it sleeps when there is nothing to do.
+What the step produced is returned as ``(request, text, token_ids, finish_reason)``
+events, for the driver to deliver. The slot table is the one record of what every
+sequence holds in the KV cache; ``running`` maps slots to their requests.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from typing import Any
@@ -26,17 +33,22 @@ import numpy as np
 from llamabatch._core.batch import BatchPool
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._core.strategies import DecodeMaximal, get_strategy
-from llamabatch._ffi.context import Context, DecodeCode, decode_error
+from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
-from llamabatch.errors import EngineClosed, QueueFull
-from llamabatch.prefix_cache import PrefixCache
+from llamabatch.errors import QueueFull
+from llamabatch.kv_cache import KVCache
+from llamabatch.outputs import FinishReason
 from llamabatch.request import Request
-from llamabatch.telemetry import RequestEvent, Telemetry, TickEvent
+from llamabatch.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
+from llamabatch.worker import halve_and_retry
 
 logger = logging.getLogger("llamabatch")
 
+#: what a step produced for one completion: new text and tokens, or its end
+StepEvent = tuple[Request, str, list[int], FinishReason | None]
 
-class Engine:
+
+class EngineCore:
     """Continuous batching over ``n_parallel`` slots of one context (seq_id = slot)."""
 
     def __init__(
@@ -62,276 +74,321 @@ class Engine:
         self.telemetry = telemetry
         self.strategy = get_strategy(strategy)
         self._fallback_strategy = DecodeMaximal()
-        self.table = SlotTable(n_parallel, self.n_ctx_seq, chunk_size)
-        self.pool = BatchPool(n_batch, 1)
-        self.batch = self.pool.acquire()
-        self.slots: list[Request | None] = [None] * n_parallel
-        self.n_active = 0
-        self.tick_count = 0
-        self._queue: deque[Request] = deque()
-        self._calls: deque[Any] = deque()  # work that must run on the engine thread
-        self._cond = threading.Condition()
-        self._cancel_pending = False
-        self._closing = False
-        self._n_vocab = model.n_vocab
-        # Per-token lookups, filled once: end-of-generation flags and piece bytes.
-        self._eog = model.eog_flags()
-        self._pieces: list[bytes | None] = [None] * model.n_vocab
-        self._pieces_special: list[bytes | None] = [None] * model.n_vocab
-        supported = not (model.is_recurrent or model.is_hybrid)
-        if prefix_cache and not supported:
+        self._empty_plan_logged = False
+        unified = context.kv_unified
+        self.table = SlotTable(
+            n_parallel,
+            self.n_ctx_seq,
+            chunk_size,
+            n_pinned=n_pinned_max,
+            kv_unified=unified,
+            kv_size=context.n_ctx if unified else 0,
+        )
+        copy_supported = not (model.is_recurrent or model.is_hybrid)
+        if prefix_cache and not copy_supported:
             logger.warning(
                 "llamabatch: prefix reuse switched off: %s has %s memory, its KV cannot be copied in part",
                 model.path.name,
                 "recurrent" if model.is_recurrent else "hybrid",
             )
-        self.prefix_cache = PrefixCache(
-            context, self.table, n_parallel, n_pinned_max, prefix_cache, supported
-        )
-        self._thread = threading.Thread(target=self._run, name="llamabatch-engine", daemon=True)
-        self._thread.start()
+        self.kv = KVCache(context, self.table, reuse=prefix_cache, copy_supported=copy_supported)
+        #: cells kept free at admission for running sequences' next tokens (unified KV only)
+        self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
+        self.pool = BatchPool(n_batch, 1)
+        self.batch = self.pool.acquire()
+        self.running: list[Request | None] = [None] * n_parallel
+        self.waiting: deque[Request] = deque()
+        self.counters = GenerationCounters()
+        self._aborts: list[Request] = []
+        self._events: list[StepEvent] = []
+        # scratch of the current tick
+        self._decode_time = 0.0
+        self._tick_preemptions = 0
+        self._last_fill: tuple[int, int] = (0, 0)
+        self._failed_slots: list[int] = []
+        self._n_vocab = model.n_vocab
+        # Per-token lookups, filled once: end-of-generation flags and ids, piece bytes.
+        self._eog = model.eog_flags()
+        self._eog_ids = np.flatnonzero(np.frombuffer(bytes(self._eog), dtype=np.uint8)).tolist()
+        self._pieces: list[bytes | None] = [None] * model.n_vocab
+        self._pieces_special: list[bytes | None] = [None] * model.n_vocab
 
-    # -- caller side (any thread) --------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------
 
-    def submit(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
-        """Queue requests (all or none). ``QueueFull`` when ``max_queue`` would be exceeded,
-        unless ``block``, which waits for room."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._closing:
-                    raise EngineClosed("the engine is closed")
-                if len(self._queue) + len(requests) <= self.max_queue:
-                    break
-                if not block:
-                    raise QueueFull(
-                        f"the request queue is full ({len(self._queue)} waiting, max_queue={self.max_queue})"
-                    )
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise QueueFull(f"no room in the queue within {timeout} s (max_queue={self.max_queue})")
-                self._cond.wait(left)
-            self._queue.extend(requests)
-            self._cond.notify_all()
+    def add(self, requests: list[Request], *, check_room: bool = True) -> None:
+        """Queue requests (all or none); ``QueueFull`` beyond ``max_queue`` waiting."""
+        if check_room and len(self.waiting) + len(requests) > self.max_queue:
+            raise QueueFull(
+                f"the request queue is full ({len(self.waiting)} waiting, max_queue={self.max_queue})"
+            )
+        self.waiting.extend(requests)
 
-    def cancel(self, request: Request) -> None:
-        """Cancel a request: at once when still queued, at the next tick when running."""
-        with self._cond:
-            if request.done:
-                return
+    def abort(self, request: Request) -> None:
+        """End ``request`` as ``"cancelled"`` at the start of the next step."""
+        if not request.done:
             request.cancel_requested = True
+            self._aborts.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self._aborts or self.table.n_busy)
+
+    @property
+    def busy_slots(self) -> int:
+        return self.table.n_busy
+
+    def step(self) -> list[StepEvent]:
+        """One scheduling step: aborts, admission, one decode, sampling. Returns what the
+        step produced, per completion."""
+        self._events = events = []
+        if self._aborts:
+            self._end_aborted()
+        if self.waiting:
+            self._admit()
+        if self.table.n_busy:
+            self._tick()
+        return events
+
+    def fail_all(self, reason: FinishReason, error: str | None = None) -> list[StepEvent]:
+        """End every running and waiting request (closing, or a crash)."""
+        self._events = events = []
+        for slot in range(self.n_parallel):
+            if self.running[slot] is not None:
+                self._finish(slot, reason, error)
+        while self.waiting:
+            self._end(self.waiting.popleft(), reason, error)
+        self._aborts.clear()
+        return events
+
+    def close(self) -> None:
+        """Return the batch buffer (after ``fail_all``)."""
+        if self.batch is not None:
+            self.pool.release(self.batch)
+            self.batch = None
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _end_aborted(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for request in aborts:
+            if request.done:
+                continue
             try:
-                self._queue.remove(request)
+                slot = self.running.index(request)
             except ValueError:
-                self._cancel_pending = True
-                self._cond.notify_all()
-                return
-            self._cond.notify_all()
-        self._end_request(request, "cancelled")
-
-    def call(self, fn: Any, timeout: float | None = None) -> Any:
-        """Run ``fn()`` on the engine thread (the context's only user) and return its result."""
-        import concurrent.futures
-
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cond:
-            if self._closing:
-                raise EngineClosed("the engine is closed")
-            self._calls.append((fn, future))
-            self._cond.notify_all()
-        return future.result(timeout)
-
-    def _run_calls(self) -> None:
-        while self._calls:
-            fn, future = self._calls.popleft()
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def attach_async(self, request: Request, loop: Any, aqueue: Any) -> None:
-        """Mirror a (not yet submitted) request's deltas into an asyncio queue."""
-        request._loop_queues.append((loop, aqueue))
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the engine; requests still queued or running end as ``"cancelled"``."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self.context.abort()  # stop a long decode early
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self._closing and not self._thread.is_alive()
-
-    # -- engine thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (self._queue or self.n_active or self._calls or self._closing):
-                        self._cond.wait()
-                    if self._closing:
-                        break
-                    admitted = self._take_admissions()
-                    cancels = self._cancel_pending
-                    self._cancel_pending = False
-                    if admitted:
-                        self._cond.notify_all()  # room in the queue for blocked submitters
-                if self._calls:
-                    self._run_calls()
-                if cancels:
-                    self._end_cancelled()
-                for request in admitted:
-                    self._admit(request)
-                if self.n_active:
-                    self._tick()
-        except BaseException:  # pragma: no cover - a bug; never leave callers hanging
-            logger.critical("llamabatch engine thread crashed", exc_info=True)
-            self._fail_all("error", "the engine thread crashed (see the 'llamabatch' log)")
-            with self._cond:
-                self._closing = True
-            raise
-        finally:
-            self._shutdown()
-
-    def _take_admissions(self) -> list[Request]:
-        """Pop what fits into free slots, FIFO; a parallel-sampling follower waits until its
-        leader's prompt is computed, and any request whose prompt shares a prefix with one
-        being computed waits for that part, so shared tokens are computed once and copied."""
-        free = self.n_parallel - self.n_active
-        admitted: list[Request] = []
-        skipped: list[Request] = []
-        while free > 0 and self._queue:
-            request = self._queue.popleft()
-            if request.done:  # cancelled while queued
-                continue
-            leader = request.group
-            waits_for_leader = leader is not None and not leader.done and leader.t_first_token is None
-            if waits_for_leader or self.prefix_cache.should_wait(
-                request.prompt_tokens, [r.prompt_tokens for r in admitted]
-            ):
-                skipped.append(request)
-                continue
-            admitted.append(request)
-            free -= 1
-        self._queue.extendleft(reversed(skipped))
-        self.n_active += len(admitted)
-        return admitted
-
-    def _admit(self, request: Request) -> None:
-        free = [s for s in range(self.n_parallel) if self.slots[s] is None]
-        leader = request.group
-        leader_slot = leader.slot if leader is not None and not leader.done else -1
-        admission = self.prefix_cache.plan(request.prompt_tokens, free, leader_slot)
-        self.prefix_cache.apply(admission)
-        slot = admission.slot
-        request.slot = slot
-        request.n_reused = admission.n_reused
-        request.t_admitted = time.perf_counter()
-        self.slots[slot] = request
-        self.table.start(slot, request.prompt_tokens, admission.n_reused)
-
-    def _end_cancelled(self) -> None:
-        for slot, request in enumerate(self.slots):
-            if request is not None and request.cancel_requested:
+                try:
+                    self.waiting.remove(request)
+                except ValueError:
+                    continue  # not submitted here (yet)
+                self._end(request, "cancelled")
+            else:
                 self._finish(slot, "cancelled")
 
-    def _fill(self, budget: int) -> int:
+    def _admit(self) -> None:
+        """Admit waiting requests into idle slots, first come first served, while they fit.
+
+        A parallel-sampling follower waits until its leader's prompt is computed, and a
+        request sharing a prefix with a prompt being computed waits for that part (both
+        are passed over, not blocking the queue); a request whose prompt does not fit the
+        free cells blocks the queue until running requests free some."""
+        table = self.table
+        waiting = self.waiting
+        n_idle = self.n_parallel - table.n_busy
+        admitting: list[list[int]] = []
+        i = 0
+        while n_idle and i < len(waiting):
+            request = waiting[i]
+            leader = request.leader
+            tokens = request.tokens_to_compute()
+            if (leader is not None and not leader.done and leader.t_first_token is None) or (
+                self.kv.should_wait(tokens, admitting)
+            ):
+                i += 1
+                continue
+            if not self._make_room(tokens):
+                break
+            del waiting[i]
+            self._start(request, tokens)
+            admitting.append(tokens)
+            n_idle -= 1
+
+    def _make_room(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` can start now: with a unified KV cache its uncached tokens must
+        fit the free cells (plus the watermark); idle cached prefixes are evicted (least
+        recently used first) to make room. A request always starts when nothing runs."""
+        table = self.table
+        if not table.kv_unified or not table.n_busy:
+            return True
+        source, n_cached = table.best_prefix(tokens) if self.kv.reuse else (-1, 0)
+        need = len(tokens) - min(n_cached, len(tokens) - 1) + self.watermark
+        while table.cells_free < need:
+            if not self.kv.evict_one(keep=(source,)):
+                return False
+            self.counters.evictions += 1
+        return True
+
+    def _start(self, request: Request, tokens: list[int]) -> None:
+        leader = request.leader
+        leader_slot = self._slot_of(leader) if leader is not None else -1
+        placement = self.kv.place(tokens, leader_slot)
+        slot = placement.slot
+        self.table.start(slot, tokens, placement.n_reused)
+        self.running[slot] = request
+        if request.n_preemptions:
+            self.counters.recomputed_tokens += len(tokens) - placement.n_reused
+        else:
+            request.n_reused = placement.n_reused
+            request.t_admitted = time.perf_counter()
+
+    def _slot_of(self, request: Request) -> int:
         try:
-            return self.table.fill(self.batch, self.strategy, budget, len(self._queue))
+            return self.running.index(request)
+        except ValueError:
+            return -1
+
+    # -- the tick -------------------------------------------------------------------------
+
+    def _fill(self, budget: int) -> int:
+        table = self.table
+        queue_depth = len(self.waiting)
+        try:
+            n = table.fill(self.batch, self.strategy, budget, queue_depth)
         except Exception:
             logger.exception("batching strategy %r failed; using decode_maximal for this tick", self.strategy)
-            return self.table.fill(self.batch, self._fallback_strategy, budget, len(self._queue))
+            return table.fill(self.batch, self._fallback_strategy, budget, queue_depth)
+        if n == 0 and (table.count(SlotState.DECODE) or table.count(SlotState.PREFILL)):
+            if not self._empty_plan_logged:
+                self._empty_plan_logged = True
+                logger.warning(
+                    "batching strategy %r planned nothing while work is pending; "
+                    "using decode_maximal for such ticks",
+                    self.strategy,
+                )
+            n = table.fill(self.batch, self._fallback_strategy, budget, queue_depth)
+        return n
 
     def _tick(self) -> None:
         t_tick = time.perf_counter()
-        budget = self.n_batch
+        self._decode_time = 0.0
+        self._tick_preemptions = 0
         retries = 0
-        decode_time = 0.0
         while True:
-            n_tokens = self._fill(budget)
-            if n_tokens == 0:
+            outcome = halve_and_retry(self._try_decode, self.n_batch, relieve=self._relieve)
+            retries += outcome.retries
+            if outcome.used == 0:
                 return
-            t0 = time.perf_counter()
-            code = self.context.decode_address(self.batch.address)
-            decode_time += time.perf_counter() - t0
-            if code == 0:
-                n_decode, n_prefill = self.table.last_fill_stats
-                self.table.commit()
+            if outcome.ok:
                 break
-            batch_slots = self._slots_in_batch()
-            self.table.rollback()
-            for slot in batch_slots:  # drop what a partly processed batch left behind
-                self.context.seq_rm(slot, self.table.n_past(slot), -1)
-            if DecodeCode.of(code).retryable and self.prefix_cache.evict_one():
-                retries += 1  # cached prefixes go first, before the batch shrinks
-                continue
-            if DecodeCode.of(code).retryable and budget > 1:
-                budget //= 2
-                retries += 1
-                continue
-            if self._closing:
-                return
+            if outcome.code is DecodeCode.ABORTED and self.context.abort_requested:
+                return  # the driver is closing
             self.context.clear_abort()
-            error = decode_error(code)
-            # Alone and still no room (code 1 at budget 1), or a decode error: fail the
-            # requests in this batch, free their KV, keep serving the others.
-            for slot in batch_slots:
-                self._finish(slot, "error", error=str(error))
-            if not self.n_active:
-                return
-            budget = self.n_batch
+            error = str(outcome.code.error("llama_decode", outcome.raw))
+            # Alone and still no room, or a decode error: fail the requests of that batch,
+            # free their KV, keep serving the others.
+            for slot in self._failed_slots:
+                self._finish(slot, "error", error=error)
             retries += 1
-        self.tick_count += 1
+            if not self.table.n_busy:
+                return
         self._sample_outputs()
         tick_time = time.perf_counter() - t_tick
-        self.telemetry.add(
-            ticks=1,
-            batch_tokens=n_tokens,
-            decode_tokens=n_decode,
-            prefill_tokens=n_prefill,
-            busy_slots=self.n_active,
-            decode_time=decode_time,
-            tick_time=tick_time,
-            retries=retries,
-        )
+        n_decode, n_prefill = self._last_fill
+        n_tokens = n_decode + n_prefill
+        busy = self.table.n_busy
+        counters = self.counters
+        counters.ticks += 1
+        counters.batch_tokens += n_tokens
+        counters.decode_tokens += n_decode
+        counters.prefill_tokens += n_prefill
+        counters.busy_slot_ticks += busy
+        counters.decode_time += self._decode_time
+        counters.tick_time += tick_time
+        counters.decode_retries += retries
         if self.telemetry.has_listeners:
+            table = self.table
             self.telemetry.emit(
                 TickEvent(
-                    self.tick_count,
+                    counters.ticks,
                     n_tokens,
                     n_decode,
                     n_prefill,
-                    self.n_active,
-                    len(self._queue),
-                    decode_time,
+                    busy,
+                    len(self.waiting),
+                    self._decode_time,
                     tick_time,
                     retries,
+                    self._tick_preemptions,
+                    table.cells_used,
+                    table.cells_total,
                 )
             )
 
+    def _try_decode(self, budget: int) -> tuple[int, int]:
+        """Fill a batch of at most ``budget`` tokens and decode it: ``(code, n_tokens)``.
+        A failed decode leaves no trace (the fill is rolled back, partial KV writes removed)."""
+        n_tokens = self._fill(budget)
+        if n_tokens == 0:
+            return 0, 0
+        t0 = time.perf_counter()
+        code = self.context.decode_address(self.batch.address)
+        self._decode_time += time.perf_counter() - t0
+        if code == 0:
+            self._last_fill = self.table.last_fill_stats
+            self.table.commit()
+            return 0, n_tokens
+        self._failed_slots = self._slots_in_batch()
+        self.table.rollback()
+        for slot in self._failed_slots:  # drop what a partly processed batch left behind
+            self.kv.drop_uncommitted(slot)
+        return code, n_tokens
+
+    def _relieve(self) -> bool:
+        """Free KV cells after a decode found no room: cached prefixes go first, then the
+        latest-arrived running request is preempted (recomputed later)."""
+        if self.kv.evict_one():
+            self.counters.evictions += 1
+            return True
+        if self._preempt_one():
+            self._tick_preemptions += 1
+            return True
+        return False
+
     def _slots_in_batch(self) -> list[int]:
         table = self.table
-        return [
-            s for s in range(self.n_parallel) if self.slots[s] is not None and table.tokens_in_batch(s) > 0
-        ]
+        return [s for s in range(self.n_parallel) if self.running[s] is not None and table.tokens_in_batch(s)]
+
+    def _preempt_one(self) -> bool:
+        """Free the cells of the running request that arrived last (never the only one), and
+        put it back at the front of the queue; False when fewer than two run."""
+        busy = [(r.arrival, s) for s, r in enumerate(self.running) if r is not None]
+        if len(busy) < 2:
+            return False
+        slot = max(busy)[1]
+        request = self.running[slot]
+        assert request is not None
+        self.kv.release(slot, keep=False)
+        self.running[slot] = None
+        request.n_preemptions += 1
+        self.counters.preemptions += 1
+        # Preempted requests go first, oldest first, so none can starve.
+        waiting = self.waiting
+        i = 0
+        while i < len(waiting) and waiting[i].n_preemptions and waiting[i].arrival < request.arrival:
+            i += 1
+        waiting.insert(i, request)
+        logger.debug(
+            "preempted request %s (%d tokens generated)", request.request_id, len(request.output_tokens)
+        )
+        return True
+
+    # -- sampling -------------------------------------------------------------------------
 
     def _sample_outputs(self) -> None:
         """Sample every output of the tick: plain greedy requests take the argmax of their
         logits row (numpy, no copy), the others run their own llama.cpp sampler chain."""
-        table = self.table
-        outputs = table.outputs()  # [(slot, batch index)], in batch order
-        slots = self.slots
+        outputs = self.table.outputs()  # [(slot, batch index)], in batch order
+        running = self.running
         # Output rows are stored in batch order, which is the order of ``outputs``.
-        greedy_rows = [row for row, (slot, _) in enumerate(outputs) if slots[slot].fast_greedy]
+        greedy_rows = [row for row, (slot, _) in enumerate(outputs) if running[slot].fast_greedy]
         greedy: dict[int, int] = {}
         if greedy_rows:
             logits = self.context.logits_rows(len(outputs))
@@ -339,42 +396,63 @@ class Engine:
                 logits = logits[greedy_rows]
             greedy = dict(zip(greedy_rows, logits.argmax(axis=1).tolist(), strict=True))
         now = time.perf_counter()
-        context = self.context
         for row, (slot, idx) in enumerate(outputs):
-            request = slots[slot]
+            request = running[slot]
             if request.pin is not None:  # a prefix to pin: computed, nothing to sample
-                self.prefix_cache.pin(request.pin, slot)
+                self.kv.pin(request.pin, slot)
                 self._finish(slot, "stop")
                 continue
             if request.fast_greedy:
                 token = greedy[row]
+            elif len(request.output_tokens) < request.params.min_tokens:
+                token = self._sample_without_stops(request, idx)
             else:
-                token = request.sampler.sample(context, idx)
+                token = request.sampler.sample(self.context, idx)
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
             self._on_token(slot, request, token, now)
+
+    def _sample_without_stops(self, request: Request, idx: int) -> int:
+        """Sample with end-of-generation and stop tokens masked out (``min_tokens``); the
+        logits are restored afterwards, so log-probabilities stay those of the model."""
+        banned = list(request.stop_ids)
+        if not request.params.ignore_eos:
+            banned += self._eog_ids
+        logits = self.context.logits_view(idx)
+        saved = logits[banned].copy()
+        logits[banned] = -np.inf
+        try:
+            return request.sampler.sample(self.context, idx)
+        finally:
+            logits[banned] = saved
 
     def _on_token(self, slot: int, request: Request, token: int, now: float) -> None:
         params = request.params
         if request.t_first_token is None:
             request.t_first_token = now
         request.output_tokens.append(token)
-        if self._eog[token] and not params.ignore_eos:
-            request.push("", [token])
+        if (self._eog[token] and not params.ignore_eos) or token in request.stop_ids:
+            self._emit(request, "", token)
             self._finish(slot, "stop", stop_reason=token)
             return
         text = request.detok.feed(self._piece(token, not params.skip_special_tokens))
         if text:
             text, matched = request.stop_matcher.feed(text)
             if matched is not None:
-                request.push(text, [token])
+                self._emit(request, text, token)
                 self._finish(slot, "stop", stop_reason=matched)
                 return
-        request.push(text, [token])
+        self._emit(request, text, token)
         if len(request.output_tokens) >= params.max_tokens or self.table.n_past(slot) + 1 >= self.n_ctx_seq:
             self._finish(slot, "length")
             return
         self.table.accept(slot, token)
+
+    def _emit(self, request: Request, text: str, token: int) -> None:
+        if text:
+            request.text_parts.append(text)
+        if request.streaming:
+            self._events.append((request, text, [token], None))
 
     def _piece(self, token: int, special: bool) -> bytes:
         cache = self._pieces_special if special else self._pieces
@@ -395,39 +473,34 @@ class Engine:
         out[int(token)] = float(logits[token] - logsumexp)
         return out
 
-    def _finish(self, slot: int, reason: str, error: str | None = None, stop_reason: Any = None) -> None:
-        request = self.slots[slot]
+    # -- the end of a request -------------------------------------------------------------
+
+    def _finish(
+        self, slot: int, reason: FinishReason, error: str | None = None, stop_reason: Any = None
+    ) -> None:
+        request = self.running[slot]
         if request is None:
             return
+        self.running[slot] = None
         # Keep what the KV cache validly holds for reuse, unless the request failed.
-        kept = None
-        if reason != "error" and self.prefix_cache.enabled and self.table.n_past(slot):
-            kept = self.table.history(slot)[: self.table.n_past(slot)]
-        if self.table.state(slot) != SlotState.IDLE:
-            self.table.finish(slot)
-        self.prefix_cache.release_slot(slot, kept)
-        self.slots[slot] = None
-        with self._cond:
-            self.n_active -= 1
-            self._cond.notify_all()
-        self._end_request(request, reason, error, stop_reason)
+        self.kv.release(slot, keep=reason != "error")
+        self._end(request, reason, error, stop_reason)
 
-    def _end_request(
-        self, request: Request, reason: str, error: str | None = None, stop_reason: Any = None
+    def _end(
+        self, request: Request, reason: FinishReason, error: str | None = None, stop_reason: Any = None
     ) -> None:
-        if request.sampler is not None:
-            request.sampler.close()
-        if not request.finish(reason, error, stop_reason):  # type: ignore[arg-type]
+        rest = request.finish(reason, error, stop_reason)
+        if rest is None:
             return
+        self._events.append((request, rest, [], request.finish_reason))
         out = request.output
         assert out is not None
-        self.telemetry.add(
-            requests=1,
-            prompt_tokens=out.usage.prompt_tokens,
-            completion_tokens=out.usage.completion_tokens,
-            reused_tokens=out.usage.n_reused_tokens,
-            **{f"finish_{out.finish_reason}": 1},
-        )
+        counters = self.counters
+        counters.requests += 1
+        counters.prompt_tokens += out.usage.prompt_tokens
+        counters.completion_tokens += out.usage.completion_tokens
+        counters.reused_tokens += out.usage.reused_tokens
+        counters.finish_reasons[out.finish_reason] = counters.finish_reasons.get(out.finish_reason, 0) + 1
         if self.telemetry.has_listeners:
             ttft = out.timings.time_to_first_token
             gen_time = out.timings.total - ttft if ttft is not None else None
@@ -438,7 +511,7 @@ class Engine:
                     finish_reason=out.finish_reason,
                     prompt_tokens=out.usage.prompt_tokens,
                     completion_tokens=out.usage.completion_tokens,
-                    reused_tokens=out.usage.n_reused_tokens,
+                    reused_tokens=out.usage.reused_tokens,
                     queue_wait=out.timings.queue_wait,
                     time_to_first_token=ttft,
                     total=out.timings.total,
@@ -448,26 +521,6 @@ class Engine:
                         if gen_time and out.usage.completion_tokens > 1
                         else None
                     ),
+                    preemptions=request.n_preemptions,
                 )
             )
-
-    def _fail_all(self, reason: str, error: str | None = None) -> None:
-        for slot in range(self.n_parallel):
-            self._finish(slot, reason, error)
-        with self._cond:
-            queued = list(self._queue)
-            self._queue.clear()
-        for request in queued:
-            self._end_request(request, reason, error)
-
-    def _shutdown(self) -> None:
-        self._fail_all("cancelled")
-        with self._cond:
-            calls = list(self._calls)
-            self._calls.clear()
-        for _, future in calls:
-            future.set_exception(EngineClosed("the engine is closed"))
-        if self.batch is not None:
-            self.pool.release(self.batch)
-            self.batch = None
-        self.context.clear_abort()

@@ -1,4 +1,5 @@
-"""What a generation returns: ``CompletionOutput`` and the streamed ``Delta``."""
+"""What a generation returns: ``RequestOutput`` per prompt, holding one ``CompletionOutput``
+per completion (vLLM's shape), the streamed ``Delta`` and ``LLMEngine.step()``'s ``StepOutput``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts of one request (``n_reused_tokens`` of the prompt came from the prefix cache)."""
+    """Token counts of one completion (``reused_tokens`` of the prompt came from the prefix
+    cache instead of being computed)."""
 
     prompt_tokens: int
     completion_tokens: int
-    n_reused_tokens: int = 0
+    reused_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -23,11 +25,13 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Seconds: waiting in the queue, from submit to the first token, and in all."""
+    """Seconds: waiting in the queue, from submit to the first token, and in all.
+    ``preemptions``: how often the request was preempted and recomputed under KV pressure."""
 
     queue_wait: float
     time_to_first_token: float | None
     total: float
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,45 @@ class CompletionOutput:
     stop_reason: str | int | None = None
 
 
+@dataclass(frozen=True)
+class RequestOutput:
+    """Everything one prompt produced: its ``n`` completions (``outputs[i].index == i``).
+
+    ``prompt`` is the prompt text (``None`` for a token-id prompt); ``metrics`` are the
+    timings of the first completion; ``finished`` is True once every completion ended.
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: Timings | None = None
+
+
 @dataclass(slots=True)  # not frozen: one is made per streamed token, and frozen init is slow
 class Delta:
     """One streamed piece of a completion: new text and tokens; the last one carries
-    ``finish_reason`` and the full ``output``."""
+    ``finish_reason`` and the full ``output``. ``index`` tells the completions of ``n > 1``
+    apart."""
 
     request_id: int
     text: str
     token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    output: CompletionOutput | None = None
+    index: int = 0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one completion produced in one ``LLMEngine.step()``: its new tokens and text;
+    once ``finished``, its ``finish_reason`` and full ``output``."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
     finish_reason: FinishReason | None = None
     output: CompletionOutput | None = None
     index: int = 0

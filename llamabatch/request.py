@@ -1,7 +1,9 @@
-"""A request's life: ``Request`` (engine side) and ``RequestHandle`` (caller side).
+"""A request's life: ``Request`` (one completion, engine side), the ``Channel`` its deltas
+travel through, and ``RequestHandle`` (the caller's side of one prompt's ``n`` completions).
 
-The engine thread is the only writer of a request's progress. Callers read deltas from a
-thread-safe queue and wait on the final output; ``finish`` runs exactly once.
+The engine's thread is the only writer of a request's progress (``EngineCore``). A driver
+(``LLM``'s thread, or ``LLMEngine.step()``) hands what each step produced to the callers;
+``finish`` runs exactly once.
 """
 
 from __future__ import annotations
@@ -16,14 +18,42 @@ from typing import TYPE_CHECKING, Any
 
 from llamabatch.detok import IncrementalDetokenizer, StopMatcher
 from llamabatch.errors import RequestCancelled
-from llamabatch.outputs import CompletionOutput, Delta, FinishReason, Timings, Usage
+from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage
 from llamabatch.params import SamplingParams
 
 if TYPE_CHECKING:
     from llamabatch._ffi.sampler import SamplerChain
 
 _ids = itertools.count(1)
+_arrivals = itertools.count()
 _END = object()
+
+
+def next_request_id() -> int:
+    return next(_ids)
+
+
+class Channel:
+    """Where the deltas of one prompt's completions go: a thread-safe queue for blocking
+    readers, plus asyncio queues of the event loops that listen."""
+
+    __slots__ = ("_loops", "queue")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loops: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
+
+    def listen_from(self, loop: asyncio.AbstractEventLoop, aqueue: asyncio.Queue[Any]) -> None:
+        """Mirror every item into ``aqueue`` on ``loop`` (before the request is submitted)."""
+        self._loops.append((loop, aqueue))
+
+    def put(self, item: Any) -> None:
+        self.queue.put(item)
+        for loop, aqueue in self._loops:
+            try:
+                loop.call_soon_threadsafe(aqueue.put_nowait, item)
+            except RuntimeError:  # the loop is closed; the caller is gone
+                pass
 
 
 class Request:
@@ -31,28 +61,29 @@ class Request:
 
     __slots__ = (
         "_done",
-        "_listeners",
-        "_loop_queues",
+        "arrival",
         "cancel_requested",
+        "channel",
         "detok",
         "error",
         "fast_greedy",
         "finish_reason",
-        "group",
         "index",
+        "leader",
         "logprobs",
+        "n_preemptions",
         "n_reused",
         "output",
         "output_tokens",
         "params",
         "pin",
+        "prompt",
         "prompt_tokens",
         "request_id",
         "sampler",
-        "slot",
+        "stop_ids",
         "stop_matcher",
         "stop_reason",
-        "stream",
         "streaming",
         "t_admitted",
         "t_first_token",
@@ -60,8 +91,20 @@ class Request:
         "text_parts",
     )
 
-    def __init__(self, prompt_tokens: list[int], params: SamplingParams, index: int = 0) -> None:
-        self.request_id = next(_ids)
+    def __init__(
+        self,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        request_id: Any = None,
+        prompt: str | None = None,
+        streaming: bool = True,
+        channel: Channel | None = None,
+    ) -> None:
+        self.request_id = next_request_id() if request_id is None else request_id
+        self.arrival = next(_arrivals)  # submission order: who is preempted first
+        self.prompt = prompt
         self.prompt_tokens = prompt_tokens
         self.params = params
         self.index = index
@@ -70,55 +113,56 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.detok = IncrementalDetokenizer()
         self.stop_matcher = StopMatcher(params.stop)
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.sampler: SamplerChain | None = None
-        self.slot = -1
-        self.n_reused = 0
-        self.group: Request | None = None  # the leader of a parallel-sampling group (n > 1)
+        self.n_reused = 0  # prompt tokens reused from the KV cache at the first admission
+        self.n_preemptions = 0
+        self.leader: Request | None = None  # the first completion of a parallel-sampling group
         self.pin: Any = None  # a PinnedPrefix this request computes (LLM.register_prefix)
         self.cancel_requested = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.output: CompletionOutput | None = None
-        self.stream: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        #: deliver per-token deltas (off for callers that only wait for the result)
-        self.streaming = True
+        #: per-token deltas wanted (off for callers that only wait for the result)
+        self.streaming = streaming
+        self.channel = channel
         #: plain greedy with no state in the sampler chain: the engine takes the argmax
         self.fast_greedy = (
             params.greedy
             and not params.logit_bias
-            and params.grammar is None
+            and params.effective_grammar is None
             and params.repeat_penalty == 1.0
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
+            and params.min_tokens == 0
         )
         self._done = threading.Event()
-        self._listeners: list[Any] = []
-        self._loop_queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
         self.t_submitted = time.perf_counter()
         self.t_admitted: float | None = None
         self.t_first_token: float | None = None
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self.output is not None
 
-    def push(self, text: str, tokens: list[int]) -> None:
-        """Deliver a delta (engine thread)."""
-        if text:
-            self.text_parts.append(text)
-        if self.streaming:
-            self._deliver(Delta(self.request_id, text, tokens, None, None, self.index))
+    def tokens_to_compute(self) -> list[int]:
+        """The sequence to prefill at admission: the prompt, plus what was generated before a
+        preemption (its last token is the next decode input)."""
+        if self.output_tokens:
+            return self.prompt_tokens + self.output_tokens
+        return self.prompt_tokens
 
     def finish(
         self, reason: FinishReason, error: str | None = None, stop_reason: str | int | None = None
-    ) -> bool:
-        """End the request exactly once; returns False when it had already ended.
+    ) -> str | None:
+        """End the request exactly once; returns the text released at the end, or None when
+        it had already ended.
 
         Text still held back (an incomplete character, a possible stop-string start) is
         released unless a stop string ended the request."""
         if self.output is not None:
-            return False
+            return None
         now = time.perf_counter()
         rest = ""
         if not isinstance(stop_reason, str):
@@ -129,6 +173,8 @@ class Request:
                 reason, stop_reason = "stop", matched
             if rest:
                 self.text_parts.append(rest)
+        if self.sampler is not None:
+            self.sampler.close()
         self.finish_reason = reason
         self.error = error
         self.stop_reason = stop_reason
@@ -140,80 +186,96 @@ class Request:
             token_ids=list(self.output_tokens),
             finish_reason=reason,
             usage=Usage(len(self.prompt_tokens), len(self.output_tokens), self.n_reused),
-            timings=Timings(queue_wait, ttft, now - self.t_submitted),
+            timings=Timings(queue_wait, ttft, now - self.t_submitted, self.n_preemptions),
             prompt_token_ids=self.prompt_tokens,
             logprobs=self.logprobs,
             index=self.index,
             error=error,
             stop_reason=stop_reason,
         )
-        self._deliver(Delta(self.request_id, rest, [], reason, self.output, index=self.index))
-        self._deliver(_END)
-        self._done.set()
-        return True
+        return rest
 
-    def _deliver(self, item: Any) -> None:
-        self.stream.put(item)
-        for loop, aqueue in self._loop_queues:
-            try:
-                loop.call_soon_threadsafe(aqueue.put_nowait, item)
-            except RuntimeError:  # the loop is closed; the caller is gone
-                pass
+    def publish(self, text: str, token_ids: list[int], finish_reason: FinishReason | None) -> None:
+        """Hand a step's delta to the caller's channel (the last one ends the stream)."""
+        channel = self.channel
+        if finish_reason is None:
+            if channel is not None:
+                channel.put(Delta(self.request_id, text, token_ids, None, None, self.index))
+            return
+        if channel is not None:
+            channel.put(Delta(self.request_id, text, token_ids, finish_reason, self.output, self.index))
+            channel.put(_END)
+        self._done.set()
 
     def wait(self, timeout: float | None) -> bool:
         return self._done.wait(timeout)
 
 
-class RequestHandle:
-    """The caller's view of a submitted request: wait, cancel, or iterate over deltas.
+def request_output(requests: list[Request]) -> RequestOutput:
+    """The ``RequestOutput`` of one prompt's completions (all finished)."""
+    first = requests[0]
+    outputs = [r.output for r in requests]
+    assert all(o is not None for o in outputs)
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_tokens,
+        outputs=outputs,  # type: ignore[arg-type]
+        finished=True,
+        metrics=outputs[0].timings,  # type: ignore[union-attr]
+    )
 
-    Usable from any thread. Iterating yields :class:`Delta` objects until the request
-    ends; the last one carries ``finish_reason`` and the complete ``output``.
+
+class RequestHandle:
+    """The caller's view of a submitted prompt: wait, cancel, or iterate over deltas.
+
+    Usable from any thread. Iterating yields :class:`Delta` objects of all ``n``
+    completions (``.index`` tells them apart) until every one has ended; each
+    completion's last delta carries ``finish_reason`` and its complete ``output``.
     """
 
-    def __init__(self, requests: list[Request], engine: Any) -> None:
+    def __init__(self, requests: list[Request], cancel: Any) -> None:
         self._requests = requests
-        self._engine = engine
+        self._cancel = cancel
 
     @property
-    def request_id(self) -> int:
+    def request_id(self) -> Any:
         return self._requests[0].request_id
 
     @property
     def done(self) -> bool:
-        return all(r.done for r in self._requests)
+        return all(r._done.is_set() for r in self._requests)
 
     def cancel(self) -> None:
-        """Ask the engine to stop this request; it then ends as ``"cancelled"``."""
+        """Ask the engine to stop this request; its completions then end as ``"cancelled"``."""
         for request in self._requests:
-            self._engine.cancel(request)
+            if not request.done:
+                self._cancel(request)
 
-    def result(self, timeout: float | None = None) -> CompletionOutput:
-        """Wait for the (first) completion; ``TimeoutError`` after ``timeout`` seconds."""
-        return self.results(timeout)[0]
-
-    def results(self, timeout: float | None = None) -> list[CompletionOutput]:
-        """All ``n`` completions (parallel sampling), in index order."""
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for every completion; ``TimeoutError`` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for request in self._requests:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not request.wait(left):
                 raise TimeoutError(f"request {request.request_id} did not finish within {timeout} s")
-        return [r.output for r in self._requests]  # type: ignore[misc]
+        return request_output(self._requests)
 
     def __iter__(self) -> Iterator[Delta]:
-        if len(self._requests) != 1:
-            raise TypeError("iterate over a single completion; use results() when n > 1")
-        request = self._requests[0]
-        while True:
-            item = request.stream.get()
+        channel = self._requests[0].channel
+        if channel is None:
+            raise TypeError("this request was submitted without streaming")
+        ends = 0
+        while ends < len(self._requests):
+            item = channel.queue.get()
             if item is _END:
-                return
+                ends += 1
+                continue
             yield item
 
-    def raise_for_status(self) -> CompletionOutput:
-        """The result, raising ``RequestCancelled`` for a cancelled request."""
+    def raise_for_status(self) -> RequestOutput:
+        """The result, raising ``RequestCancelled`` if a completion was cancelled."""
         out = self.result()
-        if out.finish_reason == "cancelled":
+        if any(o.finish_reason == "cancelled" for o in out.outputs):
             raise RequestCancelled(f"request {out.request_id} was cancelled")
         return out

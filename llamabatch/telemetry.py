@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("llamabatch")
@@ -30,6 +30,11 @@ class TickEvent:
     decode_time: float
     tick_time: float
     retries: int = 0
+    #: running requests preempted (recomputed later) to make room in this tick
+    preemptions: int = 0
+    #: KV cells in use after the tick (shared cells counted once), and in all
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class RequestEvent:
     total: float
     prompt_tokens_per_s: float | None
     generation_tokens_per_s: float | None
+    #: times the request was preempted under KV pressure and recomputed
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,71 @@ class EmbedPackEvent:
     failed: int = 0
     #: tokens still queued when the pack was taken
     pending_tokens: int = 0
+
+
+@dataclass
+class GenerationCounters:
+    """Running totals of the generation engine, written by its thread only."""
+
+    ticks: int = 0
+    batch_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    #: busy slots summed over ticks (divided by ``ticks``: the mean batch occupancy)
+    busy_slot_ticks: int = 0
+    decode_time: float = 0.0
+    tick_time: float = 0.0
+    decode_retries: int = 0
+    requests: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+    preemptions: int = 0
+    #: prompt and generated tokens computed again after a preemption
+    recomputed_tokens: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """``LLM.stats()`` / ``LLMEngine.stats()``: a snapshot of the engine and its totals.
+
+    Rates are over the time spent in ticks. ``reused_tokens`` of the ``prompt_tokens`` came
+    from the prefix cache; ``prefill_tokens`` is what was computed (including recomputation
+    after preemptions, ``recomputed_tokens``)."""
+
+    n_parallel: int
+    busy_slots: int
+    queue_depth: int
+    ticks: int
+    requests: int
+    finish_reasons: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    batch_tokens: int
+    decode_tokens: int
+    prefill_tokens: int
+    mean_busy_slots: float
+    decode_time_s: float
+    tick_time_s: float
+    tokens_per_s: float
+    generated_tokens_per_s: float
+    decode_retries: int
+    preemptions: int
+    recomputed_tokens: int
+    evictions: int
+    prefix_cache: bool
+    cached_prefix_tokens: int
+    pinned_prefixes: int
+    kv_cells_used: int
+    kv_cells_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV cells in use (0..1)."""
+        return self.kv_cells_used / self.kv_cells_total if self.kv_cells_total else 0.0
 
 
 Listener = Callable[[Any], None]

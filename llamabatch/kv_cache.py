@@ -1,0 +1,219 @@
+"""The KV cache: prefix reuse, eviction, pinned prefixes — and the only code that changes
+what llama.cpp's sequences hold outside a decode (``seq_rm``/``seq_cp``).
+
+Every change is made twice, in one method each: in llama.cpp (``Context.seq_rm`` /
+``seq_cp``) and in the slot table's KV record (``SlotTable.trim`` / ``copy``), which is
+the one place the engine reads what each sequence holds and how many cells are free.
+
+With a unified KV cache a copy shares the prefix's cells, and partial copies ([0, n) of a
+sequence) are possible. With one KV stream per sequence (``kv_unified=False``) llama.cpp
+only copies whole streams (a partial cross-stream copy aborts the process), so a prefix is
+copied as the source's whole stream, then the copy's tail is removed. Sources of a prefix:
+
+- any slot's sequence, busy or idle: idle slots keep their last tokens in the KV cache
+  until their slot is reused or evicted (least recently used first) under KV pressure;
+- pinned prefixes (``LLM.register_prefix``) held in sequences of their own, past the
+  slots' seq_ids, until released.
+
+At admission (``place``) the new request takes an idle slot: the one whose own cached
+tokens match the prompt longest, else the least recently used one; the longest match from
+any source is copied in, and only the rest of the prompt is computed (always at least the
+last prompt token, so its logits exist). A request whose prompt shares at least
+``MIN_WAIT_TOKENS`` not-yet-computed tokens with a prompt being prefilled right now waits
+in the queue until they are computed (``should_wait``), so requests arriving together
+with a common system prompt compute it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llamabatch._core.slots import SlotState, SlotTable
+from llamabatch._ffi.context import Context
+
+#: shared prompt tokens still to be computed elsewhere that make a new request wait
+MIN_WAIT_TOKENS = 16
+
+
+@dataclass
+class PinnedPrefix:
+    """A prefix kept in the KV cache for every request that starts with it."""
+
+    seq_id: int
+    tokens: list[int]
+    text: str | None = None
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an admitted request goes: its slot, and the prefix copied or kept there."""
+
+    slot: int
+    source_seq: int  # -1: nothing copied (the slot's own cache is reused in place, or none)
+    n_reused: int
+
+
+@dataclass
+class KVCache:
+    """Prefix reuse and KV bookkeeping over one context and its slot table."""
+
+    context: Context
+    table: SlotTable
+    #: reuse cached prompt prefixes (``LLM(prefix_cache=...)``, and the model supports it)
+    reuse: bool
+    #: copies of sequences work on this model (no recurrent or hybrid state)
+    copy_supported: bool = True
+    pinned: dict[int, PinnedPrefix] = field(default_factory=dict)
+    _free_pin_seqs: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reuse = self.reuse and self.copy_supported
+        self._whole_streams = not self.table.kv_unified
+        table = self.table
+        self._free_pin_seqs = list(range(table.n_seq - 1, table.n_parallel - 1, -1))
+
+    # -- the two primitives: every KV change goes through them --------------------------
+
+    def trim(self, seq: int, n: int) -> None:
+        """Keep positions [0, n) of an idle slot or pinned sequence; drop the rest."""
+        self.context.seq_rm(seq, n if n else -1, -1)
+        self.table.trim(seq, n)
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make the idle slot or pinned sequence ``dst`` hold positions [0, n) of ``src``."""
+        self.trim(dst, 0)
+        if self._whole_streams:
+            self.context.seq_cp(src, dst, -1, -1)  # the whole stream (deferred buffer copy)
+            self.context.seq_rm(dst, n, -1)
+        else:
+            self.context.seq_cp(src, dst, 0, n)  # shared cells, no data copied
+        self.table.copy(src, dst, n)
+
+    def release(self, slot: int, keep: bool) -> None:
+        """A request leaves ``slot``: keep what its KV validly holds for reuse, or drop it.
+
+        Also drops whatever a failed (partly processed) decode left past ``n_past``."""
+        keep = keep and self.reuse
+        n_past = self.table.n_past(slot)
+        self.context.seq_rm(slot, n_past if keep and n_past else -1, -1)
+        self.table.finish(slot, keep=keep)
+
+    def drop_uncommitted(self, slot: int) -> None:
+        """Remove what a failed decode may have written past the slot's ``n_past``."""
+        self.context.seq_rm(slot, self.table.n_past(slot), -1)
+
+    # -- admission ----------------------------------------------------------------------
+
+    def place(self, tokens: list[int], leader_slot: int = -1) -> Placement:
+        """Choose an idle slot for ``tokens`` and make it hold the longest reusable prefix.
+
+        With reuse off, only a parallel-sampling leader's prompt is shared."""
+        table = self.table
+        limit = len(tokens) - 1  # the last prompt token is always computed
+        best_seq, best_n = -1, 0
+        if self.reuse:
+            best_seq, best_n = table.best_prefix(tokens)
+        elif self.copy_supported and leader_slot >= 0 and table.state(leader_slot) != SlotState.IDLE:
+            best_seq, best_n = leader_slot, table.common_prefix(leader_slot, tokens)
+        best_n = min(best_n, limit)
+        if best_n <= 0:
+            best_seq, best_n = -1, 0
+        if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
+            slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
+            self.trim(slot, best_n)
+        else:
+            slot = table.lru_slot()
+            if best_seq >= 0:
+                self.copy(best_seq, slot, best_n)
+            else:
+                self.trim(slot, 0)
+        table.touch(slot)
+        return Placement(slot, best_seq, best_n)
+
+    def should_wait(self, tokens: list[int], admitting: list[list[int]]) -> bool:
+        """True when a prompt being prefilled (or ``admitting`` in this same step) shares
+        enough not-yet-computed tokens with ``tokens`` that waiting for them beats
+        computing them twice."""
+        if not self.reuse:
+            return False
+        table = self.table
+        prefilling = [s for s in range(table.n_parallel) if table.state(s) == SlotState.PREFILL]
+        if not (prefilling or admitting):
+            return False
+        limit = len(tokens) - 1
+        now = table.best_prefix(tokens)[1]
+        for slot in prefilling:
+            shared = min(table.common_history(slot, tokens), limit)
+            if shared - max(now, table.n_past(slot)) >= MIN_WAIT_TOKENS:
+                return True
+        array = np.asarray(tokens, dtype=np.int32)
+        for other in admitting:
+            shared = min(_common_prefix(np.asarray(other, dtype=np.int32), array), limit)
+            if shared - now >= MIN_WAIT_TOKENS:
+                return True
+        return False
+
+    # -- eviction -----------------------------------------------------------------------
+
+    def evict_one(self, keep: tuple[int, ...] = ()) -> bool:
+        """Drop the least recently used idle slot's cached tokens (not those in ``keep``);
+        False when no idle slot holds any."""
+        table = self.table
+        slot = table.lru_slot(cached_only=True)
+        if slot in keep:
+            candidates = [
+                s
+                for s in range(table.n_parallel)
+                if s not in keep and table.state(s) == SlotState.IDLE and table.seq_len(s)
+            ]
+            slot = candidates[0] if candidates else -1
+        if slot < 0:
+            return False
+        self.trim(slot, 0)
+        return True
+
+    def clear(self) -> None:
+        """Drop every idle slot's cached tokens (pinned prefixes stay)."""
+        while self.evict_one():
+            pass
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens idle slots hold for reuse."""
+        table = self.table
+        return sum(table.seq_len(s) for s in range(table.n_parallel) if table.state(s) == SlotState.IDLE)
+
+    # -- pinned prefixes -----------------------------------------------------------------
+
+    def new_pin_seq(self) -> int:
+        if not self.reuse:
+            raise ValueError("prefixes cannot be pinned: prefix reuse is off (or unsupported by this model)")
+        if not self._free_pin_seqs:
+            raise ValueError("no room for another pinned prefix (raise LLM(max_prefixes=...))")
+        return self._free_pin_seqs.pop()
+
+    def pin(self, prefix: PinnedPrefix, source_slot: int) -> None:
+        """Copy the prefix, just computed in ``source_slot``, into its own sequence."""
+        self.copy(source_slot, prefix.seq_id, len(prefix.tokens))
+        self.pinned[prefix.seq_id] = prefix
+
+    def unpin(self, prefix: PinnedPrefix) -> None:
+        if self.pinned.pop(prefix.seq_id, None) is not None:
+            self.trim(prefix.seq_id, 0)
+            self._free_pin_seqs.append(prefix.seq_id)
+        prefix.released = True
+
+    def drop_pin_seq(self, seq_id: int) -> None:
+        """Return a sequence reserved for a pin that never completed."""
+        if seq_id not in self.pinned and seq_id not in self._free_pin_seqs:
+            self.trim(seq_id, 0)
+            self._free_pin_seqs.append(seq_id)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
