@@ -2,22 +2,24 @@
 
 How a call flows:
 
-1. ``embed(texts)`` (any thread) or ``await aembed(texts)`` tokenizes on the caller's thread
-   (so tokenization runs in parallel and a bad input raises at the call), checks every text
-   against the per-text limit (error or truncation), and enqueues one job: its sequences go
-   to the back of one FIFO shared by all callers, and their tokens to ``pending_tokens``.
-2. One worker thread owns the llama.cpp context. It takes a *pack* from the front of the
-   queue — whole sequences of any callers, at most ``capacity`` tokens (sized by the pending
-   work: everything pending when that is less, a full pack otherwise) and ``n_seq_max``
-   sequences — writes it into the one preallocated batch (every token an output, sequence
-   ``k`` of the pack as ``seq_id`` k, positions from 0), clears the memory and decodes once.
-   llama.cpp pools each sequence (``llama_get_embeddings_seq``) and the worker routes each
-   vector to its caller's row.
-3. A decode that fails for lack of memory (code 1: no KV room; -2: a failed allocation) is
-   retried with the first half of the pack, halving down to a single sequence (the floor);
-   a sequence that cannot be decoded even alone fails its own call with a clear error, the
-   rest of the pack — other callers included — carries on.
-4. When a call's last vector arrives its future resolves; the caller normalises its rows.
+1. ``embed(texts)`` (any thread), ``encode(sentences)`` or ``await aembed(texts)`` tokenizes
+   on the caller's thread (so tokenization runs in parallel and a bad input raises at the
+   call), checks every text against the per-text limit (error or truncation), and enqueues
+   a job: its sequences go to the back of one FIFO shared by all callers, and their tokens to
+   ``pending_tokens``. ``encode`` enqueues one job per ``batch_size`` texts, so the worker
+   starts on the first texts while the caller tokenizes the rest.
+2. One worker thread (``llamabatch.worker.Worker``) owns the llama.cpp context. It takes a
+   *pack* from the front of the queue — whole sequences of any callers, at most ``capacity``
+   tokens (sized by the pending work: everything pending when that is less, a full pack
+   otherwise) and ``pack_seq_max`` sequences — writes it into the one preallocated batch
+   (every token an output, sequence ``k`` of the pack as ``seq_id`` k, positions from 0),
+   clears the memory and decodes once. llama.cpp pools each sequence
+   (``llama_get_embeddings_seq``) and the worker routes each vector to its caller's row.
+3. A decode that fails for lack of memory is retried with the first half of the pack,
+   halving down to a single sequence (``worker.halve_and_retry``); a sequence that cannot be
+   decoded even alone fails its own call with a clear error, the rest of the pack — other
+   callers included — carries on.
+4. When a job's last vector arrives its future resolves; the caller normalises its rows.
 
 Limits that keep llama.cpp from aborting the process (not only from failing):
 
@@ -38,23 +40,24 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from llamabatch._core.batch import BatchPool
-from llamabatch._ffi.context import Context, DecodeCode, decode_error
-from llamabatch._ffi.context import max_parallel_sequences as _max_parallel_sequences
+from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
-from llamabatch.errors import DecodeError, EngineClosed, KVCacheFull, LlamaBatchError, PromptTooLong
+from llamabatch.errors import DecodeError, EngineClosed, KVCacheFull, PromptTooLong
 from llamabatch.params import check_positive_int
 from llamabatch.telemetry import EmbedPackEvent, Listener, Telemetry
+from llamabatch.worker import RetryOutcome, Worker, halve_and_retry
 
-__all__ = ["NORMALIZATIONS", "POOLINGS", "Embedder", "pack_budget"]
+__all__ = ["NORMALIZATIONS", "POOLINGS", "PRECISIONS", "Embedder", "pack_budget"]
 
 logger = logging.getLogger("llamabatch")
 
@@ -62,9 +65,15 @@ logger = logging.getLogger("llamabatch")
 POOLINGS = ("mean", "cls", "last", "rank", "none")
 #: Normalisation modes (``True`` means ``"l2"``, ``False`` means ``"none"``).
 NORMALIZATIONS = ("l2", "none", "max_abs")
+#: ``encode(precision=...)`` values, as sentence-transformers names them.
+PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 
 #: Poolings whose result is wrong if a sequence is split across ubatches.
 _WHOLE_UBATCH_POOLINGS = ("mean", "cls", "rank")
+
+#: One text's vector, and the rows of many texts (float32).
+Vector = np.ndarray[tuple[int], np.dtype[np.float32]]
+Matrix = np.ndarray[tuple[int, int], np.dtype[np.float32]]
 
 
 def pack_budget(pending_tokens: int, capacity: int) -> int:
@@ -103,34 +112,105 @@ def _normalize_rows(x: np.ndarray, mode: str) -> np.ndarray:
     return x
 
 
+def _quantize(x: np.ndarray, precision: str) -> np.ndarray:
+    """sentence-transformers' ``precision`` on float32 rows: scalar (u)int8 with per-dimension
+    ranges taken from ``x`` itself, or 1 bit per dimension packed 8 to a byte."""
+    if precision == "float32":
+        return x
+    if precision in ("binary", "ubinary"):
+        packed = np.packbits(x > 0, axis=-1)
+        return (packed.astype(np.int16) - 128).astype(np.int8) if precision == "binary" else packed
+    low = x.min(axis=0)
+    step = (x.max(axis=0) - low) / 255
+    # A dimension with one value (a single text) has no range: it maps to the lowest bucket.
+    buckets = np.divide(x - low, step, out=np.zeros_like(x), where=step > 0)
+    if precision == "uint8":
+        return np.clip(buckets, 0, 255).astype(np.uint8)
+    return np.clip(buckets - 128, -128, 127).astype(np.int8)
+
+
+def _as_texts(texts: Any) -> tuple[bool, list[str]]:
+    """``(single, texts)``: a lone string becomes a list of one."""
+    if isinstance(texts, str):
+        return True, [texts]
+    if isinstance(texts, (bytes, bytearray)):
+        raise TypeError("texts must be a str or a sequence of str, not bytes: decode them first")
+    if isinstance(texts, np.ndarray):
+        return False, texts.tolist()
+    try:
+        return False, list(texts)
+    except TypeError:
+        raise TypeError(f"texts must be a str or a sequence of str, got {type(texts).__name__}") from None
+
+
+def _show_progress(show_progress_bar: bool | None) -> bool:
+    """sentence-transformers' default: a bar when its logger (here ``llamabatch``) is at
+    INFO or DEBUG."""
+    if show_progress_bar is None:
+        return logger.getEffectiveLevel() in (logging.INFO, logging.DEBUG)
+    return bool(show_progress_bar)
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr advanced per text by the worker thread; ``close`` on the caller's."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._lock = threading.Lock()
+        self._bar: Any = tqdm(total=total, desc="Embedding", unit="text", file=sys.stderr)
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.update(n)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+
 class _Job:
-    """One ``embed``/``aembed`` call: its output rows and the future that delivers them."""
+    """Texts of one call (or of one ``batch_size`` chunk of it): the rows they fill, the
+    future that resolves when they are all in, and the progress bar they advance."""
 
-    __slots__ = ("future", "n_texts", "out", "remaining", "t_submit")
+    __slots__ = ("future", "n_done", "n_reported", "out", "progress", "remaining", "t_submit")
 
-    def __init__(self, n_texts: int, out: Any, remaining: int) -> None:
-        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.n_texts = n_texts
-        self.out = out
+    def __init__(self, out: Any, remaining: int, progress: _ProgressBar | None) -> None:
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.out = out  # shared by the jobs of one call: each writes its own rows
         self.remaining = remaining
+        self.progress = progress
+        self.n_done = 0
+        self.n_reported = 0
         self.t_submit = time.perf_counter()
 
     @property
     def done(self) -> bool:
         return self.future.done()
 
-    def put(self, index: int, value: np.ndarray) -> None:
-        """Store one text's result (worker thread); resolve the call after the last one."""
+    def store(self, index: int, value: np.ndarray) -> None:
+        """One text's result (worker thread); ``deliver`` publishes it."""
         self.out[index] = value
         self.remaining -= 1
+        self.n_done += 1
+
+    def deliver(self) -> None:
+        """Advance the bar, then resolve the job when its last text is in (the bar must
+        move before the caller wakes and closes it)."""
+        if self.progress is not None and self.n_done > self.n_reported:
+            self.progress.update(self.n_done - self.n_reported)
+            self.n_reported = self.n_done
         if self.remaining == 0:
             try:
-                self.future.set_result(self.out)
+                self.future.set_result(None)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
 
     def fail(self, error: BaseException) -> None:
-        """End the call with ``error`` unless it has ended already (exactly once)."""
+        """End the job with ``error`` unless it has ended already (exactly once)."""
         try:
             self.future.set_exception(error)
         except concurrent.futures.InvalidStateError:
@@ -144,12 +224,44 @@ class _Seq:
 
     def __init__(self, job: _Job, index: int, tokens: np.ndarray) -> None:
         self.job = job
-        self.index = index
+        self.index = index  # the text's index in its call
         self.tokens = tokens
         self.n = int(tokens.shape[0])
 
 
-class Embedder:
+class _PackDecode:
+    """The decodes of one pack: which part was tried last, and the counts for telemetry."""
+
+    __slots__ = ("decode_time", "decodes", "embedder", "pack", "part", "start")
+
+    def __init__(self, embedder: Embedder, pack: list[_Seq]) -> None:
+        self.embedder = embedder
+        self.pack = pack
+        self.start = 0  # the first sequence not done yet
+        self.part: list[_Seq] = []
+        self.decodes = 0
+        self.decode_time = 0.0
+
+    def attempt(self, budget: int) -> tuple[int, int]:
+        """Decode the sequences from ``start`` that fit in ``budget`` tokens (at least one);
+        ``(code, tokens)`` for ``halve_and_retry``."""
+        pack = self.pack
+        part = [pack[self.start]]
+        tokens = part[0].n
+        for seq in pack[self.start + 1 :]:
+            if tokens + seq.n > budget:
+                break
+            part.append(seq)
+            tokens += seq.n
+        self.part = part
+        t0 = time.perf_counter()
+        code = self.embedder._decode(part)
+        self.decode_time += time.perf_counter() - t0
+        self.decodes += 1
+        return code, tokens
+
+
+class Embedder(Worker):
     """Embeddings from one GGUF model, packing the texts of all callers into shared decodes.
 
     Args:
@@ -164,10 +276,10 @@ class Embedder:
         pooling: ``"mean"``, ``"cls"``, ``"last"``, ``"rank"`` or ``"none"``; default: what the
             GGUF declares, or ``"mean"`` when it declares nothing. ``"none"`` makes ``embed``
             return one ``(n_tokens, n_embd)`` array per text; ``"rank"`` returns the scores of
-            a reranker's classification head (no normalisation).
+            a reranker's classification head (no normalisation) and needs a model that has one.
         normalize: ``"l2"`` (default), ``"none"`` or ``"max_abs"`` (also ``True``/``False``);
             applied to every vector returned (with pooling ``"none"``: every token's), never to
-            rank scores. All-zero vectors stay zero.
+            rank scores. All-zero vectors stay zero. ``embed(normalize=...)`` overrides it.
         truncate: cut texts longer than the per-text limit (keeping the model's trailing special
             token, e.g. BERT's ``[SEP]``) instead of raising ``PromptTooLong``.
         n_threads: CPU threads for llama.cpp (default: all cores).
@@ -180,6 +292,7 @@ class Embedder:
             ``KVCacheFull`` after the retry-by-halving) and, with mean/CLS/rank pooling, packs
             of one text (llama.cpp would split the texts of a pack across ubatches).
         load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
+        validate: check the GGUF file before llama.cpp reads it (``False`` skips the check).
 
     Empty strings are embedded like any other text: they still get the model's special tokens
     (BERT: ``[CLS] [SEP]``; Llama: ``<s>``). A text that tokenizes to no token at all (only
@@ -187,10 +300,13 @@ class Embedder:
     ``(0, n_embd)`` array) without a decode.
 
     Raises:
-        ValueError: an invalid parameter (the message names it).
+        ValueError: an invalid parameter (the message names it), or ``pooling="rank"`` on a
+            model without a classification head.
         FileNotFoundError, ModelLoadError: the model file cannot be loaded.
         ContextError: llama.cpp could not create the context.
     """
+
+    _kind = "embedder"
 
     def __init__(
         self,
@@ -208,35 +324,35 @@ class Embedder:
         n_gpu_layers: int = 0,
         kv_unified: bool = True,
         load_mode: str = "mmap",
+        validate: bool = True,
     ) -> None:
-        self._closed = True  # until fully constructed (close() and __del__ rely on it)
+        Worker.__init__(self, "llamabatch-embedder")
+        self._queue: deque[_Seq] = deque()
+        self._pack: list[_Seq] = []  # the pack being decoded (ended by _fail_pending on a crash)
+        # Context checks the other parameters; these four are rounded here before it sees them.
         check_positive_int("n_batch", n_batch)
         check_positive_int("n_ubatch", n_ubatch, allow_none=True)
         check_positive_int("n_seq_max", n_seq_max)
         check_positive_int("n_ctx", n_ctx, allow_none=True)
-        check_positive_int("n_threads", n_threads, allow_none=True)
-        if n_ubatch is not None and n_ubatch > n_batch:
+        if n_ubatch is not None and n_ubatch > n_batch:  # rounding could hide it
             raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
-        max_seq = _max_parallel_sequences()
-        if n_seq_max > max_seq:
-            raise ValueError(f"n_seq_max must be <= {max_seq} (llama.cpp's limit), got {n_seq_max}")
         if pooling is not None and pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS} or None, got {pooling!r}")
         self.normalize: str = _normalize_mode(normalize)
         if not isinstance(truncate, bool):
             raise ValueError(f"truncate must be True or False, got {truncate!r}")
-        if not (flash_attn is None or isinstance(flash_attn, bool) or flash_attn == "auto"):
-            raise ValueError(f"flash_attn must be True, False, 'auto' or None, got {flash_attn!r}")
-        if not isinstance(kv_unified, bool):
-            raise ValueError(f"kv_unified must be True or False, got {kv_unified!r}")
-        if not isinstance(n_gpu_layers, int) or isinstance(n_gpu_layers, bool):
-            raise ValueError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+        self.truncate = truncate
 
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode)
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode, validate=validate)
         try:
             declared = self.model.pooling_type
             self.pooling: str = pooling or (declared if declared in POOLINGS else "mean")
-            self.truncate = truncate
+            if self.pooling == "rank" and not self.model.has_classifier_head:
+                raise ValueError(
+                    f"pooling='rank' needs a classification head (tensor cls.weight or cls.output.weight), "
+                    f"and {self.model.path.name} has none: it is not a reranker; use pooling 'mean', "
+                    "'cls' or 'last' for embeddings"
+                )
             self.context = self._make_context(
                 n_batch, n_batch if n_ubatch is None else n_ubatch, n_seq_max, n_ctx,
                 n_threads=n_threads, flash_attn=flash_attn, kv_unified=kv_unified,
@@ -252,7 +368,7 @@ class Embedder:
                 self.capacity = min(self.capacity, self.n_ubatch, ctx.n_ubatch)
             #: the most sequences in one pack
             self.pack_seq_max: int = n_seq_max
-            if ctx.has_memory and not kv_unified and self.pooling in _WHOLE_UBATCH_POOLINGS:
+            if ctx.has_memory and not ctx.kv_unified and self.pooling in _WHOLE_UBATCH_POOLINGS:
                 # One KV stream per sequence: llama.cpp splits such a batch into ubatches with
                 # equal tokens per sequence, cutting sequences apart; pool one at a time.
                 self.pack_seq_max = 1
@@ -265,32 +381,25 @@ class Embedder:
             self._suffix = self._special_suffix()
             self.telemetry = Telemetry()
             self._pool = BatchPool(self.capacity, 1)
-            self._batch = self._pool.acquire()
+            self._batch: Any = self._pool.acquire()
             self._forward = ctx.decode_address if ctx.has_memory else ctx.encode_address
         except BaseException:
-            if getattr(self, "context", None) is not None:
-                self.context.close()
-            self.model.close()
+            self.close()  # the worker never started: frees what was made
             raise
 
-        self._queue: deque[_Seq] = deque()
-        self._cond = threading.Condition()
         self._pending_tokens = 0
         self._pending_at_take = 0
         self._n_packs = 0
         self._n_calls = 0
         self._n_texts = 0
         self._queue_wait_max = 0.0
-        self._closing = False
-        self._closed = False
         logger.info(
             "Embedder %s: pooling=%s capacity=%d tokens/pack, n_seq_max=%d, n_batch=%d, n_ubatch=%d, "
             "n_ctx=%d, kv memory=%s, max %d tokens/text",
             self.model.path.name, self.pooling, self.capacity, n_seq_max, ctx.n_batch, ctx.n_ubatch,
             ctx.n_ctx, ctx.has_memory, self.max_tokens,
         )  # fmt: skip
-        self._thread = threading.Thread(target=self._run, name="llamabatch-embedder", daemon=True)
-        self._thread.start()
+        self._start()
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -335,39 +444,270 @@ class Embedder:
         """The tokens ``embed`` computes for ``text`` (with the model's special tokens)."""
         return self.model.tokenize(text)
 
-    def embed(self, texts: Iterable[str]) -> np.ndarray | list[np.ndarray]:
-        """Embed ``texts``; returns float32 ``(len(texts), n_embd)`` rows in input order.
+    @overload
+    def embed(
+        self, texts: str, *, normalize: str | bool | None = None, show_progress_bar: bool | None = None
+    ) -> Vector: ...
+
+    @overload
+    def embed(
+        self,
+        texts: Iterable[str],
+        *,
+        normalize: str | bool | None = None,
+        show_progress_bar: bool | None = None,
+    ) -> Matrix: ...
+
+    def embed(
+        self,
+        texts: str | Iterable[str],
+        *,
+        normalize: str | bool | None = None,
+        show_progress_bar: bool | None = None,
+    ) -> Any:
+        """Embed ``texts``; returns float32 ``(len(texts), n_embd)`` rows in input order, or
+        one ``(n_embd,)`` vector for a single string.
 
         Safe to call from many threads at once: all callers' texts are packed together.
-        With pooling ``"none"`` returns a list of ``(n_tokens, n_embd)`` arrays; with
-        ``"rank"`` the scores, shape ``(len(texts),)`` (or ``(len(texts), n_cls_out)``).
+        With pooling ``"none"`` returns a list of ``(n_tokens, n_embd)`` arrays (one array
+        for a single string); with ``"rank"`` the scores, shape ``(len(texts),)`` (or
+        ``(len(texts), n_cls_out)``; a single string gives its score).
+
+        Args:
+            normalize: this call's normalisation (``"l2"``, ``"none"``, ``"max_abs"``,
+                ``True``/``False``); default: the Embedder's ``normalize``.
+            show_progress_bar: a tqdm bar on stderr advancing per text; default: shown when
+                the ``llamabatch`` logger is at INFO or DEBUG (sentence-transformers' rule).
 
         Raises:
             PromptTooLong: a text exceeds ``max_tokens`` and ``truncate`` is off (the
                 message names its index and token count).
             KVCacheFull, DecodeError: a text could not be decoded even alone.
             EngineClosed: the embedder is (or gets) closed.
-            TypeError: ``texts`` is a single string or holds a non-string.
+            TypeError: ``texts`` is bytes or holds a non-string.
+            RuntimeError: called from the worker thread (a listener): it would wait for itself.
         """
-        if self._thread is threading.current_thread():
-            raise RuntimeError("Embedder.embed cannot be called from its own worker thread (a listener)")
-        job = self._submit(texts)
-        try:
-            out = job.future.result()
-        except BaseException:
-            job.future.cancel()
-            raise
-        return self._finish(out)
+        single, items = _as_texts(texts)
+        mode = self.normalize if normalize is None else _normalize_mode(normalize)
+        out = self._finish(self._embed_rows(items, len(items), _show_progress(show_progress_bar)), mode)
+        return out[0] if single else out
 
-    async def aembed(self, texts: Iterable[str]) -> np.ndarray | list[np.ndarray]:
+    @overload
+    async def aembed(
+        self, texts: str, *, normalize: str | bool | None = None, show_progress_bar: bool | None = None
+    ) -> Vector: ...
+
+    @overload
+    async def aembed(
+        self,
+        texts: Iterable[str],
+        *,
+        normalize: str | bool | None = None,
+        show_progress_bar: bool | None = None,
+    ) -> Matrix: ...
+
+    async def aembed(
+        self,
+        texts: str | Iterable[str],
+        *,
+        normalize: str | bool | None = None,
+        show_progress_bar: bool | None = None,
+    ) -> Any:
         """``embed`` for asyncio: the texts join the shared packs; the event loop keeps running.
 
         Tokenization happens at the call, on the loop's thread. Cancelling the awaiting task
         drops the call's texts that were not packed yet.
         """
-        job = self._submit(texts)
-        out = await asyncio.wrap_future(job.future)
-        return self._finish(out)
+        single, items = _as_texts(texts)
+        mode = self.normalize if normalize is None else _normalize_mode(normalize)
+        out = self._new_rows(len(items))
+        bar = _ProgressBar(len(items)) if _show_progress(show_progress_bar) else None
+        try:
+            job = self._submit(items, 0, out, bar, new_call=True)
+            await asyncio.wrap_future(job.future)
+        finally:
+            if bar is not None:
+                bar.close()
+        result = self._finish(out, mode)
+        return result[0] if single else result
+
+    @overload
+    def encode(
+        self,
+        sentences: str,
+        *,
+        prompt_name: str | None = ...,
+        prompt: str | None = ...,
+        batch_size: int = ...,
+        show_progress_bar: bool | None = ...,
+        output_value: Literal["sentence_embedding"] = ...,
+        precision: Literal["float32"] = ...,
+        convert_to_numpy: Literal[True] = ...,
+        convert_to_tensor: Literal[False] = ...,
+        device: str | None = ...,
+        normalize_embeddings: bool = ...,
+        truncate_dim: int | None = ...,
+        pool: None = ...,
+        chunk_size: None = ...,
+    ) -> Vector: ...
+
+    @overload
+    def encode(
+        self,
+        sentences: Iterable[str],
+        *,
+        prompt_name: str | None = ...,
+        prompt: str | None = ...,
+        batch_size: int = ...,
+        show_progress_bar: bool | None = ...,
+        output_value: Literal["sentence_embedding"] = ...,
+        precision: Literal["float32"] = ...,
+        convert_to_numpy: Literal[True] = ...,
+        convert_to_tensor: Literal[False] = ...,
+        device: str | None = ...,
+        normalize_embeddings: bool = ...,
+        truncate_dim: int | None = ...,
+        pool: None = ...,
+        chunk_size: None = ...,
+    ) -> Matrix: ...
+
+    @overload
+    def encode(
+        self,
+        sentences: str | Iterable[str],
+        *,
+        prompt_name: str | None = ...,
+        prompt: str | None = ...,
+        batch_size: int = ...,
+        show_progress_bar: bool | None = ...,
+        output_value: str | None = ...,
+        precision: str = ...,
+        convert_to_numpy: bool = ...,
+        convert_to_tensor: bool = ...,
+        device: str | None = ...,
+        normalize_embeddings: bool = ...,
+        truncate_dim: int | None = ...,
+        pool: None = ...,
+        chunk_size: None = ...,
+    ) -> Any: ...
+
+    def encode(
+        self,
+        sentences: str | Iterable[str],
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str | None = "sentence_embedding",
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        device: str | None = None,
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+        pool: None = None,
+        chunk_size: None = None,
+    ) -> Any:
+        """sentence-transformers' ``SentenceTransformer.encode``, on this Embedder.
+
+        A single string gives a 1-D array, a sequence of strings a 2-D array (rows in input
+        order). The texts are packed by tokens as ``embed`` packs them; ``batch_size`` only
+        sets how many texts are tokenized and queued at a time (the worker starts on the
+        first ones while the rest are tokenized), so any value gives the same vectors.
+
+        Vectors are what the Embedder's ``normalize`` makes of the model's pooled output
+        (L2 by default, as sentence-transformers' pipelines with a ``Normalize`` module give,
+        e.g. all-MiniLM-L6-v2), then cut to ``truncate_dim`` dimensions, then L2-normalised
+        when ``normalize_embeddings``, then quantized to ``precision`` (``"int8"``/``"uint8"``
+        with per-dimension ranges from these embeddings, ``"binary"``/``"ubinary"`` 1 bit per
+        dimension), as sentence-transformers orders these steps.
+
+        Args:
+            sentences: a string or a sequence of strings (a numpy array of strings too).
+            prompt: a text put in front of every sentence (``"query: "``).
+            prompt_name: named prompts are not configured on an Embedder: given without
+                ``prompt`` it raises ``ValueError`` (with ``prompt``, it is ignored, as
+                sentence-transformers ignores it).
+            batch_size: texts queued at a time (> 0); see above.
+            show_progress_bar: a tqdm bar on stderr advancing per text; default: shown when
+                the ``llamabatch`` logger is at INFO or DEBUG (sentence-transformers' rule).
+            output_value: ``"sentence_embedding"``; ``"token_embeddings"`` (a list of
+                ``(n_tokens, n_embd)`` numpy arrays) needs ``Embedder(pooling="none")``.
+            precision: ``"float32"``, ``"int8"``, ``"uint8"``, ``"binary"`` or ``"ubinary"``.
+            convert_to_numpy: False gives a list of 1-D torch tensors (needs torch).
+            convert_to_tensor: True gives one torch tensor (needs torch); wins over
+                ``convert_to_numpy``.
+            device: accepted for compatibility and ignored: the Embedder's device is fixed at
+                construction (``n_gpu_layers``). A list of devices (multi-process) is refused.
+            normalize_embeddings: L2-normalise the (truncated) vectors.
+            truncate_dim: keep the first ``truncate_dim`` dimensions (Matryoshka models).
+            pool, chunk_size: sentence-transformers' multi-process encoding; not supported
+                (one Embedder already uses every core): must be None.
+
+        Raises:
+            ValueError: an unsupported option (the message names it).
+            ImportError: torch output asked for and torch is not installed.
+            and what ``embed`` raises.
+        """
+        show = _show_progress(show_progress_bar)
+        check_positive_int("batch_size", batch_size)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if pool is not None or chunk_size is not None or isinstance(device, (list, tuple)):
+            raise ValueError(
+                "multi-process encoding (pool, chunk_size, a list of devices) is not supported: one "
+                "Embedder packs every caller's texts into one context that uses every core"
+            )
+        if truncate_dim is not None:
+            check_positive_int("truncate_dim", truncate_dim)
+        if prompt is None and prompt_name is not None:
+            raise ValueError(
+                f"prompt_name={prompt_name!r}: an Embedder has no named prompts; pass the text itself, "
+                "e.g. prompt='query: '"
+            )
+        if output_value == "token_embeddings":
+            if self.pooling != "none":
+                raise ValueError(
+                    "output_value='token_embeddings' needs per-token outputs: create the Embedder with "
+                    f"pooling='none' (this one pools with {self.pooling!r})"
+                )
+            if precision != "float32":
+                raise ValueError(
+                    "output_value='token_embeddings' gives float32 arrays: precision must be 'float32'"
+                )
+        elif output_value != "sentence_embedding":
+            raise ValueError(
+                f"output_value must be 'sentence_embedding' or 'token_embeddings', got {output_value!r}"
+            )
+        elif self.pooling == "none":
+            raise ValueError(
+                "this Embedder has pooling='none' (per-token outputs): use "
+                "output_value='token_embeddings', or create it with a pooling"
+            )
+        if self.pooling == "rank" and (
+            normalize_embeddings or truncate_dim is not None or precision != "float32"
+        ):
+            raise ValueError("rank scores take no normalize_embeddings, truncate_dim or precision")
+
+        single, items = _as_texts(sentences)
+        if prompt:
+            items = [prompt + text if isinstance(text, str) else text for text in items]
+        rows = self._finish(self._embed_rows(items, batch_size, show), self.normalize)
+        if output_value == "token_embeddings":  # sentence-transformers returns these unconverted
+            return rows[0] if single else rows
+        if truncate_dim is not None and rows.ndim == 2:
+            rows = np.ascontiguousarray(rows[:, :truncate_dim])
+        if normalize_embeddings:
+            rows = _normalize_rows(rows, "l2")
+        rows = _quantize(rows, precision)
+        if convert_to_tensor or not convert_to_numpy:
+            torch = _import_torch("convert_to_tensor=True" if convert_to_tensor else "convert_to_numpy=False")
+            tensor = torch.from_numpy(rows)
+            if convert_to_tensor:
+                return tensor[0] if single else tensor
+            return tensor[0] if single else list(tensor)
+        return rows[0] if single else rows
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(EmbedPackEvent)`` after every pack (on the worker thread: be quick)."""
@@ -409,25 +749,11 @@ class Embedder:
             "queue_depth": len(self._queue),
         }
 
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` was called."""
-        return self._closing or self._closed
-
-    def close(self) -> None:
-        """Stop the worker; calls still queued or in a pack end with ``EngineClosed``. Idempotent."""
-        if self._closed:
-            return
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self.context.abort()  # an in-flight decode returns 2 at its next graph node
-        if threading.current_thread() is self._thread:
-            return  # called from a listener: the worker ends after this pack; gc frees the rest
-        self._thread.join()
-        self._closed = True
-        self.context.close()
-        self.model.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker and free the model; calls still queued or in a pack end with
+        ``EngineClosed``. Idempotent. From a listener (the worker thread) it takes effect
+        when the current pack ends."""
+        super().close(timeout)
 
     def __enter__(self) -> Embedder:
         return self
@@ -437,7 +763,7 @@ class Embedder:
 
     def __del__(self) -> None:
         try:
-            if not getattr(self, "_closed", True):
+            if not getattr(self, "_closing", True):
                 self.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
@@ -448,32 +774,61 @@ class Embedder:
 
     # -- caller side ----------------------------------------------------------------------
 
-    def _submit(self, texts: Iterable[str]) -> _Job:
-        """Tokenize and check ``texts`` on the caller's thread, then enqueue one job."""
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a sequence of strings, not a single string; wrap it: [text]")
+    def _new_rows(self, n: int) -> Any:
+        """The output of ``n`` texts: zero rows (texts without tokens keep them)."""
+        if self.pooling == "none":
+            return [np.zeros((0, self.n_embd), dtype=np.float32) for _ in range(n)]
+        return np.zeros((n, self.n_out), dtype=np.float32)
+
+    def _embed_rows(self, texts: list[str], chunk: int, show: bool) -> Any:
+        """Queue ``texts`` in jobs of ``chunk`` texts, wait for them all; the raw rows."""
+        if self.on_worker_thread:
+            raise RuntimeError("an Embedder cannot be called from its own worker thread (a listener)")
         if self._closing:
             raise EngineClosed("the embedder is closed")
-        texts = list(texts)
-        seqs_tokens = [self._tokens_of(i, text) for i, text in enumerate(texts)]
-        n = len(texts)
-        if self.pooling == "none":
-            out: Any = [np.zeros((0, self.n_embd), dtype=np.float32) for _ in range(n)]
-        else:
-            out = np.zeros((n, self.n_out), dtype=np.float32)
-        job = _Job(n, out, sum(1 for t in seqs_tokens if t.shape[0]))
-        seqs = [_Seq(job, i, t) for i, t in enumerate(seqs_tokens) if t.shape[0]]
+        out = self._new_rows(len(texts))
+        bar = _ProgressBar(len(texts)) if show else None
+        jobs: list[_Job] = []
+        try:
+            for start in range(0, len(texts), max(chunk, 1)):
+                jobs.append(self._submit(texts[start : start + chunk], start, out, bar, new_call=not jobs))
+            for job in jobs:
+                job.future.result()
+        except BaseException:
+            for job in jobs:  # their texts not decoded yet are dropped
+                job.future.cancel()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
+
+    def _submit(
+        self, texts: list[str], offset: int, out: Any, bar: _ProgressBar | None, new_call: bool
+    ) -> _Job:
+        """Tokenize and check ``texts`` (the call's texts from ``offset``) on the caller's
+        thread, then enqueue them as one job filling ``out[offset:]``."""
+        if self._closing:
+            raise EngineClosed("the embedder is closed")
+        tokens = [self._tokens_of(offset + i, text) for i, text in enumerate(texts)]
+        seqs: list[_Seq] = []
+        job = _Job(out, 0, bar)
+        for i, t in enumerate(tokens):
+            if t.shape[0]:
+                seqs.append(_Seq(job, offset + i, t))
+            else:  # no token at all: the zero row stands
+                job.n_done += 1
+        job.remaining = len(seqs)
         if not seqs:
-            job.future.set_result(out)
+            job.deliver()
             return job
         n_tokens = sum(s.n for s in seqs)
         with self._cond:
-            if self._closing:
-                raise EngineClosed("the embedder is closed")
+            self._raise_if_closed()
             self._queue.extend(seqs)
             self._pending_tokens += n_tokens
-            self._n_calls += 1
-            self._n_texts += n
+            self._n_calls += new_call
+            self._n_texts += len(texts)
             self._cond.notify()
         return job
 
@@ -501,41 +856,49 @@ class Embedder:
                 tokens = tokens[: self.max_tokens]
         return np.asarray(tokens, dtype=np.int32)
 
-    def _finish(self, out: Any) -> np.ndarray | list[np.ndarray]:
-        """Normalise a completed call's rows (on the caller's thread)."""
+    def _finish(self, out: Any, mode: str) -> Any:
+        """Normalise a completed call's rows with ``mode`` (on the caller's thread)."""
         if self.pooling == "rank":
             return out[:, 0] if self.n_out == 1 else out
         if self.pooling == "none":
-            return [_normalize_rows(rows, self.normalize) for rows in out]
-        return _normalize_rows(out, self.normalize)
+            return [_normalize_rows(rows, mode) for rows in out]
+        return _normalize_rows(out, mode)
 
-    # -- worker thread --------------------------------------------------------------------
+    # -- worker thread (Worker's hooks) ---------------------------------------------------
 
-    def _run(self) -> None:
-        error: BaseException = EngineClosed("the embedder was closed")
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._closing:
-                        self._cond.wait()
-                    if self._closing:
-                        break
-                    pack = self._take_pack()
-                if pack:
-                    self._process(pack)
-        except BaseException as exc:  # pragma: no cover - a bug; never leave callers hanging
-            logger.critical("llamabatch embedder worker crashed", exc_info=True)
-            error = LlamaBatchError(f"the embedder's worker thread crashed: {exc!r}")
-            raise
-        finally:
-            with self._cond:
-                self._closing = True
-                rest = list(self._queue)
-                self._queue.clear()
-                self._pending_tokens = 0
-            for seq in rest:
-                seq.job.fail(error)
+    def _has_work(self) -> bool:
+        return bool(self._queue)
+
+    def _run_once(self) -> None:
+        with self._cond:
+            pack = self._take_pack()
+        if pack:
+            self._pack = pack
+            self._process(pack)
+            self._pack = []
+
+    def _interrupt(self) -> None:
+        context = getattr(self, "context", None)
+        if context is not None:
+            context.abort()  # an in-flight decode returns 2 at its next graph node
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._cond:
+            rest = list(self._queue)
+            self._queue.clear()
+            self._pending_tokens = 0
+        for seq in [*self._pack, *rest]:
+            seq.job.fail(error)
+        self._pack = []
+
+    def _on_close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
             self._pool.release(self._batch)
+            self._batch = None
+        if getattr(self, "context", None) is not None:
+            self.context.close()
+        if getattr(self, "model", None) is not None:
+            self.model.close()
 
     def _take_pack(self) -> list[_Seq]:
         """Whole sequences from the front of the queue (caller holds ``_cond``)."""
@@ -562,56 +925,29 @@ class Embedder:
         """Decode ``pack``, retrying in halves on memory exhaustion; deliver every result."""
         t_start = time.perf_counter()
         waits = [t_start - seq.job.t_submit for seq in pack]
-        retries = decodes = failed = 0
-        decode_time = 0.0
+        run = _PackDecode(self, pack)
+        retries = failed = 0
         limit = sum(seq.n for seq in pack)
-        i = 0
+        what = "llama_decode" if self.context.has_memory else "llama_encode"
         try:
-            while i < len(pack):
-                part, tokens = self._prefix(pack, i, limit)
-                t0 = time.perf_counter()
-                code = self._decode(part)
-                decode_time += time.perf_counter() - t0
-                decodes += 1
-                if code == 0:
+            while run.start < len(pack):
+                outcome = halve_and_retry(run.attempt, limit, floor=pack[run.start].n, what=what)
+                retries += outcome.retries
+                limit = outcome.budget  # memory stays short: the rest of the pack keeps the smaller budget
+                part = run.part
+                if outcome.ok:
                     self._collect(part)
-                    i += len(part)
-                    continue
-                if self._closing and code == DecodeCode.ABORTED:
-                    closed = EngineClosed("the embedder was closed during the call")
-                    for seq in pack[i:]:
-                        seq.job.fail(closed)
-                    break
-                if DecodeCode.of(code).retryable and len(part) > 1:
-                    limit = max(1, tokens // 2)  # the floor: one sequence
-                    retries += 1
-                    logger.info("embed: decode code %d on %d texts (%d tokens); retrying with half", code,
-                                len(part), tokens)  # fmt: skip
-                    continue
-                self.context.clear_abort()
-                error = self._failure(code, part, retries)
-                for seq in part:
-                    seq.job.fail(error)
-                failed += len(part)
-                i += len(part)
-        except BaseException as exc:
-            for seq in pack[i:]:
-                seq.job.fail(LlamaBatchError(f"embedding failed: {exc!r}"))
-            raise
+                elif outcome.code is DecodeCode.ABORTED and self._closing:
+                    return  # closing: what is left ends with EngineClosed (_fail_pending)
+                else:
+                    self.context.clear_abort()
+                    error = self._failure(outcome, part, retries)
+                    for seq in part:
+                        seq.job.fail(error)
+                    failed += len(part)
+                run.start += len(part)
         finally:
-            self._account(pack, waits, decodes, decode_time, retries, failed, time.perf_counter() - t_start)
-
-    @staticmethod
-    def _prefix(pack: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], int]:
-        """The sequences from ``start`` that fit in ``limit`` tokens (always at least one)."""
-        part = [pack[start]]
-        tokens = pack[start].n
-        for seq in pack[start + 1 :]:
-            if tokens + seq.n > limit:
-                break
-            part.append(seq)
-            tokens += seq.n
-        return part, tokens
+            self._account(pack, waits, run, retries, failed, time.perf_counter() - t_start)
 
     def _decode(self, part: list[_Seq]) -> int:
         batch = self._batch
@@ -632,23 +968,27 @@ class Embedder:
                     rows[j] = context.embeddings_ith(row + j)
                 row += seq.n
                 if not seq.job.done:
-                    seq.job.put(seq.index, rows)
-            return
-        for seq_id, seq in enumerate(part):
-            if seq.job.done:
-                continue
-            vector = context.embeddings_seq(seq_id, self.n_out)
-            if vector is None:  # pragma: no cover - the context was created with pooling
-                seq.job.fail(DecodeError(0, f"llama.cpp returned no pooled embedding for seq {seq_id}"))
-                continue
-            seq.job.put(seq.index, vector)
+                    seq.job.store(seq.index, rows)
+        else:
+            for seq_id, seq in enumerate(part):
+                if seq.job.done:
+                    continue
+                vector = context.embeddings_seq(seq_id, self.n_out)
+                if vector is None:  # pragma: no cover - the context was created with pooling
+                    seq.job.fail(DecodeError(0, f"llama.cpp returned no pooled embedding for seq {seq_id}"))
+                    continue
+                seq.job.store(seq.index, vector)
+        for job in dict.fromkeys(seq.job for seq in part):
+            if not job.done:
+                job.deliver()
 
-    def _failure(self, code: int, part: list[_Seq], retries: int) -> DecodeError:
+    def _failure(self, outcome: RetryOutcome, part: list[_Seq], retries: int) -> DecodeError:
         """The error for the texts of ``part`` that could not be decoded."""
         context = self.context
-        if DecodeCode.of(code).retryable:
+        code = outcome.raw
+        if outcome.code.retryable:
             seq = part[0]  # retried down to this single sequence
-            if code == DecodeCode.NO_KV_SLOT:
+            if outcome.code is DecodeCode.NO_KV_SLOT:
                 return KVCacheFull(
                     code,
                     f"text {seq.index} ({seq.n} tokens) does not fit in the KV cache even alone "
@@ -661,32 +1001,29 @@ class Embedder:
                 f"alone, after {retries} retries with halved packs (code {code}); lower n_batch",
             )
         indices = ", ".join(str(seq.index) for seq in part[:8]) + (", ..." if len(part) > 8 else "")
-        base = decode_error(code, "llama_encode" if not context.has_memory else "llama_decode")
+        base = outcome.code.error("llama_encode" if not context.has_memory else "llama_decode", code)
         return DecodeError(code, f"{base} while embedding texts {indices} ({len(part)} in the pack)")
 
     def _account(
         self,
         pack: list[_Seq],
         waits: list[float],
-        decodes: int,
-        decode_time: float,
+        run: _PackDecode,
         retries: int,
         failed: int,
         pack_time: float,
     ) -> None:
         self._n_packs += 1
         tokens = sum(seq.n for seq in pack)
-        wait_max = max(waits)
-        self._queue_wait_max = max(self._queue_wait_max, wait_max)
-        done = len(pack) - failed
+        self._queue_wait_max = max(self._queue_wait_max, max(waits))
         self.telemetry.add(
             packs=1,
-            decodes=decodes,
-            sequences=done,
+            decodes=run.decodes,
+            sequences=len(pack) - failed,
             tokens=tokens,
             capacity=self.capacity,
             queue_wait=sum(waits),
-            decode_time=decode_time,
+            decode_time=run.decode_time,
             pack_time=pack_time,
             retries=retries,
             failed=failed,
@@ -700,11 +1037,19 @@ class Embedder:
                     capacity=self.capacity,
                     utilisation=tokens / self.capacity,
                     queue_wait=sum(waits) / len(waits),
-                    decode_time=decode_time,
+                    decode_time=run.decode_time,
                     retries=retries,
                     callers=len({id(seq.job) for seq in pack}),
-                    decodes=decodes,
+                    decodes=run.decodes,
                     failed=failed,
                     pending_tokens=self._pending_at_take,
                 )
             )
+
+
+def _import_torch(option: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"encode({option}) returns torch tensors, and torch is not installed") from None
+    return torch
