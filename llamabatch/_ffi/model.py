@@ -223,6 +223,27 @@ class Model:
         except ValueError:
             return "unspecified"
 
+    @property
+    def has_classifier_head(self) -> bool:
+        """Whether the file holds a classification head (tensor ``cls.weight`` or
+        ``cls.output.weight``), which llama.cpp's rank pooling applies; without one, rank
+        pooling returns a component of the hidden state. llama.h lists no tensors, so the
+        file's header (every part of a split model) is read with ``gguf_check``'s parser."""
+        if getattr(self, "_has_cls", None) is None:
+            import re
+
+            from llamabatch.gguf_check import _read_header
+
+            paths = [self.path]
+            split = re.fullmatch(r"(.*)-\d{5}-of-(\d{5})\.gguf", self.path.name)
+            if split is not None:  # llama.cpp's split naming: the head may be in any part
+                prefix, n = split.group(1), int(split.group(2))
+                paths = [self.path.with_name(f"{prefix}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+            heads = {"cls.weight", "cls.output.weight"}
+            names = (tensor.name for path in paths if path.is_file() for tensor in _read_header(path).tensors)
+            self._has_cls = any(name in heads for name in names)
+        return bool(self._has_cls)
+
     # -- tokens -------------------------------------------------------------------------
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
