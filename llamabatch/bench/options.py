@@ -1,0 +1,247 @@
+"""Command-line pieces shared by the subcommands: argument types, and the argument groups of
+the generation benchmarks (``bench``, ``bench-serve``) with their typed results.
+
+The types raise ``argparse.ArgumentTypeError``, so a bad value is reported by argparse
+itself: one line naming the option, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llamabatch.bench.runners.base import BenchConfig
+from llamabatch.bench.workloads import DEFAULT_MIX, WorkloadSpec, parse_mix, resolve_model
+
+__all__ = [
+    "add_engine_arguments",
+    "add_run_arguments",
+    "add_workload_arguments",
+    "config_from_args",
+    "flash_attn_list",
+    "non_negative_int",
+    "on_off",
+    "positive_float_list",
+    "positive_int",
+    "positive_int_list",
+    "workload_from_args",
+]
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated ints >= 1 (``"1,8,16"``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
+
+
+def positive_float_list(text: str) -> list[float]:
+    """Comma-separated numbers > 0 (``"0.5,2"``)."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not min(values) > 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}")
+    return values
+
+
+_FLASH = {"on": True, "off": False, "auto": "auto"}
+
+
+def flash_attn_list(text: str) -> list[bool | str]:
+    """Comma-separated ``on``/``off``/``auto`` as ``flash_attn`` values (True, False, "auto")."""
+    try:
+        values = [_FLASH[v.strip()] for v in text.split(",") if v.strip()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"expected on, off or auto (comma-separated), got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
+    return values
+
+
+def on_off(text: str) -> bool:
+    """``on`` or ``off`` as a bool."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation benchmarks' arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def _mix(text: str) -> tuple[tuple[int, int, float], ...]:
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, *, npl_help: str = "parallel requests") -> None:
+    """``--workload``, ``--npp``, ``--ntg``, ``--npl``, ``--requests``, ``--rate``, ``--mix``."""
+    p.add_argument("--workload", choices=("batched", "mixed"), default="batched")
+    p.add_argument(
+        "--npp",
+        type=positive_int_list,
+        default=[128],
+        help="prompt tokens per request, comma list (default 128)",
+    )
+    p.add_argument(
+        "--ntg",
+        type=positive_int_list,
+        default=[64],
+        help="tokens generated per request, comma list (default 64)",
+    )
+    p.add_argument(
+        "--npl",
+        type=positive_int_list,
+        default=[1, 8, 16],
+        help=f"{npl_help}, comma list (default 1,8,16)",
+    )
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=None,
+        help="requests per point (batched: default NPL, all arriving at once; mixed: default 32)",
+    )
+    p.add_argument(
+        "--rate",
+        type=positive_float_list,
+        default=[2.0],
+        help="mixed: arrival rates in requests/s, comma list (default 2)",
+    )
+    p.add_argument(
+        "--mix",
+        type=_mix,
+        default=None,
+        help="mixed: NPP:NTG[:WEIGHT],... (default 16:128,128:64,512:16, equal weights)",
+    )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's settings (``-m`` included), the same for every runner that takes them."""
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF file, or a test-model preset (tiny, small, 135m); default: the random-weight 135m",
+    )
+    p.add_argument(
+        "-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores)"
+    )
+    p.add_argument(
+        "-c",
+        "--n-ctx",
+        type=positive_int,
+        default=None,
+        help="KV cache size (default: fits the workload)",
+    )
+    p.add_argument("-b", "--n-batch", type=positive_int, default=512)
+    p.add_argument("-ub", "--n-ubatch", type=positive_int, default=None, help="default: n_batch")
+    p.add_argument("--chunk-size", type=positive_int, default=512)
+    p.add_argument(
+        "--n-parallel", type=positive_int, default=None, help="engine slots (default: NPL; mixed: 16)"
+    )
+    p.add_argument(
+        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    )
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        type=on_off,
+        default=True,
+        metavar="on|off",
+        help="default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
+    )
+    p.add_argument(
+        "--kv-unified",
+        type=on_off,
+        default=True,
+        metavar="on|off",
+        help="one KV buffer for all sequences (default, as LLM) or one per sequence",
+    )
+    p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="consume the engine's requests as streams (a thread each) and time every delta",
+    )
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Repeats, seed, warm-up, progress and output."""
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="runs per point, interleaved; the fastest is reported",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
+    p.add_argument(
+        "--plot", metavar="OUT.png", default=None, help="draw throughput vs concurrency (matplotlib)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The :class:`BenchConfig` of parsed engine and run arguments."""
+    return BenchConfig(
+        model=resolve_model(args.model),
+        n_threads=args.threads,
+        n_ctx=args.n_ctx,
+        n_batch=args.n_batch,
+        n_ubatch=args.n_ubatch,
+        chunk_size=args.chunk_size,
+        strategy=args.strategy,
+        flash_attn=args.flash_attn,
+        n_parallel=args.n_parallel,
+        stream=args.stream,
+        warmup=not args.no_warmup,
+        seed=args.seed,
+        prefix_cache=args.prefix_cache,
+        kv_unified=args.kv_unified,
+    )
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    """The :class:`WorkloadSpec` of parsed workload arguments."""
+    return WorkloadSpec(
+        kind=args.workload,
+        npps=tuple(args.npp),
+        ntgs=tuple(args.ntg),
+        npls=tuple(args.npl),
+        rates=tuple(args.rate),
+        n_requests=args.requests,
+        mix=args.mix or DEFAULT_MIX,
+    )

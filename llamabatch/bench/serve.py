@@ -1,0 +1,97 @@
+"""``llamabatch bench-serve``: a running OpenAI-compatible server under concurrent clients.
+
+The same workloads as ``llamabatch bench`` (:mod:`llamabatch.bench.workloads`), sent over
+HTTP by :class:`~llamabatch.bench.runners.HTTPRunner` to any server that speaks OpenAI's
+``/v1/completions`` with token-id prompts and streaming: ``llamabatch serve``, llama.cpp's
+``llama-server``, vLLM. The prompts are made with the tokenizer of ``-m MODEL``, which must
+be the GGUF the server serves. ``--compare in-process`` runs the same requests through an
+in-process :class:`~llamabatch.LLM` with the engine options given here, side by side, and
+reports the server's ratios over it (what the HTTP layer costs).
+
+Batched workload: ``npl`` concurrent clients, ``--requests`` requests in all (default
+``npl``: one each). Mixed workload: requests sent at their Poisson arrival times, at most
+``--max-concurrency`` in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llamabatch.bench import options
+from llamabatch.bench.generate import engine_settings, generation_report, run_workload
+from llamabatch.bench.plots import check_plotting, plot_results
+from llamabatch.bench.runners import ENGINE, HTTP, HTTPRunner
+
+__all__ = ["IN_PROCESS", "add_arguments", "main"]
+
+#: The ``runner`` name of the in-process engine in this benchmark.
+IN_PROCESS = "in-process"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``llamabatch bench-serve``."""
+    p.description = (
+        "Benchmark a running OpenAI-compatible server (llamabatch serve, llama-server, vLLM) with "
+        "concurrent streaming clients on the batched or mixed workload: the same requests (token-id "
+        "prompts, ignore_eos) and the same columns as 'llamabatch bench'. -m must be the GGUF the "
+        "server serves (its tokenizer makes the prompts). --compare in-process also runs the "
+        "requests through an in-process LLM with the engine options below, side by side."
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL (default %(default)s)"
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--served-model", default=None, help="the requests' model field (default: the first of /v1/models)"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    p.add_argument(
+        "--max-concurrency",
+        type=options.positive_int,
+        default=None,
+        help="mixed: the most requests in flight (default: no limit)",
+    )
+    p.add_argument("--compare", choices=(IN_PROCESS,), default=None, help="also run the in-process engine")
+    options.add_engine_arguments(p)
+    options.add_workload_arguments(p, npl_help="concurrent clients")
+    options.add_run_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``llamabatch bench-serve``: run the workload against the server (and in-process with
+    ``--compare in-process``), print the report, draw ``--plot``."""
+    if args.plot:
+        check_plotting()
+    config = options.config_from_args(args)
+    workload = options.workload_from_args(args)
+    server = HTTPRunner(
+        args.url,
+        model=args.served_model,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        max_concurrency=args.max_concurrency,
+    )
+    try:
+        results = run_workload(
+            config,
+            workload,
+            [ENGINE] if args.compare == IN_PROCESS else [],
+            repeat=args.repeat,
+            show_progress=not args.no_progress,
+            others={HTTP: server},
+            engine_name=IN_PROCESS,
+            command="llamabatch bench-serve",
+        )
+    finally:
+        server.close()
+    settings = {"url": server.url, "served_model": server.model, **engine_settings(config, workload)}
+    if args.compare != IN_PROCESS:  # the engine options apply only to the in-process run
+        for key in ("n_threads", "n_batch", "strategy", "flash_attn", "kv_unified"):
+            del settings[key]
+    report = generation_report(results, settings, subject=HTTP)
+    report.print(as_json=args.json)
+    if args.plot:
+        out = plot_results(report.rows, args.plot, title=f"{server.model} at {server.url}")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
