@@ -1,15 +1,114 @@
-"""``SamplingParams``: how one request samples and when it stops. Validated on creation."""
+"""``SamplingParams``: how one request samples and when it stops. Validated on creation.
+
+Every field is checked when the object is made, so a bad value fails at the caller's line
+with a ``ValueError`` naming the field, never later inside cffi or llama.cpp: ints must fit
+the C type they are passed as, floats must be finite (where infinity means nothing), and
+strings must be valid Unicode without NUL characters (llama.cpp reads C strings). Numpy
+scalars are accepted and stored as Python ``int``/``float``.
+
+``check_positive_int`` is the one integer validator of constructor parameters (``Context``,
+``LLM``, ``Embedder``).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+#: The largest value of a C ``int32_t`` (token ids, counts and sizes llama.cpp takes as int32).
+INT32_MAX = 2**31 - 1
+#: The largest finite C ``float``; larger Python floats become infinity in C.
+FLOAT32_MAX = 3.4028234663852886e38
+#: Largest |logit bias|: added to logits and scaled by penalties, it must stay finite in
+#: float32 (infinities make the sampler's softmax NaN). ``-inf`` bans a token.
+LOGIT_BIAS_MAX = 1e30
+#: llama.cpp reads seed 0xFFFFFFFF as "pick a random seed", so it is not a reproducible seed.
+SEED_LIMIT = 2**32 - 1
+
+
+# Iterables that are not sequences of items here (bytes iterate as ints).
+_NOT_SEQUENCES = (bytes, bytearray, memoryview, Mapping)
 
 
 def _check(condition: bool, name: str, message: str, value: object) -> None:
     if not condition:
         raise ValueError(f"SamplingParams.{name} {message}, got {value!r}")
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer (int or numpy integer, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a Python float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def check_text(what: str, text: object, *, allow_nul: bool = False) -> str:
+    """Return ``text`` as a ``str`` that encodes to UTF-8; ``ValueError`` naming ``what`` for
+    a lone surrogate (text that cannot be valid UTF-8) or, unless allowed, a NUL character."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a str, got {type(text).__name__} {text!r:.80}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode: {text[exc.start : exc.end]!r} at index {exc.start} "
+            "(a lone surrogate) cannot be encoded as UTF-8"
+        ) from None
+    if not allow_nul and "\x00" in text:
+        index = text.index("\x00")
+        raise ValueError(f"{what} contains a NUL character (index {index}), which C strings cannot hold")
+    return str(text)
+
+
+def _int_field(name: str, value: object, lo: int, hi: int, hint: str = "") -> int:
+    number = as_int(value)
+    _check(number is not None and lo <= number <= hi, name, f"must be an int in [{lo}, {hi}]{hint}", value)
+    return number  # type: ignore[return-value]
+
+
+def _float_field(
+    name: str, value: object, lo: float, hi: float, *, open_lo: bool = False, hint: str = ""
+) -> float:
+    number = as_float(value)
+    above = number is not None and (lo < number if open_lo else lo <= number)
+    ok = above and math.isfinite(number) and number <= hi  # type: ignore[arg-type,operator]
+    interval = f"{'(' if open_lo else '['}{lo:g}, {hi:g}]"
+    _check(ok, name, f"must be a finite number in {interval}{hint}", value)
+    return number  # type: ignore[return-value]
+
+
+def _bool_field(name: str, value: object) -> bool:
+    return check_bool(f"SamplingParams.{name}", value)
+
+
+def _strings(name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    _check(
+        isinstance(value, Iterable) and not isinstance(value, _NOT_SEQUENCES),
+        name,
+        "must be a str or a sequence of str",
+        value,
+    )
+    out = []
+    for i, s in enumerate(value):  # type: ignore[union-attr]
+        _check(isinstance(s, str) and s != "", name, f"items must be non-empty strings (item {i})", s)
+        out.append(check_text(f"SamplingParams.{name}[{i}]", s))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -21,11 +120,22 @@ class SamplingParams:
     ``presence_penalty`` (0.0 = off) subtract; ``penalty_last_n`` is the window of recent
     tokens they look at (-1: the whole context). ``stop`` strings end the generation; they
     are not part of the output, and text that could begin a stop string is held back
-    until it is resolved. ``logprobs=N`` reports, per generated token, the log-probability
+    until it is resolved. ``stop_token_ids`` end the generation when one of them is sampled
+    (like end-of-generation tokens, the token is not part of the text). ``min_tokens``
+    suppresses end-of-generation tokens and ``stop_token_ids`` until that many tokens have
+    been generated. ``logprobs=N`` reports, per generated token, the log-probability
     of the sampled token and of the N most likely ones under the model's raw
-    distribution. ``grammar`` is a GBNF grammar (root rule ``root``). ``n`` asks for that
+    distribution. ``grammar`` is a GBNF grammar (root rule ``root``). ``json_schema`` (a
+    dict or JSON string) constrains the output to JSON values the schema accepts, and
+    ``response_format`` takes OpenAI's ``{"type": "json_object"}``, ``{"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type": "text"}``;
+    both become a grammar (``effective_grammar``), so at most one of ``grammar``,
+    ``json_schema`` and ``response_format`` may be given. ``n`` asks for that
     many completions of the prompt (the prompt is computed once). ``truncate=True`` keeps
     the last tokens of a prompt that is too long instead of raising ``PromptTooLong``.
+
+    Every field is validated here: a bad value raises ``ValueError`` naming the field.
+    ``SamplingParams.coerce`` turns a mapping of fields (or None) into an instance.
     """
 
     max_tokens: int = 16
@@ -40,94 +150,202 @@ class SamplingParams:
     penalty_last_n: int = 64
     seed: int | None = None
     stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    min_tokens: int = 0
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     grammar: str | None = None
+    json_schema: Mapping[str, Any] | str | None = None
+    response_format: Mapping[str, Any] | None = None
     logprobs: int | None = None
     n: int = 1
     truncate: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
-        _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            "must be an int >= 1",
-            self.max_tokens,
-        )
-        _check(
-            _is_real(self.temperature) and self.temperature >= 0,
+        put = self._put
+        put("max_tokens", _int_field("max_tokens", self.max_tokens, 1, INT32_MAX))
+        put(
             "temperature",
-            "must be >= 0",
-            self.temperature,
+            _float_field("temperature", self.temperature, 0.0, FLOAT32_MAX, hint=" (0 = greedy)"),
         )
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0 (0 = off)", self.top_k)
+        put("top_k", _int_field("top_k", self.top_k, 0, INT32_MAX, " (0 = off)"))
         for name in ("top_p", "typical_p"):
-            value = getattr(self, name)
-            _check(_is_real(value) and 0 < value <= 1, name, "must be in (0, 1]", value)
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(
-            _is_real(self.repeat_penalty) and self.repeat_penalty > 0,
+            put(name, _float_field(name, getattr(self, name), 0.0, 1.0, open_lo=True))
+        put("min_p", _float_field("min_p", self.min_p, 0.0, 1.0))
+        put(
             "repeat_penalty",
-            "must be > 0 (1.0 = off)",
-            self.repeat_penalty,
+            _float_field(
+                "repeat_penalty", self.repeat_penalty, 0.0, FLOAT32_MAX, open_lo=True, hint=" (1 = off)"
+            ),
         )
         for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            _check(_is_real(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
-        _check(
-            _is_int(self.penalty_last_n) and self.penalty_last_n >= -1,
+            put(name, _float_field(name, getattr(self, name), -2.0, 2.0))
+        put(
             "penalty_last_n",
-            "must be an int >= -1",
-            self.penalty_last_n,
+            _int_field("penalty_last_n", self.penalty_last_n, -1, INT32_MAX, " (-1 = whole context)"),
         )
+        if self.seed is not None:
+            put("seed", _int_field("seed", self.seed, 0, SEED_LIMIT - 1, " or None (2**32-1 means random)"))
+        put("stop", _strings("stop", self.stop))
+        put("stop_token_ids", self._token_ids("stop_token_ids", self.stop_token_ids))
+        put("min_tokens", _int_field("min_tokens", self.min_tokens, 0, INT32_MAX))
         _check(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
-            "seed",
-            "must be None or an int in [0, 2**32)",
-            self.seed,
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens})",
+            self.min_tokens,
         )
+        put("ignore_eos", _bool_field("ignore_eos", self.ignore_eos))
+        put("logit_bias", self._logit_bias(self.logit_bias))
+        if self.grammar is not None:
+            _check(
+                isinstance(self.grammar, str) and self.grammar.strip() != "",
+                "grammar",
+                "must be None or a non-empty GBNF string",
+                self.grammar,
+            )
+            put("grammar", check_text("SamplingParams.grammar", self.grammar))
+        if self.logprobs is not None:
+            put("logprobs", _int_field("logprobs", self.logprobs, 0, 100, " or None"))
+        put("n", _int_field("n", self.n, 1, INT32_MAX))
+        put("truncate", _bool_field("truncate", self.truncate))
+        put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
+        if self.json_schema is not None or self.response_format is not None:
+            from llamabatch.structured import resolve_grammar
+
+            put("_effective_grammar", resolve_grammar(self.grammar, self.json_schema, self.response_format))
+        else:
+            put("_effective_grammar", self.grammar)
+
+    def _put(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # frozen: store the normalised value
+
+    @staticmethod
+    def _token_ids(name: str, value: object) -> tuple[int, ...]:
+        if value is None:
+            return ()
         _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop
+            isinstance(value, Iterable) and not isinstance(value, (str, *_NOT_SEQUENCES)),
+            name,
+            "must be a sequence of token ids (ints)",
+            value,
         )
-        for token, bias in self.logit_bias.items():
-            _check(_is_int(token) and token >= 0, "logit_bias", "keys must be token ids >= 0", token)
-            _check(_is_real(bias) and not math.isnan(bias), "logit_bias", "values must be numbers", bias)
-        _check(
-            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-            "grammar",
-            "must be None or a non-empty GBNF string",
-            self.grammar,
-        )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 100),
-            "logprobs",
-            "must be None or an int in [0, 100]",
-            self.logprobs,
-        )
-        _check(_is_int(self.n) and self.n >= 1, "n", "must be an int >= 1", self.n)
+        out = []
+        for i, token in enumerate(value):  # type: ignore[union-attr]
+            number = as_int(token)
+            _check(
+                number is not None and 0 <= number <= INT32_MAX,
+                name,
+                f"items must be token ids, ints in [0, {INT32_MAX}] (item {i})",
+                token,
+            )
+            out.append(number)
+        return tuple(out)
+
+    @staticmethod
+    def _logit_bias(value: object) -> dict[int, float]:
+        if value is None:
+            return {}
+        _check(isinstance(value, Mapping), "logit_bias", "must be a mapping {token id: bias}", value)
+        out: dict[int, float] = {}
+        for token, bias in value.items():  # type: ignore[union-attr]
+            number = as_int(token)
+            _check(
+                number is not None and 0 <= number <= INT32_MAX,
+                "logit_bias",
+                f"keys must be token ids, ints in [0, {INT32_MAX}]",
+                token,
+            )
+            b = as_float(bias)
+            _check(
+                b is not None and (b == -math.inf or (math.isfinite(b) and abs(b) <= LOGIT_BIAS_MAX)),
+                "logit_bias",
+                f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] or -inf (a ban)",
+                bias,
+            )
+            out[number] = b  # type: ignore[index]
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def effective_grammar(self) -> str | None:
+        """The GBNF grammar the sampler enforces: ``grammar``, or the one made from
+        ``json_schema`` or ``response_format`` (None: unconstrained)."""
+        return self._effective_grammar  # type: ignore[attr-defined]
 
-def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int > 0 (or None, if allowed)."""
+    @classmethod
+    def coerce(cls, obj: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        """``obj`` as a ``SamplingParams``: an instance as is, ``None`` as the defaults, a mapping
+        of field names to values (``{"max_tokens": 4}``) converted.
+
+        Raises ``TypeError`` for any other type or a mapping with unknown keys, and
+        ``ValueError`` (naming the field) for a bad value.
+        """
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        raise TypeError(
+            "sampling params must be a SamplingParams, a dict of its fields, or None; "
+            f"got {type(obj).__name__} {obj!r:.80}"
+        )
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> SamplingParams:
+        """A ``SamplingParams`` from a mapping of field names to values; ``TypeError`` names
+        unknown keys (with the valid ones)."""
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"SamplingParams.from_dict needs a mapping, got {type(mapping).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = [key for key in mapping if key not in names]
+        if unknown:
+            raise TypeError(
+                f"unknown SamplingParams field(s) {', '.join(repr(k) for k in unknown)}; "
+                f"the fields are: {', '.join(sorted(names))}"
+            )
+        return cls(**mapping)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``SamplingParams.from_dict`` reverses it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_positive_int(
+    name: str,
+    value: object,
+    *,
+    allow_none: bool = False,
+    minimum: int = 1,
+    maximum: int = INT32_MAX,
+) -> int | None:
+    """Return ``value`` as an int, or raise ``ValueError`` naming ``name`` unless it is an
+    integer (a Python or numpy int, not a bool) in ``[minimum, maximum]`` (or None, if allowed).
+
+    The default bounds (``1`` .. ``INT32_MAX``) fit every C parameter llama.cpp takes as an
+    ``int32_t`` or ``uint32_t``; a value that does not fit would otherwise surface as cffi's
+    ``OverflowError`` or as an abort inside llama.cpp.
+    """
     if value is None and allow_none:
-        return
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        return None
+    number = as_int(value)
+    if number is None or not minimum <= number <= maximum:
+        if minimum == 1:
+            expected = f"a positive int (at most {maximum})"
+        else:
+            expected = f"an int in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return number
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` as a bool, or raise ``ValueError`` naming ``name`` (ints and strings
+    are refused: ``bool("false")`` is True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)

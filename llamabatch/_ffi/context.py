@@ -13,7 +13,7 @@ import numpy as np
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import POOLING_NAMES, Model
 from llamabatch.errors import ContextError, DecodeError, KVCacheFull
-from llamabatch.params import check_positive_int
+from llamabatch.params import check_bool, check_positive_int
 
 POOLING_TYPES = {name: value for value, name in POOLING_NAMES.items()}
 
@@ -81,6 +81,93 @@ def max_parallel_sequences() -> int:
     return int(lib.llama_max_parallel_sequences())
 
 
+#: ggml's GGML_MAX_N_THREADS: more threads than this overflow ggml's per-thread tables
+#: (far more make OpenMP crash the process).
+MAX_THREADS = 512
+#: llama.cpp pads n_ctx (and, with one KV stream per sequence, each stream) to this.
+_CTX_PAD = 256
+
+
+def _pad(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+def _check_sizes(
+    model: Model,
+    n_ctx: object,
+    n_batch: object,
+    n_ubatch: object,
+    n_seq_max: object,
+    n_threads: object,
+    n_threads_batch: object,
+) -> tuple[int, int, int, int, int, int]:
+    """The size parameters as ints, each checked to fit its C type (``ValueError`` naming it)."""
+    n_ctx = check_positive_int("n_ctx", n_ctx)
+    n_batch = check_positive_int("n_batch", n_batch)
+    n_ubatch = n_batch if n_ubatch is None else check_positive_int("n_ubatch", n_ubatch)
+    if n_ubatch > n_batch:
+        raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
+    n_seq_max = check_positive_int("n_seq_max", n_seq_max, maximum=max_parallel_sequences())
+    n_threads = check_positive_int("n_threads", n_threads, allow_none=True, maximum=MAX_THREADS)
+    n_threads_batch = check_positive_int(
+        "n_threads_batch", n_threads_batch, allow_none=True, maximum=MAX_THREADS
+    )
+    n_threads = min(os.cpu_count() or 1, MAX_THREADS) if n_threads is None else n_threads
+    n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
+    return n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch  # type: ignore[return-value]
+
+
+def _check_llama_asserts(
+    model: Model,
+    n_ctx: int,
+    n_batch: int,
+    n_ubatch: int,
+    n_seq_max: int,
+    embeddings: bool,
+    pooling: str | None,
+    kv_unified: bool,
+) -> None:
+    """Refuse size combinations that make llama.cpp's context constructor abort the process
+    (GGML_ASSERT), with a ``ValueError`` naming the parameters.
+
+    The sizes llama.cpp derives (llama_context's constructor): with causal attention a
+    batch never exceeds ``n_ctx``; ``n_ubatch`` never exceeds the batch; ``n_ctx`` is padded
+    to 256, and with one KV stream per sequence each stream is.
+    """
+    causal = model.meta(f"{model.architecture}.attention.causal") != "false"
+    batch = min(n_ctx, n_batch) if causal else n_batch
+    ubatch = min(batch, n_ubatch)
+    # One output row per sequence is reserved up front, out of at most one batch of outputs.
+    if n_seq_max > batch:
+        if batch < n_batch:
+            raise ValueError(
+                f"n_seq_max ({n_seq_max}) must be <= n_ctx ({n_ctx}): llama.cpp caps a batch at n_ctx "
+                "tokens and needs room for one output per sequence in it"
+            )
+        raise ValueError(
+            f"n_seq_max ({n_seq_max}) must be <= n_batch ({n_batch}): llama.cpp needs room for one "
+            "output per sequence in a batch"
+        )
+    # Mean pooling's graph is reserved for a ubatch split evenly across n_seq_max sequences.
+    resolved = pooling if pooling is not None else model.pooling_type
+    if embeddings and resolved == "mean":
+        ctx = _pad(n_ctx, _CTX_PAD)
+        if not kv_unified:
+            ctx = _pad(ctx // n_seq_max, _CTX_PAD) * n_seq_max
+        reserve = min(ctx, ubatch)
+        if reserve % n_seq_max:
+            if reserve == n_ubatch:
+                what = f"n_ubatch ({n_ubatch})"
+            elif reserve == ubatch:  # causal attention: n_ctx caps the batch
+                what = f"n_ctx ({n_ctx}, which caps n_batch and n_ubatch)"
+            else:
+                what = f"n_ctx as llama.cpp pads it ({reserve}, below n_ubatch)"
+            raise ValueError(
+                f"with mean pooling, {what} must be a multiple of n_seq_max ({n_seq_max}): llama.cpp "
+                "reserves its graph for that many tokens split evenly across n_seq_max sequences"
+            )
+
+
 class Context:
     """A llama.cpp context on a :class:`Model`: KV memory, decode, logits and embeddings.
 
@@ -110,25 +197,23 @@ class Context:
             raise ValueError(
                 f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with"
             )
-        check_positive_int("n_ctx", n_ctx)
-        check_positive_int("n_batch", n_batch)
-        n_ubatch = n_batch if n_ubatch is None else n_ubatch
-        check_positive_int("n_ubatch", n_ubatch)
-        if n_ubatch > n_batch:
-            raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
-        check_positive_int("n_seq_max", n_seq_max)
-        max_seq = int(lib.llama_max_parallel_sequences())
-        if n_seq_max > max_seq:
-            raise ValueError(f"n_seq_max must be <= {max_seq} (llama.cpp's limit), got {n_seq_max}")
-        cpus = os.cpu_count() or 1
-        n_threads = cpus if n_threads is None else n_threads
-        n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
-        check_positive_int("n_threads", n_threads)
-        check_positive_int("n_threads_batch", n_threads_batch)
-        if pooling is not None and pooling not in POOLING_TYPES:
-            raise ValueError(f"pooling must be one of {sorted(POOLING_TYPES)}, got {pooling!r}")
-        if flash_attn not in FLASH_ATTN:
+        n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch = _check_sizes(
+            model, n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch
+        )
+        embeddings = check_bool("embeddings", embeddings)
+        kv_unified = check_bool("kv_unified", kv_unified)
+        offload_kqv = check_bool("offload_kqv", offload_kqv)
+        no_perf = check_bool("no_perf", no_perf)
+        if pooling is not None and (not isinstance(pooling, str) or pooling not in POOLING_TYPES):
+            raise ValueError(f"pooling must be None or one of {sorted(POOLING_TYPES)}, got {pooling!r}")
+        if not (
+            flash_attn is None
+            or isinstance(flash_attn, (bool, np.bool_))
+            or (isinstance(flash_attn, str) and flash_attn == "auto")
+        ):
             raise ValueError(f"flash_attn must be True, False, 'auto' or None, got {flash_attn!r}")
+        flash_attn = bool(flash_attn) if isinstance(flash_attn, np.bool_) else flash_attn
+        _check_llama_asserts(model, n_ctx, n_batch, n_ubatch, n_seq_max, embeddings, pooling, kv_unified)
 
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx

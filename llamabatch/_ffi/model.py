@@ -9,6 +9,7 @@ from typing import Any
 
 from llamabatch._ffi import ensure_backend, ffi, lib
 from llamabatch.errors import ModelLoadError
+from llamabatch.params import check_bool, check_positive_int
 
 GGUF_MAGIC = b"GGUF"
 
@@ -87,12 +88,13 @@ class Model:
         self._ptr = ffi.NULL
         self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
         self.path = Path(path)
-        if load_mode not in LOAD_MODES:
+        if not isinstance(load_mode, str) or load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}, got {load_mode!r}")
-        if not isinstance(n_gpu_layers, int):
-            raise ValueError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
-        if main_gpu < 0:
-            raise ValueError(f"main_gpu must be >= 0, got {main_gpu}")
+        # int32 in llama_model_params: a larger value would be cffi's OverflowError
+        n_gpu_layers = check_positive_int("n_gpu_layers", n_gpu_layers, minimum=-1)  # -1: all
+        main_gpu = check_positive_int("main_gpu", main_gpu, minimum=0)
+        vocab_only = check_bool("vocab_only", vocab_only)
+        check_tensors = check_bool("check_tensors", check_tensors)
         _check_gguf_file(self.path)
         ensure_backend()
 
