@@ -187,7 +187,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         type=on_off,
         default=True,
         metavar="on|off",
-        help="one KV buffer for all sequences (default, as LLM) or one per sequence",
+        help="on (default): one KV buffer for all sequences; off: one per sequence (LLM's default)",
     )
     p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
     p.add_argument(

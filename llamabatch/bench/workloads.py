@@ -102,7 +102,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
 def open_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The model at ``path``, for its vocabulary (mmap: the weights are not read); close it
     after use. ``vocab_only`` is avoided: a vocab-only model has no shape to report."""
-    from llamabatch._ffi.model import Model
+    from llamabatch import Model
 
     return Model(path)
 
