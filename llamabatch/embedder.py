@@ -445,7 +445,7 @@ class Embedder(Worker):
         return self.model.tokenize(text)
 
     @overload
-    def embed(
+    def embed(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
         self, texts: str, *, normalize: str | bool | None = None, show_progress_bar: bool | None = None
     ) -> Vector: ...
 
@@ -493,7 +493,7 @@ class Embedder(Worker):
         return out[0] if single else out
 
     @overload
-    async def aembed(
+    async def aembed(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
         self, texts: str, *, normalize: str | bool | None = None, show_progress_bar: bool | None = None
     ) -> Vector: ...
 
@@ -532,7 +532,7 @@ class Embedder(Worker):
         return result[0] if single else result
 
     @overload
-    def encode(
+    def encode(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
         self,
         sentences: str,
         *,
