@@ -139,33 +139,26 @@ def test_bench_embed_json_and_sweep(tiny_path, capsys):
     assert "unknown contender" in capsys.readouterr().err
 
 
-def test_bench_prefix_json(tiny_path, capsys, monkeypatch):
+def test_bench_prefix_rows_and_report(tiny_path):
     from llamabatch.bench import prefix
 
-    small_shared, small_chat = prefix.shared_system_prompt, prefix.multi_turn_chat
-
-    def shared(path, **kwargs):
-        return small_shared(path, n_requests=4, system_tokens=48, unique_tokens=4, new_tokens=2, **kwargs)
-
-    def chat(path, **kwargs):
-        return small_chat(path, n_conversations=2, n_turns=2, system_tokens=16, user_tokens=4, **kwargs)
-
-    monkeypatch.setattr(prefix, "shared_system_prompt", shared)
-    monkeypatch.setattr(prefix, "multi_turn_chat", chat)
-    assert main(["bench-prefix", "-m", "tiny", "-t", "1", "--json"]) == 0
-    rows = _json_rows(capsys.readouterr().out)
+    shared = {"n_requests": 4, "system_tokens": 48, "unique_tokens": 4, "new_tokens": 2}
+    chat = {"n_conversations": 2, "n_turns": 2, "system_tokens": 16, "user_tokens": 4}
+    rows = prefix.compare(str(tiny_path), shared=shared, chat=chat, n_threads=1)
     assert [(r["workload"], r["prefix_cache"]) for r in rows] == [
         ("shared_system_prompt", "off"),
         ("shared_system_prompt", "on"),
         ("multi_turn_chat", "off"),
         ("multi_turn_chat", "on"),
     ]
-    for off, on in (rows[0:2], rows[2:4]):
+    result = prefix.prefix_report(rows, {"model": tiny_path.name})
+    lines = [json.loads(line) for line in report.json_lines(result.json_rows())]
+    for off, on in (lines[0:2], lines[2:4]):
         assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"] == off["prompt_tokens"]
         assert on["vs_off_computed"] == on["computed_prompt_tokens"] / off["computed_prompt_tokens"]
-    assert main(["bench-prefix", "-m", "tiny", "-t", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "| reuse on vs |" in out and "T s (off/on)" in out
+        assert on["vs_off_time"] == off["t_total_s"] / on["t_total_s"] and on["model"] == tiny_path.name
+    text = result.text()
+    assert "| reuse on vs |" in text and "T s (off/on)" in text and "note: multi-turn chat" in text
 
 
 # --------------------------------------------------------------------------- report, workloads

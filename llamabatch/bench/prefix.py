@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,15 @@ from llamabatch.bench.report import Column, Report, ratio_columns, ratio_rows
 from llamabatch.bench.runners.engine import completion
 from llamabatch.testing import english_sentences
 
-__all__ = ["PrefixRun", "add_arguments", "compare", "main", "multi_turn_chat", "shared_system_prompt"]
+__all__ = [
+    "PrefixRun",
+    "add_arguments",
+    "compare",
+    "main",
+    "multi_turn_chat",
+    "prefix_report",
+    "shared_system_prompt",
+]
 
 
 @dataclass(frozen=True)
@@ -157,19 +166,51 @@ _COLUMNS = (
 )
 
 
-def compare(model_path: str, **llm_kwargs: Any) -> list[dict[str, Any]]:
-    """Both workloads with reuse off and on, side by side: one row per workload and
-    setting; the rows with reuse on carry the ratios to reuse off (``vs_off_time``: total
-    time off / on, ``vs_off_ttft_p50``: median time to first token off / on,
-    ``vs_off_computed``: computed prompt tokens on / off)."""
+def compare(
+    model_path: str,
+    *,
+    shared: Mapping[str, int] | None = None,
+    chat: Mapping[str, int] | None = None,
+    **llm_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Both workloads with reuse off and on, side by side: one row per workload and setting.
+    ``shared`` and ``chat`` change the sizes of :func:`shared_system_prompt` and
+    :func:`multi_turn_chat`; ``llm_kwargs`` go to every ``LLM``."""
+    workloads = {
+        "shared_system_prompt": (shared_system_prompt, shared or {}),
+        "multi_turn_chat": (multi_turn_chat, chat or {}),
+    }
     rows = []
-    for workload, run in (
-        ("shared_system_prompt", shared_system_prompt),
-        ("multi_turn_chat", multi_turn_chat),
-    ):
+    for workload, (run, sizes) in workloads.items():
         for reuse in (False, True):
-            rows.append(_row(workload, run(model_path, prefix_cache=reuse, **llm_kwargs)))
+            rows.append(_row(workload, run(model_path, prefix_cache=reuse, **sizes, **llm_kwargs)))
     return rows
+
+
+def prefix_report(rows: list[dict[str, Any]], settings: dict[str, Any]) -> Report:
+    """The report of :func:`compare`'s rows: the rows with reuse on get the ratios to reuse
+    off (``vs_off_time``: total time off / on, ``vs_off_ttft_p50``: median time to first
+    token off / on, ``vs_off_computed``: computed prompt tokens on / off)."""
+    metrics = {"time": "t_total_s", "ttft_p50": "ttft_p50_ms", "computed": "computed_prompt_tokens"}
+    inverse = ("time", "ttft_p50")
+    ratios = ratio_rows(
+        rows, subject="on", key=("workload",), metrics=metrics, inverse=inverse, by="prefix_cache"
+    )
+    titles = [("time", "T s (off/on)"), ("ttft_p50", "TTFT p50 (off/on)"), ("computed", "computed (on/off)")]
+    columns = ratio_columns("reuse on vs", [Column("workload", "workload")], titles)
+    notes = []
+    for r in ratios:
+        if r["workload"] == "shared_system_prompt":
+            notes.append(
+                f"shared system prompt: with reuse the total time is {r['time_ratio']:.2f}x shorter, "
+                f"the median TTFT {r['ttft_p50_ratio']:.2f}x lower"
+            )
+        else:
+            notes.append(
+                f"multi-turn chat: with reuse the engine computes {r['computed_ratio']:.1%} "
+                "of the no-reuse run's prompt tokens"
+            )
+    return Report(settings, rows, _COLUMNS, ratios, columns, notes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,30 +235,11 @@ def main(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)
     rows = compare(str(model), n_threads=args.threads, n_batch=args.n_batch, flash_attn=args.flash_attn)
-    metrics = {"time": "t_total_s", "ttft_p50": "ttft_p50_ms", "computed": "computed_prompt_tokens"}
-    inverse = ("time", "ttft_p50")
-    ratios = ratio_rows(
-        rows, subject="on", key=("workload",), metrics=metrics, inverse=inverse, by="prefix_cache"
-    )
-    titles = [("time", "T s (off/on)"), ("ttft_p50", "TTFT p50 (off/on)"), ("computed", "computed (on/off)")]
-    columns = ratio_columns("reuse on vs", [Column("workload", "workload")], titles)
-    notes = []
-    for r in ratios:
-        if r["workload"] == "shared_system_prompt":
-            notes.append(
-                f"shared system prompt: with reuse the total time is {r['time_ratio']:.2f}x shorter, "
-                f"the median TTFT {r['ttft_p50_ratio']:.2f}x lower"
-            )
-        else:
-            notes.append(
-                f"multi-turn chat: with reuse the engine computes {r['computed_ratio']:.1%} "
-                "of the no-reuse run's prompt tokens"
-            )
     settings = {
         "model": model.name,
         "n_threads": args.threads or os.cpu_count(),
         "n_batch": args.n_batch,
         "flash_attn": args.flash_attn,
     }
-    Report(settings, rows, _COLUMNS, ratios, columns, notes).print(as_json=args.json)
+    prefix_report(rows, settings).print(as_json=args.json)
     return 0
