@@ -46,8 +46,8 @@ class SamplerChain:
                     params.presence_penalty,
                 )
             )
-        if params.grammar is not None:
-            grammar = lib.llama_sampler_init_grammar(model.vocab, params.grammar.encode(), b"root")
+        if params.effective_grammar is not None:  # grammar, or json_schema / response_format's
+            grammar = lib.llama_sampler_init_grammar(model.vocab, params.effective_grammar.encode(), b"root")
             if grammar == ffi.NULL:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)
