@@ -1,0 +1,316 @@
+"""Prometheus metrics for an ``LLM`` and an ``Embedder``, with vLLM's metric names.
+
+:class:`PrometheusListener` is both a telemetry listener (it counts ``RequestEvent``,
+``TickEvent`` and ``EmbedPackEvent`` as they happen) and a ``prometheus_client`` collector
+that reads ``stats()`` of the engines it watches at scrape time for the gauges. It registers
+itself in its own ``CollectorRegistry`` by default (pass ``registry=prometheus_client.REGISTRY``
+to join the process-wide one an app already exports)::
+
+    from llamabatch.metrics import PrometheusListener
+
+    metrics = PrometheusListener()
+    metrics.attach(llm)                  # listener + gauges; also metrics.attach(embedder)
+    text = metrics.generate_latest()     # the exposition text a /metrics endpoint returns
+
+Names follow vLLM's ``vllm:`` metrics with a ``llamabatch:`` prefix and a ``model_name``
+label (the GGUF's file stem unless given):
+
+========================================================  ===========================================
+``llamabatch:num_requests_running`` / ``_waiting``        gauges: completions in slots / queued
+``llamabatch:kv_cache_usage_perc``                        gauge: KV cells in use / all (0..1)
+``llamabatch:num_preemptions_total``                      counter: requests preempted and recomputed
+``llamabatch:prompt_tokens_total``                        counter: prompt tokens of finished requests
+``llamabatch:generation_tokens_total``                    counter: generated tokens
+``llamabatch:request_success_total{finished_reason}``     counter: finished requests by finish reason
+``llamabatch:time_to_first_token_seconds``                histogram (submit to first token)
+``llamabatch:inter_token_latency_seconds``                histogram, one observation per token gap
+``llamabatch:e2e_request_latency_seconds``                histogram (submit to finish)
+``llamabatch:request_queue_time_seconds``                 histogram (submit to slot)
+``llamabatch:request_prompt_tokens`` / ``_generation_``   histograms of tokens per request
+``llamabatch:prefix_cache_queries_total`` / ``_hits_``    counters: prompt tokens / of them reused
+``llamabatch:iteration_tokens_total``                     counter: tokens decoded by forward passes
+``llamabatch:embedding_*``                                packs, sequences, tokens, pack utilisation
+========================================================  ===========================================
+
+A request with ``n > 1`` counts as ``n`` completions (each finishes on its own).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from llamabatch.telemetry import EmbedPackEvent, RequestEvent, TickEvent
+
+__all__ = ["PrometheusListener"]
+
+PREFIX = "llamabatch:"
+
+# Buckets (seconds / tokens) in the spirit of vLLM's, extended down for small local models.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+UTILISATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class _Histogram:
+    """A histogram that takes weighted observations (``count`` equal values in one step)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count  # le: value <= bound
+        self.total += value * count
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*(repr(float(b)) for b in self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+_HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Time to first token (from submission).", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Time between consecutive generated tokens.", ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Request latency from submission to finish.", E2E_BUCKETS),
+    "request_queue_time_seconds": ("Time a request waited in the queue for a slot.", E2E_BUCKETS),
+    "request_prompt_tokens": ("Prompt tokens per finished request.", TOKEN_BUCKETS),
+    "request_generation_tokens": ("Generated tokens per finished request.", TOKEN_BUCKETS),
+    "embedding_pack_utilisation": ("Tokens of an embedding pack / its capacity.", UTILISATION_BUCKETS),
+}
+
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of finished requests.",
+    "generation_tokens": "Generated tokens of finished requests.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens reused from the prefix cache (not recomputed).",
+    "iteration_tokens": "Tokens computed by forward passes (prompt and generated).",
+    "forward_passes": "Forward passes (ticks) of the generation engine.",
+    "decode_retries": "Forward passes retried with a smaller batch (no KV room).",
+    "num_preemptions": "Running requests preempted under KV pressure (recomputed later).",
+    "embedding_packs": "Packed decodes of the embedder.",
+    "embedding_sequences": "Texts embedded.",
+    "embedding_tokens": "Tokens of embedded texts.",
+    "embedding_failed": "Texts that could not be embedded.",
+}
+
+
+class _ModelMetrics:
+    """What one model_name label accumulates from events."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self.finish: dict[str, int] = {}
+        self.histograms = {name: _Histogram(bounds) for name, (_, bounds) in _HISTOGRAMS.items()}
+
+
+class PrometheusListener:
+    """A telemetry listener and Prometheus collector for llamabatch engines.
+
+    Args:
+        registry: where to register (default: a new ``CollectorRegistry``, kept in
+            ``self.registry``); ``None`` registers nowhere (add it yourself).
+        model_name: the ``model_name`` label of events this object receives directly
+            (``llm.add_listener(listener)``); ``attach`` picks one per engine.
+
+    Call ``attach(llm_or_embedder)`` to count its events and report its ``stats()`` gauges;
+    ``detach`` undoes it. Listener calls are cheap (a lock, a few additions): they run on the
+    engine's worker thread.
+    """
+
+    def __init__(self, registry: Any = "new", *, model_name: str = "llamabatch") -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._models: dict[str, _ModelMetrics] = {}
+        # weak: a closed and dropped engine disappears from the scrape on its own
+        self._sources: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
+        self.registry = CollectorRegistry(auto_describe=True) if registry == "new" else registry
+        if self.registry is not None:
+            self.registry.register(self)
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def attach(self, source: Any, model_name: str | None = None) -> None:
+        """Count ``source``'s events (an ``LLM`` or an ``Embedder``) and read its ``stats()``
+        at scrape time, under ``model_name`` (default: the GGUF file's stem)."""
+        if source in self._sources:
+            raise ValueError(f"{source!r} is already attached")
+        name = model_name or _default_name(source)
+
+        def listener(event: Any) -> None:
+            self.observe(event, name)
+
+        source.add_listener(listener)
+        with self._lock:
+            self._sources[source] = (name, listener)
+            self._models.setdefault(name, _ModelMetrics())
+
+    def detach(self, source: Any) -> None:
+        """Stop counting ``source``'s events and reporting its gauges (its counts stay)."""
+        with self._lock:
+            entry = self._sources.pop(source, None)
+        if entry is not None:
+            source.remove_listener(entry[1])
+
+    def __call__(self, event: Any) -> None:
+        """The listener protocol: ``llm.add_listener(metrics)`` (labelled ``self.model_name``)."""
+        self.observe(event, self.model_name)
+
+    def generate_latest(self) -> bytes:
+        """The registry's metrics in Prometheus' text format."""
+        from prometheus_client import generate_latest
+
+        if self.registry is None:
+            raise ValueError("this PrometheusListener was made with registry=None")
+        return generate_latest(self.registry)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def observe(self, event: Any, model_name: str) -> None:
+        """Account one telemetry event under ``model_name``."""
+        with self._lock:
+            m = self._models.get(model_name)
+            if m is None:
+                m = self._models[model_name] = _ModelMetrics()
+            if isinstance(event, RequestEvent):
+                _on_request(m, event)
+            elif isinstance(event, TickEvent):
+                c = m.counters
+                c["iteration_tokens"] += event.batch_tokens
+                c["forward_passes"] += 1
+                c["decode_retries"] += event.retries
+                c["num_preemptions"] += getattr(event, "preemptions", 0)
+            elif isinstance(event, EmbedPackEvent):
+                c = m.counters
+                c["embedding_packs"] += 1
+                c["embedding_sequences"] += event.sequences
+                c["embedding_tokens"] += event.tokens
+                c["embedding_failed"] += event.failed
+                m.histograms["embedding_pack_utilisation"].observe(event.utilisation)
+
+    # -- the collector -----------------------------------------------------------------------
+
+    def describe(self) -> Iterable[Any]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        with self._lock:
+            models = {
+                name: (
+                    dict(m.counters),
+                    dict(m.finish),
+                    {k: (h.buckets(), h.total) for k, h in m.histograms.items()},
+                )
+                for name, m in self._models.items()
+            }
+            sources = [(source, name) for source, (name, _) in self._sources.items()]
+        label = ["model_name"]
+
+        for key, doc in _COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + key, doc, labels=label)
+            for name, (counters, _, _) in models.items():
+                family.add_metric([name], counters[key])
+            yield family
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for name, (_, finish, _) in models.items():
+            for reason, n in sorted(finish.items()):
+                success.add_metric([name, reason], n)
+        yield success
+        for key, (doc, _) in _HISTOGRAMS.items():
+            family = HistogramMetricFamily(PREFIX + key, doc, labels=label)
+            for name, (_, _, histograms) in models.items():
+                buckets, total = histograms[key]
+                family.add_metric([name], buckets, total)
+            yield family
+
+        yield from self._gauges(sources, GaugeMetricFamily)
+
+    def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
+        def family(kind: Any, key: str, doc: str) -> Any:
+            return kind(PREFIX + key, doc, labels=["model_name"])
+
+        running = family(gauge, "num_requests_running", "Completions in slots (prefill or decode).")
+        waiting = family(gauge, "num_requests_waiting", "Completions queued for a slot.")
+        slots = family(gauge, "num_slots", "Sequence slots (n_parallel).")
+        kv = family(gauge, "kv_cache_usage_perc", "KV cache cells in use / all cells (0..1).")
+        cached = family(gauge, "prefix_cache_tokens", "Prompt tokens kept in the KV cache for reuse.")
+        emb_waiting = family(gauge, "embedding_queue_texts", "Texts waiting to be embedded.")
+        for source, name in sources:
+            try:
+                stats = source.stats()
+            except Exception:  # a closed engine: nothing to report
+                continue
+            if _get(stats, "n_parallel") is None:  # an Embedder
+                _add(emb_waiting, name, _get(stats, "queue_depth"))
+                continue
+            _add(running, name, _get(stats, "num_requests_running", "running", "busy_slots"))
+            _add(waiting, name, _get(stats, "num_requests_waiting", "waiting", "queue_depth"))
+            _add(slots, name, _get(stats, "n_parallel"))
+            _add(cached, name, _get(stats, "cached_prefix_tokens"))
+            used, total = _get(stats, "kv_cells_used"), _get(stats, "kv_cells_total")
+            usage = _get(stats, "kv_cache_usage")
+            if usage is None and used is not None and total:
+                usage = used / total
+            _add(kv, name, usage)
+        yield from (running, waiting, slots, kv, cached, emb_waiting)
+
+
+def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:
+    c, h = m.counters, m.histograms
+    c["prompt_tokens"] += event.prompt_tokens
+    c["generation_tokens"] += event.completion_tokens
+    c["prefix_cache_queries"] += event.prompt_tokens
+    c["prefix_cache_hits"] += event.reused_tokens
+    m.finish[event.finish_reason] = m.finish.get(event.finish_reason, 0) + 1
+    h["e2e_request_latency_seconds"].observe(event.total)
+    h["request_queue_time_seconds"].observe(event.queue_wait)
+    h["request_prompt_tokens"].observe(event.prompt_tokens)
+    h["request_generation_tokens"].observe(event.completion_tokens)
+    ttft = event.time_to_first_token
+    if ttft is not None:
+        h["time_to_first_token_seconds"].observe(ttft)
+        gaps = event.completion_tokens - 1
+        if gaps > 0:
+            # The engine reports each request's mean gap; observing it once per gap keeps the
+            # histogram's sum and count exact (vLLM observes every gap).
+            h["inter_token_latency_seconds"].observe(max(0.0, event.total - ttft) / gaps, gaps)
+
+
+def _get(stats: Any, *names: str) -> Any:
+    for name in names:
+        value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _add(family: Any, name: str, value: Any) -> None:
+    if value is not None:
+        family.add_metric([name], float(value))
+
+
+def _default_name(source: Any) -> str:
+    model = getattr(source, "model", None)
+    path = getattr(model, "path", None)
+    return getattr(path, "stem", None) or type(source).__name__
