@@ -18,9 +18,10 @@ def tiny() -> str:
 
 
 def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
+    """The one line of our message (llama.cpp's own warnings, if any, are its logger's)."""
     assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.startswith("llamabatch")]
+    assert len(lines) == 1, err
     return lines[0]
 
 
