@@ -152,3 +152,12 @@ def test_python_dash_m_in_a_subprocess(tmp_path):
     )
     assert run.returncode == 1
     assert _one_line(run.stderr).startswith("llamabatch generate: error: ")
+
+
+def test_embed_draws_its_bar_on_a_terminal(tiny, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "texts.txt"
+    src.write_text("\n".join(f"text number {i}" for i in range(10)) + "\n")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert main(["embed", "-m", tiny, str(src), "--pooling", "mean", "-b", "3", "-t", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "10/10" in captured.err and "(10, 64)" in captured.out
