@@ -101,6 +101,8 @@ class EngineCore:
         self.counters = GenerationCounters()
         self._aborts: list[Request] = []
         self._events: list[StepEvent] = []
+        #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
+        self.stopping = False
         # scratch of the current tick
         self._decode_time = 0.0
         self._tick_preemptions = 0
@@ -278,8 +280,8 @@ class EngineCore:
                 return
             if outcome.ok:
                 break
-            if outcome.code is DecodeCode.ABORTED and self.context.abort_requested:
-                return  # the driver is closing
+            if outcome.code is DecodeCode.ABORTED and self.stopping:
+                return  # the driver is closing: it ends every request next
             self.context.clear_abort()
             error = str(outcome.code.error("llama_decode", outcome.raw))
             # Alone and still no room, or a decode error: fail the requests of that batch,

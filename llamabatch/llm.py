@@ -84,6 +84,8 @@ class LLM(EngineHost, Worker):
         self._free()
 
     def _interrupt(self) -> None:
+        if self._core is not None:
+            self._core.stopping = True
         if hasattr(self, "context"):
             self.context.abort()  # stop a long decode early
 

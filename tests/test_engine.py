@@ -30,11 +30,11 @@ def llm(tiny_path):
 
 
 def _assert_no_kv(llm: LLM) -> None:
-    """Nothing but the prefix cache holds KV cells once requests have ended."""
-    cache = llm.engine.prefix_cache
+    """Nothing but the prefix cache holds KV cells once requests have ended, and llama.cpp
+    holds exactly what the slot table records."""
+    table = llm._core.table
     for seq in range(llm.n_parallel):
-        cached = cache.cached[seq]
-        assert llm.context.seq_pos_max(seq) == (-1 if cached is None else len(cached) - 1)
+        assert llm.context.seq_pos_max(seq) == table.seq_len(seq) - 1
     llm.clear_prefix_cache()
     for seq in range(llm.context.n_seq_max):
         assert llm.context.seq_pos_max(seq) == -1, f"seq {seq} still holds KV cells"
@@ -42,8 +42,13 @@ def _assert_no_kv(llm: LLM) -> None:
 
 def _wait_idle(llm: LLM, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
-    while llm.stats()["busy_slots"] and time.monotonic() < deadline:
+    while llm.stats().busy_slots and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def firsts(outs):
+    """The first completion of each prompt's ``RequestOutput``."""
+    return [o.outputs[0] for o in outs]
 
 
 def _prompt(i: int) -> str:
@@ -68,7 +73,7 @@ def test_32_prompts_from_8_threads_match_teacher_forced_reference(tiny_path, llm
         t.start()
     for t in threads:
         t.join()
-    outs = [h.result(timeout=120) for h in handles]
+    outs = [h.result(timeout=120).outputs[0] for h in handles]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
 
     reference = llama_cpp.Llama(
@@ -83,7 +88,7 @@ def test_32_prompts_from_8_threads_match_teacher_forced_reference(tiny_path, llm
 
 def test_single_greedy_matches_llama_cpp_python_completion(tiny_path, llm):
     prompt = "The history of the city begins with a small settlement"
-    ours = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0]
+    ours = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
     reference = llama_cpp.Llama(str(tiny_path), n_ctx=512, verbose=False, flash_attn=False)
     theirs = reference.create_completion(prompt, max_tokens=16, temperature=0)
     assert ours.text == theirs["choices"][0]["text"]
@@ -92,7 +97,7 @@ def test_single_greedy_matches_llama_cpp_python_completion(tiny_path, llm):
 
 def test_generate_keeps_input_order_and_usage(llm):
     prompts = [_prompt(i) for i in range(12)]
-    outs = llm.generate(prompts, GREEDY)
+    outs = firsts(llm.generate(prompts, GREEDY))
     assert [o.prompt_token_ids for o in outs] == [llm.tokenize(p, parse_special=True) for p in prompts]
     for o in outs:
         assert o.usage.prompt_tokens == len(o.prompt_token_ids)
@@ -102,10 +107,10 @@ def test_generate_keeps_input_order_and_usage(llm):
 
 def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
-    a = llm.generate(["tell me", "tell me"], params)
-    b = llm.generate("tell me", params)[0]
+    a = firsts(llm.generate(["tell me", "tell me"], params))
+    b = llm.generate("tell me", params)[0].outputs[0]
     assert a[0].token_ids == a[1].token_ids == b.token_ids
-    c = llm.generate("tell me", SamplingParams(max_tokens=16, temperature=1.0, top_k=0, seed=99))[0]
+    c = llm.generate("tell me", SamplingParams(max_tokens=16, temperature=1.0, top_k=0, seed=99))[0].outputs[0]
     assert c.token_ids != a[0].token_ids
 
 
@@ -121,11 +126,11 @@ def test_stream_deltas_add_up(llm):
 
 
 def test_stream_closed_early_cancels(llm):
-    stream = llm.stream("cancel me please", SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    stream = llm.stream("cancel me please", SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     next(stream)
     stream.close()
     _wait_idle(llm)
-    assert llm.stats()["busy_slots"] == 0
+    assert llm.stats().busy_slots == 0
     _assert_no_kv(llm)
 
 
@@ -137,7 +142,7 @@ def test_astream_and_task_cancellation(llm):
         got = []
 
         async def consume():
-            async for delta in llm.astream("forever", SamplingParams(max_tokens=3000, ignore_eos=True)):
+            async for delta in llm.astream("forever", SamplingParams(max_tokens=400, ignore_eos=True)):
                 got.append(delta)
 
         task = asyncio.create_task(consume())
@@ -150,17 +155,17 @@ def test_astream_and_task_cancellation(llm):
         return texts, out
 
     texts, out = asyncio.run(main())
-    assert len(texts) >= 5 and out.finish_reason == "length"
+    assert len(texts) >= 5 and out.outputs[0].finish_reason == "length"
     _wait_idle(llm)
     _assert_no_kv(llm)
 
 
 def test_handle_iteration_cancel_and_timeout(llm):
-    handle = llm.submit("a long one", SamplingParams(max_tokens=3000, ignore_eos=True))
+    handle = llm.submit("a long one", SamplingParams(max_tokens=400, ignore_eos=True))
     with pytest.raises(TimeoutError):
         handle.result(timeout=0.01)
     handle.cancel()
-    out = handle.result(timeout=30)
+    out = handle.result(timeout=30).outputs[0]
     assert out.finish_reason == "cancelled"
     assert list(handle)[-1].finish_reason == "cancelled"
     handle.cancel()  # idempotent
@@ -170,7 +175,7 @@ def test_chat_uses_the_gguf_template(llm):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     prompt = llm.apply_chat_template(messages)
     assert prompt.startswith("<|im_start|>system\nbe brief<|im_end|>")
-    out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0))
+    out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
     assert out.prompt_token_ids[:2] == [testing.BOS_ID, testing.IM_START_ID]
     assert out.finish_reason == "length"
 
@@ -185,7 +190,7 @@ def test_tokenize_detokenize(llm):
 
 
 def test_stop_strings_are_cut_and_held_back(llm):
-    free = llm.generate("stop here", SamplingParams(max_tokens=30, temperature=0))[0]
+    free = llm.generate("stop here", SamplingParams(max_tokens=30, temperature=0))[0].outputs[0]
     assert len(free.text) > 8
     stop = free.text[5:9]
     deltas = list(llm.stream("stop here", SamplingParams(max_tokens=30, temperature=0, stop=[stop, "zzzz"])))
@@ -198,10 +203,10 @@ def test_stop_strings_are_cut_and_held_back(llm):
 def test_eos_and_ignore_eos(llm):
     # A strong bias makes EOS the greedy choice after the first token.
     params = SamplingParams(max_tokens=10, temperature=0, logit_bias={testing.EOS_ID: 100.0})
-    out = llm.generate("finish", params)[0]
+    out = llm.generate("finish", params)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == [testing.EOS_ID] and out.text == ""
     params = SamplingParams(max_tokens=5, temperature=0, logit_bias={testing.EOS_ID: 100.0}, ignore_eos=True)
-    out = llm.generate("finish", params)[0]
+    out = llm.generate("finish", params)[0].outputs[0]
     assert out.finish_reason == "length" and out.token_ids == [testing.EOS_ID] * 5
 
 
@@ -214,14 +219,14 @@ def test_grammar_constrains_output_and_utf8_is_never_split(llm):
 
 
 def test_logit_bias_and_penalties(llm):
-    out = llm.generate("bias", SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 50.0}))[0]
+    out = llm.generate("bias", SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 50.0}))[0].outputs[0]
     assert out.token_ids == [400, 400, 400]
     penalised = SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 5.0}, repeat_penalty=1e9)
-    assert len(set(llm.generate("bias", penalised)[0].token_ids)) == 3
+    assert len(set(llm.generate("bias", penalised)[0].outputs[0].token_ids)) == 3
 
 
 def test_logprobs_shape(llm):
-    out = llm.generate("lp", SamplingParams(max_tokens=4, temperature=0.7, seed=1, logprobs=5))[0]
+    out = llm.generate("lp", SamplingParams(max_tokens=4, temperature=0.7, seed=1, logprobs=5))[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert token in entry and 5 <= len(entry) <= 6
@@ -265,17 +270,18 @@ def test_invalid_requests(llm):
         llm.submit("x", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="token id"):
         llm.submit([1, 10**6], GREEDY)
-    with pytest.raises(TypeError):
-        llm.submit("x", {"max_tokens": 3})
+    with pytest.raises(TypeError, match="bogus"):
+        llm.submit("x", {"max_tokens": 3, "bogus": 1})
+    assert llm.generate("x", {"max_tokens": 3, "temperature": 0})[0].outputs[0].usage.completion_tokens == 3
 
 
 def test_prompt_too_long_or_truncated(tiny_path):
     with LLM(tiny_path, n_ctx=256, n_parallel=1, n_batch=32) as small:
         limit = small.n_ctx_seq
         long_prompt = " ".join(testing.english_sentences(40))
-        with pytest.raises(PromptTooLong, match=f"per-sequence context of {limit}"):
+        with pytest.raises(PromptTooLong, match=f"per-request context of {limit}"):
             small.submit(long_prompt, SamplingParams(max_tokens=8))
-        out = small.generate(long_prompt, SamplingParams(max_tokens=8, temperature=0, truncate=True))[0]
+        out = small.generate(long_prompt, SamplingParams(max_tokens=8, temperature=0, truncate=True))[0].outputs[0]
         assert out.usage.prompt_tokens == limit - 8 and out.finish_reason == "length"
         with pytest.raises(PromptTooLong):
             small.submit("hi", SamplingParams(max_tokens=limit))
@@ -301,47 +307,44 @@ def test_queue_full_and_backpressure(tiny_path):
     with LLM(tiny_path, n_ctx=1024, n_parallel=1, n_batch=32, max_queue=2) as small:
         params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
         running = small.submit("one", params)
-        while small.stats()["busy_slots"] == 0:
+        while small.stats().busy_slots == 0:
             time.sleep(0.001)
         queued = [small.submit("two", params), small.submit("three", params)]
         with pytest.raises(QueueFull, match="max_queue=2"):
             small.submit("four", params)
         # generate() waits for room instead of failing
-        outs = small.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=2, temperature=0))
+        outs = firsts(small.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=2, temperature=0)))
         assert len(outs) == 4
         for h in [running, *queued]:
-            assert h.result(timeout=60).finish_reason == "length"
+            assert h.result(timeout=60).outputs[0].finish_reason == "length"
 
 
 # -- faults -------------------------------------------------------------------------------------
 
 
-def test_kv_cache_full_fails_only_what_cannot_proceed(tiny_path):
+def test_kv_pressure_preempts_instead_of_failing(tiny_path):
     events = []
-    with LLM(tiny_path, n_ctx=256, n_parallel=4, n_batch=64) as small:
+    with LLM(tiny_path, n_ctx=256, n_parallel=4, n_batch=64, kv_unified=True) as small:
         small.add_listener(events.append)
         params = SamplingParams(max_tokens=180, temperature=0, ignore_eos=True)
-        outs = small.generate([f"request number {i}" for i in range(4)], params)
-        reasons = [o.finish_reason for o in outs]
-        assert "error" in reasons and "length" in reasons, reasons
-        for o in outs:
-            if o.finish_reason == "error":
-                assert "KV cache" in o.error
-            else:
-                assert len(o.token_ids) == 180
-        assert small.stats()["decode_retries"] > 0
-        assert any(isinstance(e, TickEvent) and e.retries for e in events)
+        outs = firsts(small.generate([f"request number {i}" for i in range(4)], params))
+        # every request fits alone, so every one completes: the others wait or are preempted
+        assert [o.finish_reason for o in outs] == ["length"] * 4
+        assert all(len(o.token_ids) == 180 for o in outs)
+        stats = small.stats()
+        assert stats.preemptions > 0 and stats.decode_retries > 0
+        assert sum(o.timings.preemptions for o in outs) == stats.preemptions
+        assert any(isinstance(e, TickEvent) and e.preemptions for e in events)
         _assert_no_kv(small)
-        # and it keeps serving
-        assert small.generate("still alive", SamplingParams(max_tokens=3))[0].finish_reason == "length"
+        assert small.generate("still alive", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
 
 
 def test_decode_error_fails_affected_requests_and_engine_continues(tiny_path):
     with LLM(tiny_path, n_ctx=1024, n_parallel=2, n_batch=64) as small:
         small.context.abort()  # the next llama_decode returns 2 (aborted): a real decode error
-        out = small.generate("doomed", SamplingParams(max_tokens=5))[0]
+        out = small.generate("doomed", SamplingParams(max_tokens=5))[0].outputs[0]
         assert out.finish_reason == "error" and "aborted" in out.error
-        assert small.generate("fine", SamplingParams(max_tokens=5))[0].finish_reason == "length"
+        assert small.generate("fine", SamplingParams(max_tokens=5))[0].outputs[0].finish_reason == "length"
         _assert_no_kv(small)
 
 
@@ -355,7 +358,7 @@ def test_listener_and_strategy_exceptions_never_kill_the_engine(tiny_path):
 
     with LLM(tiny_path, n_ctx=1024, n_parallel=2, n_batch=64, strategy=Broken()) as small:
         small.add_listener(bad_listener)
-        outs = small.generate(["a", "b"], SamplingParams(max_tokens=4))
+        outs = firsts(small.generate(["a", "b"], SamplingParams(max_tokens=4)))
         assert [o.finish_reason for o in outs] == ["length", "length"]
 
 
@@ -366,7 +369,7 @@ def test_close_with_requests_in_flight_cancels_each_once(tiny_path):
     handles = [small.submit(f"p{i}", SamplingParams(max_tokens=1000, ignore_eos=True)) for i in range(6)]
     time.sleep(0.05)
     small.close()
-    outs = [h.result(timeout=10) for h in handles]
+    outs = [h.result(timeout=10).outputs[0] for h in handles]
     assert {o.finish_reason for o in outs} <= {"cancelled", "length"}
     assert any(o.finish_reason == "cancelled" for o in outs)
     assert sorted(ended) == sorted(o.request_id for o in outs)  # each ended exactly once
@@ -388,7 +391,7 @@ def test_every_request_ends_exactly_once_under_churn(llm):
             handles.append(llm.submit(_prompt(i), params))
             if i % 5 == 0:
                 handles[-1].cancel()
-        outs = [h.result(timeout=60) for h in handles]
+        outs = [h.result(timeout=60).outputs[0] for h in handles]
         _wait_idle(llm)
     finally:
         llm.remove_listener(listener)
@@ -405,7 +408,7 @@ def test_long_prefill_never_stalls_decoding_slots(tiny_path):
     with LLM(tiny_path, n_ctx=4096, n_parallel=8, n_batch=n_batch, chunk_size=32) as small:
         params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
         decoding = [small.submit(f"d{i}", params) for i in range(7)]
-        while small.stats()["busy_slots"] < 7 or small.stats()["decode_tokens"] < 7:
+        while small.stats().busy_slots < 7 or small.stats().decode_tokens < 7:
             time.sleep(0.001)
         small.add_listener(events.append)
         long_prompt = small.tokenize(" ".join(testing.english_sentences(200)))[: 4 * n_batch]
@@ -428,7 +431,7 @@ def test_strategy_shapes_the_batch(tiny_path, strategy):
     ) as small:
         params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0)
         decoding = [small.submit(f"d{i}", params) for i in range(10)]
-        while small.stats()["decode_tokens"] < 20:
+        while small.stats().decode_tokens < 20:
             time.sleep(0.001)
         small.add_listener(events.append)
         long = small.submit(
@@ -458,8 +461,8 @@ def test_stats_and_request_events(llm):
     requests = [e for e in events if isinstance(e, RequestEvent)]
     assert len(requests) == 2 and all(e.finish_reason == "length" and e.time_to_first_token for e in requests)
     stats = llm.stats()
-    assert stats["ticks"] > 0 and stats["tokens_per_s"] > 0 and stats["n_parallel"] == 8
-    assert stats["queue_depth"] == 0
+    assert stats.ticks > 0 and stats.tokens_per_s > 0 and stats.n_parallel == 8
+    assert stats.queue_depth == 0
 
 
 class PrefillWhenQueued:
@@ -484,6 +487,6 @@ class PrefillWhenQueued:
 def test_user_strategy_sees_queue_depth(tiny_path):
     strategy = PrefillWhenQueued()
     with LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=16, strategy=strategy) as small:
-        outs = small.generate([_prompt(i) for i in range(6)], SamplingParams(max_tokens=5, temperature=0))
+        outs = firsts(small.generate([_prompt(i) for i in range(6)], SamplingParams(max_tokens=5, temperature=0)))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 5 for o in outs)
     assert 0 in strategy.seen_queue_depths and max(strategy.seen_queue_depths) >= 1
