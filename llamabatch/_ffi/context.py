@@ -86,6 +86,10 @@ def max_parallel_sequences() -> int:
 MAX_THREADS = 512
 #: llama.cpp pads n_ctx (and, with one KV stream per sequence, each stream) to this.
 _CTX_PAD = 256
+#: Host bytes llama.cpp allocates per KV cell (position, shift, sequence bitset) and per
+#: batch token (output ids), whatever the model: lower bounds.
+_CELL_BYTES = 48
+_BATCH_TOKEN_BYTES = 4
 
 
 def _pad(value: int, to: int) -> int:
@@ -115,6 +119,32 @@ def _check_sizes(
     n_threads = min(os.cpu_count() or 1, MAX_THREADS) if n_threads is None else n_threads
     n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
     return n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch  # type: ignore[return-value]
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return None
+
+
+def _check_host_memory(cells: int, batch: int, n_ctx: int, n_batch: int) -> None:
+    """Refuse sizes whose fixed host-side bookkeeping alone would take more than a quarter of
+    the machine's memory: llama.cpp zero-fills it at once (~48 bytes per KV cell, 4 per batch
+    token, before the KV cache itself), so an absurd ``n_ctx`` or ``n_batch`` would otherwise
+    touch gigabytes before failing with ``std::bad_alloc``, or get the process OOM-killed."""
+    memory = _physical_memory()
+    if not memory:
+        return
+    need = cells * _CELL_BYTES + batch * _BATCH_TOKEN_BYTES
+    if need > memory // 4:
+        by_ctx = cells * _CELL_BYTES >= batch * _BATCH_TOKEN_BYTES
+        name, value = ("n_ctx", n_ctx) if by_ctx else ("n_batch", n_batch)
+        raise ValueError(
+            f"{name}={value} is too large for this machine: it needs at least {need / 2**30:.1f} GiB "
+            f"of host memory for llama.cpp's bookkeeping alone (before the KV cache), more than a "
+            f"quarter of the {memory / 2**30:.1f} GiB there is"
+        )
 
 
 def _check_llama_asserts(
@@ -148,12 +178,13 @@ def _check_llama_asserts(
             f"n_seq_max ({n_seq_max}) must be <= n_batch ({n_batch}): llama.cpp needs room for one "
             "output per sequence in a batch"
         )
+    ctx = _pad(n_ctx, _CTX_PAD)
+    if not kv_unified:
+        ctx = _pad(ctx // n_seq_max, _CTX_PAD) * n_seq_max
+    _check_host_memory(ctx if causal else 0, batch, n_ctx, n_batch)
     # Mean pooling's graph is reserved for a ubatch split evenly across n_seq_max sequences.
     resolved = pooling if pooling is not None else model.pooling_type
     if embeddings and resolved == "mean":
-        ctx = _pad(n_ctx, _CTX_PAD)
-        if not kv_unified:
-            ctx = _pad(ctx // n_seq_max, _CTX_PAD) * n_seq_max
         reserve = min(ctx, ubatch)
         if reserve % n_seq_max:
             if reserve == n_ubatch:
