@@ -27,6 +27,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 #: Largest |logit bias|: added to logits and scaled by penalties, it must stay finite in
 #: float32 (infinities make the sampler's softmax NaN). ``-inf`` bans a token.
 LOGIT_BIAS_MAX = 1e30
+#: Temperatures below this decode greedily (vLLM's rule): logits divided by a smaller one
+#: overflow float32, and the softmax of infinities is NaN.
+GREEDY_TEMPERATURE = 1e-5
 #: llama.cpp reads seed 0xFFFFFFFF as "pick a random seed", so it is not a reproducible seed.
 SEED_LIMIT = 2**32 - 1
 
@@ -115,7 +118,7 @@ def _strings(name: str, value: object) -> tuple[str, ...]:
 class SamplingParams:
     """Sampling and stopping parameters of one generation request.
 
-    ``temperature=0`` is greedy decoding. Penalties follow llama.cpp: ``repeat_penalty``
+    ``temperature=0`` (or any below 1e-5) is greedy decoding. Penalties follow llama.cpp: ``repeat_penalty``
     (1.0 = off) divides the logits of recent tokens, ``frequency_penalty`` and
     ``presence_penalty`` (0.0 = off) subtract; ``penalty_last_n`` is the window of recent
     tokens they look at (-1: the whole context). ``stop`` strings end the generation; they
@@ -269,7 +272,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy decoding: ``temperature`` below ``GREEDY_TEMPERATURE`` (as vLLM does), since
+        dividing logits by a tinier one overflows float32 and the draw becomes garbage."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def effective_grammar(self) -> str | None:

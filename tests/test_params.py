@@ -371,6 +371,14 @@ def test_llm_refuses_lone_surrogates_in_prompts(llm) -> None:
         llm.submit("hi \udc80", GREEDY)
 
 
+def test_tiny_temperatures_decode_greedily(llm) -> None:
+    # dividing logits by 1e-38 overflows float32: the draw returned the last token id every time
+    assert SamplingParams(temperature=1e-38).greedy and not SamplingParams(temperature=1e-5).greedy
+    greedy = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    tiny = SamplingParams(max_tokens=4, temperature=1e-38, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    assert llm.generate("hello", tiny)[0].outputs[0].token_ids == greedy
+
+
 def test_llm_converts_params_dicts(llm) -> None:
     out = llm.generate("hello", {"max_tokens": 2, "temperature": 0})
     assert len(out[0].outputs[0].token_ids) <= 2
