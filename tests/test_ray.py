@@ -225,6 +225,7 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: Any) -> tuple[int, Any]:
+    """POST JSON (or raw bytes); the status and the JSON answer, errors included."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -234,58 +235,97 @@ def _post(url: str, body: Any) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
-def test_serve_app_minimal_api(cluster, tiny):
+def _wait_healthy(url: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:  # the proxy answers 404/503 (or nothing) while the route is being set up
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become healthy in {timeout} s")
+        time.sleep(0.5)
+
+
+def _openai_server_available() -> bool:
+    try:
+        from llamabatch.server import create_app  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_serve_app(cluster, tiny):
+    """The minimal API and (where llamabatch.server is installed) the OpenAI-compatible one,
+    as two Serve applications of one replica each."""
     from ray import serve
 
     from llamabatch.ray import serve_app
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    common = {"llm_options": LLM_OPTIONS, "embedder_options": EMBED_OPTIONS}
     try:
-        app = serve_app(
+        minimal = serve_app(
             tiny,
             embedding_model=tiny,
             sampling_params={"max_tokens": 4, "temperature": 0},
-            llm_options=LLM_OPTIONS,
-            embedder_options=EMBED_OPTIONS,
             api="minimal",
+            **common,
         )
-        serve.run(app, route_prefix="/", blocking=False)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # the proxy can answer 503/404 while the route is being set up
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    assert json.loads(response.read()) == {"status": "ok"}
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        serve.run(minimal, name="minimal", route_prefix="/m", blocking=False)
+        openai = _openai_server_available()
+        if openai:
+            app = serve_app(
+                tiny, embedding_model=tiny, api="openai", server_options={"model_name": "tiny"}, **common
+            )
+            serve.run(app, name="openai", route_prefix="/o", blocking=False)
+        _wait_healthy(f"{base}/m/health")
 
-        status, body = _post(f"{base}/v1/generate", {"prompts": ["Hello", "", "Good day"]})
+        status, body = _post(f"{base}/m/v1/generate", {"prompts": ["Hello", "", "Good day"]})
         assert status == 200
         outputs = body["outputs"]
         assert [o["completion_tokens"] for o in outputs] == [4, 0, 4]
         assert outputs[1]["error"] and outputs[0]["error"] is None
 
-        status, body = _post(f"{base}/v1/generate", {"prompt": "Hello", "sampling_params": {"max_tokens": 2}})
+        status, body = _post(
+            f"{base}/m/v1/generate", {"prompt": "Hello", "sampling_params": {"max_tokens": 2}}
+        )
         assert status == 200 and body["outputs"][0]["completion_tokens"] == 2
 
         with LLM(tiny, **LLM_OPTIONS) as llm:
             local = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
         assert outputs[0]["prompt_tokens"] == len(local[0].prompt_token_ids)
 
-        status, body = _post(f"{base}/v1/embed", {"texts": ["one text", "another"]})
+        status, body = _post(f"{base}/m/v1/embed", {"texts": ["one text", "another"]})
         assert status == 200 and len(body["embeddings"]) == 2 and body["errors"] == [None, None]
         with Embedder(tiny, **EMBED_OPTIONS) as embedder:
             expected = embedder.embed(["one text", "another"])
         assert np.allclose(np.asarray(body["embeddings"], dtype=np.float32), expected, atol=1e-4)
 
-        assert _post(f"{base}/v1/generate", b"not json")[0] == 400
-        assert _post(f"{base}/v1/generate", {"prompts": []})[0] == 400
-        assert _post(f"{base}/v1/generate", {"prompt": "x", "sampling_params": {"max_tokens": -1}})[0] == 400
-        assert _post(f"{base}/v1/embed", {"nothing": 1})[0] == 400
+        assert _post(f"{base}/m/v1/generate", b"not json")[0] == 400
+        assert _post(f"{base}/m/v1/generate", {"prompts": []})[0] == 400
+        assert (
+            _post(f"{base}/m/v1/generate", {"prompt": "x", "sampling_params": {"max_tokens": -1}})[0] == 400
+        )
+        assert _post(f"{base}/m/v1/embed", {"nothing": 1})[0] == 400
+
+        if openai:
+            _wait_healthy(f"{base}/o/health")
+            status, body = _post(
+                f"{base}/o/v1/completions",
+                {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+            )
+            assert status == 200 and body["usage"]["completion_tokens"] == 3
+            status, body = _post(
+                f"{base}/o/v1/embeddings", {"model": "tiny", "input": ["one text", "another"]}
+            )
+            assert status == 200
+            got = np.asarray([d["embedding"] for d in body["data"]], dtype=np.float32)
+            assert np.allclose(got, expected, atol=1e-4)
     finally:
         serve.shutdown()
 

@@ -33,11 +33,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
-from llamabatch.ray.data import embed as ray_embed
-from llamabatch.ray.data import generate as ray_generate
-
 __all__ = ["JobResult", "add_arguments", "in_process", "main", "overhead", "ray_job", "scaling", "workload"]
 
 KINDS = ("generate", "embed")
@@ -169,6 +164,9 @@ def ray_job(
     ``actors`` actors of ``cpus_per_actor`` CPUs (and llama.cpp threads) each."""
     import ray.data
 
+    from llamabatch.ray.data import embed as ray_embed
+    from llamabatch.ray.data import generate as ray_generate
+
     data_context = ray.data.DataContext.get_current()
     progress = data_context.enable_progress_bars
     data_context.enable_progress_bars = False
@@ -228,6 +226,8 @@ def ray_job(
 
 @contextmanager
 def _local_ray(num_cpus: int) -> Iterator[None]:
+    import ray
+
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
@@ -237,6 +237,7 @@ def _local_ray(num_cpus: int) -> Iterator[None]:
 
 @contextmanager
 def _simulated_cluster(nodes: int, cpus_per_node: int) -> Iterator[None]:
+    import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -305,6 +306,8 @@ def scaling(
 ) -> list[JobResult]:
     """A job with one actor of ``cpus_per_node`` CPUs per node, for each node count: on a
     simulated cluster of that many nodes, or (``address``) on that real cluster."""
+    import ray
+
     results = []
     for k in nodes:
         if address is not None:
@@ -331,6 +334,8 @@ def scaling(
 
 @contextmanager
 def _shutdown_after() -> Iterator[None]:
+    import ray
+
     try:
         yield
     finally:
@@ -419,6 +424,10 @@ def _models(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> Any:
     """Both measurements for every kind asked for; the report."""
     from llamabatch.bench.report import Report
+    from llamabatch.ray import require_ray
+
+    require_ray()
+    import ray
 
     threads = args.threads or os.cpu_count() or 1
     cpus_per_node = args.cpus_per_node or max(1, threads // 2)

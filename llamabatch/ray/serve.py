@@ -6,8 +6,10 @@ autoscaling and resources are Ray's own deployment options, passed through
 Every replica serves many requests at once and batches them in its engine, so the default
 ``max_ongoing_requests`` is high (128) rather than Ray's 5.
 
-The HTTP API is llamabatch's OpenAI-compatible server when ``llamabatch.server`` provides an
-app factory, otherwise (``api="minimal"``) this module's small JSON API:
+The HTTP API is llamabatch's OpenAI-compatible server (``llamabatch.server.create_app``:
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/metrics``, ...) when the
+``[server]`` extra is installed (``api="auto"`` or ``"openai"``), otherwise (or with
+``api="minimal"``) this module's small JSON API:
 
 ``GET /health``
     ``{"status": "ok"}``.
@@ -47,12 +49,12 @@ _APIS = ("auto", "openai", "minimal")
 
 
 def _openai_app_factory() -> Any:
-    """``llamabatch.server``'s app factory, or None while that module does not exist."""
+    """``llamabatch.server.create_app``, or None where the server (or its extra) is missing."""
     try:
-        from llamabatch import server  # type: ignore[attr-defined]
+        from llamabatch.server import create_app  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return getattr(server, "create_app", None)
+    return create_app
 
 
 @serve.ingress()  # the ASGI app is built per replica, after its model is loaded
@@ -67,12 +69,14 @@ class LlamabatchDeployment:
         llm_options: Mapping[str, Any] | None = None,
         embedder_options: Mapping[str, Any] | None = None,
         api: str = "auto",
+        server_options: Mapping[str, Any] | None = None,
     ) -> None:
         if model is None and embedding_model is None:
             raise ValueError("serve_app needs a model, an embedding_model, or both")
         if api not in _APIS:
             raise ValueError(f"api must be one of {_APIS}, got {api!r}")
         self.api = api
+        self.server_options = dict(server_options or {})
         # Generate/Embed do the per-row work (validation, errors per prompt) for both APIs.
         self.generator = (
             Generate(model, sampling_params, params_column="sampling_params", **dict(llm_options or {}))
@@ -85,8 +89,9 @@ class LlamabatchDeployment:
         factory = _openai_app_factory() if self.api != "minimal" else None
         if factory is not None:
             return factory(
-                llm=self.generator.llm if self.generator else None,
+                self.generator.llm if self.generator else None,
                 embedder=self.embedder.embedder if self.embedder else None,
+                **self.server_options,
             )
         if self.api == "openai":
             raise RuntimeError("api='openai' needs llamabatch.server (pip install 'llamabatch[server]')")
@@ -212,6 +217,7 @@ def serve_app(
     llm_options: Mapping[str, Any] | None = None,
     embedder_options: Mapping[str, Any] | None = None,
     api: str = "auto",
+    server_options: Mapping[str, Any] | None = None,
     **deployment_options: Any,
 ) -> Any:
     """A Ray Serve application serving ``model`` (generation) and/or ``embedding_model``.
@@ -220,8 +226,10 @@ def serve_app(
     (``num_replicas``, ``autoscaling_config``, ``ray_actor_options``, ``max_ongoing_requests``,
     ``name``, ...). Each replica's ``n_threads`` defaults to the CPUs in its
     ``ray_actor_options`` (1 unless given). ``sampling_params`` are the defaults that a
-    request's own ``sampling_params`` override. ``api``: ``"auto"`` (the OpenAI-compatible
-    server if installed, else the minimal API), ``"openai"`` or ``"minimal"``.
+    request's own ``sampling_params`` override (minimal API). ``api``: ``"auto"`` (the
+    OpenAI-compatible server if installed, else the minimal API), ``"openai"`` or
+    ``"minimal"``; ``server_options`` go to ``llamabatch.server.create_app`` (``api_key``,
+    ``model_name``, ``chat_template``, ...).
 
     The model paths must be readable at the same path on every node that may run a replica.
     """
@@ -234,6 +242,7 @@ def serve_app(
         dict(llm_options or {}),
         dict(embedder_options or {}),
         api,
+        dict(server_options or {}),
     )
 
 
