@@ -316,6 +316,7 @@ def subcommands() -> list[Subcommand]:
     from llamabatch.bench import generate as bench
     from llamabatch.bench import prefix as bench_prefix
     from llamabatch.bench import serve as bench_serve
+    from llamabatch.server import cli as serve
 
     return [
         ("generate", "generate text with the continuous-batching engine", _generate_arguments, _generate),
@@ -326,6 +327,12 @@ def subcommands() -> list[Subcommand]:
             _convert,
         ),
         ("embed", "embed a text file (one text per line) into a .npy array", _embed_arguments, _embed),
+        (
+            "serve",
+            "serve models over HTTP with OpenAI's API, plus /metrics for Prometheus",
+            serve.add_arguments,
+            serve.main,
+        ),
         (
             "bench",
             "benchmark generation (batched / mixed arrivals) against llama-cpp-python and a raw batch",

@@ -1,0 +1,803 @@
+"""The OpenAI-compatible ASGI app (Starlette) over an ``LLM`` and/or an ``Embedder``.
+
+Built on llamabatch's public API only: ``LLM.astream``/``agenerate`` and
+``apply_chat_template``, ``Embedder.aembed``, ``SamplingParams`` and
+``llamabatch.metrics``. Every request runs on the event loop; the engines' own threads do
+the work, so one process serves many clients with one batched forward pass per tick.
+
+A client that goes away cancels its generation: each request races its work against the
+ASGI ``http.disconnect`` message, and cancelling the task that awaits ``astream`` cancels the
+request in the engine before its next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from llamabatch import LLM, Embedder, EngineClosed, PromptTooLong, QueueFull, SamplingParams
+from llamabatch.chat_template import chat_prompt_tokens
+from llamabatch.metrics import PrometheusListener
+from llamabatch.server.protocol import (
+    APIError,
+    Body,
+    TokenText,
+    bad_request,
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    completion_prompts,
+    encode_embedding,
+    finish_reason,
+    new_id,
+    now,
+    param_of_error,
+    sampling_params,
+    usage,
+)
+
+logger = logging.getLogger("llamabatch.server")
+
+__all__ = ["create_app"]
+
+#: seconds a client is asked to wait after a 503 for a full queue
+RETRY_AFTER_S = 1
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStream:
+    """An ASGI response sending Server-Sent Events from ``events``; a client disconnect
+    cancels the iteration (and with it the generation)."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as exc:  # after the headers: the error becomes the last event
+                if isinstance(exc, (QueueFull, EngineClosed)):
+                    error = APIError(503, str(exc), type="server_error")
+                elif isinstance(exc, (ValueError, TypeError)):
+                    error = bad_request(str(exc), param=param_of_error(str(exc)))
+                else:
+                    logger.exception("llamabatch server: a stream failed")
+                    error = APIError(500, f"internal error: {exc}", type="server_error")
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": _sse(error.body()) + _DONE_EVENT,
+                        "more_body": True,
+                    }
+                )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(receive, pump())
+        except ClientGone:
+            pass
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+async def _generate(
+    llm: LLM, prompts: Sequence[Any], params: SamplingParams
+) -> AsyncIterator[tuple[int, Any]]:
+    """``(prompt index, Delta)`` of every prompt's generation, as they come."""
+    if len(prompts) == 1:
+        stream = llm.astream(prompts[0], params)
+        try:
+            async for delta in stream:
+                yield 0, delta
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, prompt: Any) -> None:
+        stream = llm.astream(prompt, params)
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+            queue.put_nowait((i, done))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _primed(gen: AsyncIterator[Any], receive: Any) -> AsyncIterator[Any]:
+    """``gen`` with its first item already awaited, so submit errors (a full queue, a bad
+    parameter) become HTTP errors before the stream's headers are sent."""
+    try:
+        first = await until_disconnect(receive, anext(gen))
+    except BaseException:
+        await gen.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chain() -> AsyncIterator[Any]:
+        try:
+            yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    return chain()
+
+
+class OpenAIServer:
+    """The endpoints' state: engines, names, key and metrics (see :func:`create_app`)."""
+
+    def __init__(
+        self,
+        llm: LLM | None,
+        embedder: Embedder | None,
+        *,
+        model_name: str | None,
+        embedding_model_name: str | None,
+        api_key: str | None,
+        metrics: PrometheusListener | None,
+        chat_template: str | None,
+    ) -> None:
+        if llm is None and embedder is None:
+            raise ValueError("give an LLM, an Embedder, or both")
+        self.llm = llm
+        self.embedder = embedder
+        self.model_name = model_name or (llm.model.path.stem if llm is not None else None)
+        self.embedding_model_name = embedding_model_name or (
+            embedder.model.path.stem if embedder is not None else None
+        )
+        self.api_key = api_key
+        self.chat_template = chat_template
+        self.created = now()
+        if metrics is None:
+            metrics = PrometheusListener()
+            if llm is not None:
+                metrics.attach(llm, self.model_name)
+            if embedder is not None:
+                metrics.attach(embedder, self.embedding_model_name)
+        self.metrics = metrics
+        self.token_text = TokenText(llm.model) if llm is not None else None
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def endpoint(
+        self, handler: Callable[[Request], Awaitable[Any]], *, auth: bool = True
+    ) -> Callable[[Request], Awaitable[Any]]:
+        async def run(request: Request) -> Any:
+            try:
+                if auth:
+                    self._check_key(request)
+                return await handler(request)
+            except APIError as exc:
+                return _json_response(exc.body(), exc.status, exc.headers)
+            except (ClientGone, ClientDisconnect):
+                return Response(status_code=499)  # nobody is listening
+            except PromptTooLong as exc:
+                return _json_response(
+                    bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400
+                )
+            except QueueFull as exc:
+                error = APIError(
+                    503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full"
+                )
+                return _json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
+            except EngineClosed as exc:
+                return _json_response(APIError(503, str(exc), type="server_error").body(), 503)
+            except (ValueError, TypeError) as exc:
+                return _json_response(bad_request(str(exc), param=param_of_error(str(exc))).body(), 400)
+            except Exception as exc:
+                logger.exception("llamabatch server: %s failed", request.url.path)
+                return _json_response(
+                    APIError(500, f"internal error: {exc}", type="server_error").body(), 500
+                )
+
+        return run
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect API key provided (send 'Authorization: Bearer <key>').",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @staticmethod
+    async def _body(request: Request, endpoint: str) -> Body:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        return Body(data, endpoint)
+
+    def _need_llm(self) -> LLM:
+        if self.llm is None:
+            raise APIError(
+                404,
+                "this server has no generation model (start it with -m MODEL.gguf)",
+                code="model_not_found",
+            )
+        return self.llm
+
+    def _stream_options(self, body: Body) -> tuple[bool, bool]:
+        stream = body.get("stream", "bool", False)
+        options = body.get("stream_options", "dict")
+        if options is None:
+            return stream, False
+        if not stream:
+            raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options")
+        return stream, include
+
+    @staticmethod
+    async def _collect(llm: LLM, prompts: Sequence[Any], params: SamplingParams) -> list[Any]:
+        tasks = [asyncio.ensure_future(llm.agenerate(p, params)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+
+    @staticmethod
+    def _raise_for_errors(outputs: Sequence[Any]) -> None:
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise APIError(500, f"generation failed: {out.error}", type="server_error")
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        engines = [e for e in (self.llm, self.embedder) if e is not None]
+        if any(e.closed for e in engines):
+            return _json_response({"status": "unavailable"}, 503)
+        return _json_response({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        data = []
+        if self.llm is not None:
+            data.append(self._model_card(self.model_name, self.llm.n_ctx_seq))
+        if self.embedder is not None:
+            data.append(self._model_card(self.embedding_model_name, self.embedder.max_tokens))
+        return _json_response({"object": "list", "data": data})
+
+    def _model_card(self, name: str | None, max_len: int) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llamabatch",
+            "max_model_len": max_len,
+        }
+
+    async def completions(self, request: Request) -> Any:
+        body = await self._body(request, "/v1/completions")
+        llm = self._need_llm()
+        prompts = completion_prompts(body)
+        token_prompts = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
+            elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
+                raise bad_request(
+                    f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt"
+                )
+            token_prompts.append(prompt)
+        logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
+        params = sampling_params(
+            body,
+            chat=False,
+            prompt_tokens=max(map(len, token_prompts)),
+            n_ctx_seq=llm.n_ctx_seq,
+            logprobs=logprobs,
+        )
+        echo = body.get("echo", "bool", False)
+        if body.get("suffix", "str"):
+            raise bad_request("'suffix' is not supported", param="suffix")
+        best_of = body.get("best_of", "int")
+        if best_of is not None and best_of != params.n:
+            raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
+        stream, include_usage = self._stream_options(body)
+        body.warn_unknown()
+        texts = (
+            [p if isinstance(p, str) else llm.model.detokenize(p, unparse_special=True) for p in prompts]
+            if echo
+            else None
+        )
+        if stream:
+            gen = await _primed(_generate(llm, token_prompts, params), request.receive)
+            return EventStream(self._completion_events(gen, params, texts, include_usage))
+        results = await until_disconnect(request.receive, self._collect(llm, token_prompts, params))
+        choices, n_prompt, n_completion, cached = [], 0, 0, 0
+        for p, result in enumerate(results):
+            self._raise_for_errors(result.outputs)
+            n_prompt += len(result.prompt_token_ids)
+            cached += result.outputs[0].usage.reused_tokens
+            prefix = texts[p] if texts is not None else ""
+            for out in result.outputs:
+                n_completion += out.usage.completion_tokens
+                lp = None
+                if logprobs is not None and out.logprobs is not None:
+                    assert self.token_text is not None
+                    lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs, len(prefix))
+                choices.append(
+                    {
+                        "index": p * params.n + out.index,
+                        "text": prefix + out.text,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(out.finish_reason),
+                    }
+                )
+        return _json_response(
+            {
+                "id": new_id("cmpl"),
+                "object": "text_completion",
+                "created": now(),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(n_prompt, n_completion, cached),
+            }
+        )
+
+    async def _completion_events(
+        self,
+        gen: AsyncIterator[tuple[int, Any]],
+        params: SamplingParams,
+        echo: list[str] | None,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        rid, created, n = new_id("cmpl"), now(), params.n
+        offsets: dict[int, int] = {}
+        n_prompt = n_completion = cached = 0
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            obj = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+            if include_usage:
+                obj["usage"] = None
+            return _sse(obj)
+
+        async for p, delta in gen:
+            index = p * n + delta.index
+            text = delta.text
+            if index not in offsets:
+                offsets[index] = 0
+                if echo is not None:
+                    text = echo[p] + text
+            out = delta.output
+            lp = None
+            if out is not None and params.logprobs is not None and out.logprobs is not None:
+                assert self.token_text is not None
+                lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs, 0)
+            offsets[index] += len(text)
+            if text or out is not None:
+                if out is not None and out.finish_reason == "error":
+                    yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+                    continue
+                yield chunk(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(delta.finish_reason),
+                    }
+                )
+            if out is not None:
+                n_completion += out.usage.completion_tokens
+                if out.index == 0:
+                    n_prompt += out.usage.prompt_tokens
+                    cached += out.usage.reused_tokens
+        if include_usage:
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": usage(n_prompt, n_completion, cached),
+                }
+            )
+        yield _DONE_EVENT
+
+    async def chat_completions(self, request: Request) -> Any:
+        body = await self._body(request, "/v1/chat/completions")
+        llm = self._need_llm()
+        messages = chat_messages(body)
+        tools = body.get("tools", "list")
+        tool_choice = body.data.get("tool_choice")
+        body.read.add("tool_choice")
+        if tool_choice == "none":
+            tools = None
+        elif tool_choice not in (None, "auto"):
+            raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
+        try:
+            text = llm.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=body.get("add_generation_prompt", "bool", True),
+                chat_template_kwargs=body.get("chat_template_kwargs", "dict"),
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        tokens = chat_prompt_tokens(llm.model, text)
+        want_logprobs = body.get("logprobs", "bool", False)
+        top = body.get("top_logprobs", "int", minimum=0, maximum=20)
+        if top is not None and not want_logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        params = sampling_params(
+            body,
+            chat=True,
+            prompt_tokens=len(tokens),
+            n_ctx_seq=llm.n_ctx_seq,
+            logprobs=(top or 0) if want_logprobs else None,
+        )
+        stream, include_usage = self._stream_options(body)
+        body.warn_unknown()
+        if stream:
+            gen = await _primed(_generate(llm, [tokens], params), request.receive)
+            return EventStream(self._chat_events(gen, params, top or 0, include_usage))
+        (result,) = await until_disconnect(request.receive, self._collect(llm, [tokens], params))
+        self._raise_for_errors(result.outputs)
+        choices = []
+        for out in result.outputs:
+            lp = None
+            if want_logprobs and out.logprobs is not None:
+                assert self.token_text is not None
+                lp = {"content": chat_logprobs(self.token_text, out.token_ids, out.logprobs, top or 0)}
+            choices.append(
+                {
+                    "index": out.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+            )
+        n_completion = sum(o.usage.completion_tokens for o in result.outputs)
+        return _json_response(
+            {
+                "id": new_id("chatcmpl"),
+                "object": "chat.completion",
+                "created": now(),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
+            }
+        )
+
+    async def _chat_events(
+        self, gen: AsyncIterator[tuple[int, Any]], params: SamplingParams, top: int, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        rid, created = new_id("chatcmpl"), now()
+        started: set[int] = set()
+        n_prompt = n_completion = cached = 0
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            obj = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+            if include_usage:
+                obj["usage"] = None
+            return _sse(obj)
+
+        async for _, delta in gen:
+            index = delta.index
+            if index not in started:
+                started.add(index)
+                yield chunk(
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            if delta.text:
+                yield chunk(
+                    {
+                        "index": index,
+                        "delta": {"content": delta.text},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            out = delta.output
+            if out is None:
+                continue
+            if out.finish_reason == "error":
+                yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+                continue
+            lp = None
+            if params.logprobs is not None and out.logprobs is not None:
+                assert self.token_text is not None
+                lp = {"content": chat_logprobs(self.token_text, out.token_ids, out.logprobs, top)}
+            yield chunk(
+                {
+                    "index": index,
+                    "delta": {},
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+            )
+            n_completion += out.usage.completion_tokens
+            if out.index == 0:
+                n_prompt, cached = out.usage.prompt_tokens, out.usage.reused_tokens
+        if include_usage:
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": usage(n_prompt, n_completion, cached),
+                }
+            )
+        yield _DONE_EVENT
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self._body(request, "/v1/embeddings")
+        embedder = self.embedder
+        if embedder is None:
+            raise APIError(
+                404,
+                "this server has no embedding model (start it with --embedding-model EMB.gguf)",
+                code="model_not_found",
+            )
+        data = body.data.get("input")
+        body.read.add("input")
+        texts = [data] if isinstance(data, str) else data
+        if not isinstance(texts, list) or not texts:
+            raise bad_request("'input' must be a string or a non-empty array of strings", param="input")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"'input[{i}]' must be a string (token-id inputs are not supported)", param="input"
+                )
+            if not text:
+                raise bad_request(f"'input[{i}]' is empty", param="input")
+        encoding = body.get("encoding_format", "str", "float")
+        if encoding not in ("float", "base64"):
+            raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+        dimensions = body.get("dimensions", "int")
+        if dimensions is not None and dimensions != embedder.n_out:
+            raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
+        body.warn_unknown()
+        try:
+            n_tokens = sum(len(embedder.tokenize(t)) for t in texts)
+            vectors = await until_disconnect(request.receive, embedder.aembed(texts))
+        except PromptTooLong as exc:
+            raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param="input") from None
+        return _json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": encode_embedding(v, encoding)}
+                    for i, v in enumerate(vectors)
+                ],
+                "model": self.embedding_model_name,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            }
+        )
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request, "/tokenize")
+        text = body.get("prompt", "str")
+        if text is None:
+            text = body.get("content", "str")  # llama.cpp server's name
+        add_special = body.get("add_special_tokens", "bool")
+        if add_special is None:
+            add_special = body.get("add_special", "bool", True)
+        with_pieces = body.get("with_pieces", "bool", False)
+        messages = body.get("messages", "list")
+        if (text is None) == (messages is None):
+            raise bad_request("give either 'prompt' (or 'content') or 'messages'", param="prompt")
+        if self.llm is not None:
+            model, max_len = self.llm.model, self.llm.n_ctx_seq
+        else:
+            assert self.embedder is not None
+            model, max_len = self.embedder.model, self.embedder.max_tokens
+        if messages is not None:
+            llm = self._need_llm()
+            try:
+                rendered = llm.apply_chat_template(
+                    messages,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=body.get("add_generation_prompt", "bool", True),
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc), param="messages") from None
+            tokens = chat_prompt_tokens(model, rendered)
+        else:
+            tokens = model.tokenize(text, add_special=add_special, parse_special=True)
+        body.warn_unknown()
+        out: list[Any] = tokens
+        if with_pieces:
+            out = [
+                {"id": t, "piece": model.token_to_piece(t, special=True).decode("utf-8", "replace")}
+                for t in tokens
+            ]
+        return _json_response({"tokens": out, "count": len(tokens), "max_model_len": max_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request, "/detokenize")
+        tokens = body.get("tokens", "list")
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("'tokens' must be an array of token ids", param="tokens")
+        body.warn_unknown()
+        model = self.llm.model if self.llm is not None else self.embedder.model  # type: ignore[union-attr]
+        try:
+            text = model.detokenize(tokens, unparse_special=True)  # special tokens as text
+        except ValueError as exc:
+            raise bad_request(str(exc), param="tokens") from None
+        return _json_response({"prompt": text, "content": text})
+
+
+def create_app(
+    llm: LLM | None = None,
+    *,
+    embedder: Embedder | None = None,
+    model_name: str | None = None,
+    embedding_model_name: str | None = None,
+    api_key: str | None = None,
+    metrics: PrometheusListener | None = None,
+    chat_template: str | None = None,
+) -> Starlette:
+    """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
+
+    Args:
+        llm: serves ``/v1/completions`` and ``/v1/chat/completions``.
+        embedder: serves ``/v1/embeddings``.
+        model_name, embedding_model_name: the ``id``s ``/v1/models`` lists and responses
+            carry (default: the GGUF file stems). Requests may name any model: each
+            endpoint has one.
+        api_key: when set, every endpoint but ``/health`` and ``/metrics`` needs
+            ``Authorization: Bearer <api_key>``.
+        metrics: the ``PrometheusListener`` ``/metrics`` exposes (default: a new one,
+            attached to both engines).
+        chat_template: a Jinja chat template (or llama.cpp built-in name) replacing the
+            GGUF's.
+    """
+    server = OpenAIServer(
+        llm,
+        embedder,
+        model_name=model_name,
+        embedding_model_name=embedding_model_name,
+        api_key=api_key,
+        metrics=metrics,
+        chat_template=chat_template,
+    )
+    ep = server.endpoint
+    routes = [
+        Route("/health", ep(server.health, auth=False), methods=["GET"]),
+        Route("/metrics", ep(server.metrics_endpoint, auth=False), methods=["GET"]),
+        Route("/tokenize", ep(server.tokenize), methods=["POST"]),
+        Route("/detokenize", ep(server.detokenize), methods=["POST"]),
+    ]
+    for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
+        routes += [
+            Route(f"{prefix}/models", ep(server.models), methods=["GET"]),
+            Route(f"{prefix}/completions", ep(server.completions), methods=["POST"]),
+            Route(f"{prefix}/chat/completions", ep(server.chat_completions), methods=["POST"]),
+            Route(f"{prefix}/embeddings", ep(server.embeddings), methods=["POST"]),
+        ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error = APIError(
+            exc.status_code,
+            f"{exc.detail}: {request.method} {request.url.path}",
+            code="not_found" if exc.status_code == 404 else None,
+        )
+        return _json_response(error.body(), exc.status_code, dict(exc.headers or {}))
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app

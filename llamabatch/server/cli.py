@@ -1,0 +1,175 @@
+"""``llamabatch serve``: its options (``add_arguments``) and its entry point (``main``).
+
+Importing this module does not import the web stack, so ``llamabatch --help`` works without
+the ``[server]`` extra; ``main`` says what to install when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "main"]
+
+DESCRIPTION = (
+    "Serve a GGUF model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
+    "/v1/embeddings, /v1/models), plus /health, /metrics (Prometheus), /tokenize and /detokenize. "
+    "Needs: pip install 'llamabatch[server]'."
+)
+
+
+def _flash_attn(value: str) -> bool | None:
+    return {"on": True, "off": False, "auto": None}[value]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``serve``'s options to ``parser`` (names follow llama.cpp's ``llama-server``)."""
+    parser.add_argument("-m", "--model", help="the GGUF model that generates text")
+    parser.add_argument(
+        "--embedding-model", metavar="EMB.gguf", help="a GGUF embedding model for /v1/embeddings"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLAMABATCH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $LLAMABATCH_API_KEY); not on /health, /metrics",
+    )
+    parser.add_argument("--served-model-name", help="the model id clients see (default: the file's stem)")
+    parser.add_argument("--embedding-model-name", help="the embedding model's id (default: the file's stem)")
+    parser.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file, or a llama.cpp built-in name (e.g. chatml), instead of the GGUF's",
+    )
+    g = parser.add_argument_group("generation engine (LLM)")
+    g.add_argument(
+        "-np", "--n-parallel", "--parallel", type=int, default=8, help="sequences decoded together"
+    )
+    g.add_argument(
+        "-c", "--n-ctx", "--ctx-size", type=int, default=4096, help="KV cache tokens, all sequences"
+    )
+    g.add_argument(
+        "-b", "--n-batch", "--batch-size", type=int, default=512, help="most tokens per forward pass"
+    )
+    g.add_argument("-ub", "--n-ubatch", "--ubatch-size", type=int, default=None, help="physical micro-batch")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("-tb", "--threads-batch", type=int, default=None, help="CPU threads for prompt batches")
+    g.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto")
+    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU (-1: all)")
+    g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 503s")
+    g.add_argument("--chunk-size", type=int, default=512, help="most prompt tokens per sequence per tick")
+    g.add_argument(
+        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    )
+    g.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    e = parser.add_argument_group("embedding engine (Embedder)")
+    e.add_argument(
+        "--embedding-batch-size", type=int, default=512, help="tokens per embedding pack (n_batch)"
+    )
+    e.add_argument("--embedding-n-seq-max", type=int, default=64, help="texts per embedding pack")
+    e.add_argument("--embedding-threads", type=int, default=None, help="default: --threads")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="default info",
+    )
+    parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value  # a built-in name (or an inline template)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; returns the exit status."""
+    try:
+        import uvicorn
+
+        from llamabatch.server.app import create_app
+    except ImportError as exc:
+        print(
+            f"llamabatch serve: error: {exc.name or exc} is missing; pip install 'llamabatch[server]'",
+            file=sys.stderr,
+        )
+        return 1
+    from llamabatch import LLM, Embedder, LlamaBatchError
+
+    if not args.model and not args.embedding_model:
+        print(
+            "llamabatch serve: error: give -m MODEL.gguf and/or --embedding-model EMB.gguf", file=sys.stderr
+        )
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    llm = embedder = None
+    try:
+        if args.model:
+            llm = LLM(args.model, **_llm_options(args))
+        if args.embedding_model:
+            embedder = Embedder(
+                args.embedding_model,
+                n_batch=args.embedding_batch_size,
+                n_seq_max=args.embedding_n_seq_max,
+                n_threads=args.embedding_threads or args.threads,
+                n_gpu_layers=args.n_gpu_layers,
+            )
+        app = create_app(
+            llm,
+            embedder=embedder,
+            model_name=args.served_model_name,
+            embedding_model_name=args.embedding_model_name,
+            api_key=args.api_key,
+            chat_template=_chat_template(args.chat_template),
+        )
+    except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
+        print(f"llamabatch serve: error: {exc}", file=sys.stderr)
+        for engine in (llm, embedder):
+            if engine is not None:
+                engine.close()
+        return 1
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: exit through this handler
+    # (not the default one, which would kill the process before the engines close).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=not args.no_access_log,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        for engine in (llm, embedder):
+            if engine is not None:
+                engine.close()
+    return 0
+
+
+def _llm_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "n_ctx": args.n_ctx,
+        "n_parallel": args.n_parallel,
+        "n_batch": args.n_batch,
+        "n_ubatch": args.n_ubatch,
+        "n_threads": args.threads,
+        "n_threads_batch": args.threads_batch,
+        "flash_attn": _flash_attn(args.flash_attn),
+        "n_gpu_layers": args.n_gpu_layers,
+        "max_queue": args.max_queue,
+        "chunk_size": args.chunk_size,
+        "strategy": args.strategy,
+        "kv_unified": args.kv_unified,
+        "prefix_cache": not args.no_prefix_cache,
+    }
