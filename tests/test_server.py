@@ -242,6 +242,29 @@ def test_chat_logprobs(client):
     assert r.choices[0].logprobs is None
 
 
+def test_streamed_logprobs(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    entries, text = [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None:
+                entries += c.logprobs.content
+    assert len(entries) == 4 and "".join(e.token for e in entries) == text
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    stream = client.completions.create(model="tiny", prompt="Count", max_tokens=3, logprobs=1, stream=True)
+    tokens = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert len(tokens) == 3
+
+
 def test_json_schema_response_format(client):
     schema = {
         "type": "object",
