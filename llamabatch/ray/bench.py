@@ -6,10 +6,10 @@ Two measurements, for generation (``Generate``) and/or embeddings (``Embed``):
     The same rows through one in-process ``LLM``/``Embedder`` with ``T`` threads, and through a
     Ray Data job on a local Ray instance of ``T`` CPUs with one actor holding all of them
     (``num_cpus=T``, ``n_threads=T``). Reported: rows/s and generated tokens/s of each, the
-    model load time in-process, and two ratios of Ray over in-process: *steady* (rows after the
-    job's first output block, over the time from that block to the last: the actor is loaded
-    and busy) and *end-to-end* (the whole job, actor start and model load included, against
-    in-process load + run).
+    model load time in-process, and two ratios of Ray over in-process: *steady* (the rows over
+    the time from the first batch an actor started to the last one it finished, against the
+    in-process run: Ray's cost once the actors are up) and *end-to-end* (the whole job, actor
+    start and model load included, against in-process load + run).
 ``scaling``
     A ``ray.cluster_utils.Cluster`` of ``k`` simulated nodes of ``T`` CPUs each, for each ``k``
     of ``--nodes``, and a job with one actor of ``T`` CPUs per node. Simulated nodes share this
@@ -33,9 +33,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 __all__ = ["JobResult", "add_arguments", "in_process", "main", "overhead", "ray_job", "scaling", "workload"]
 
 KINDS = ("generate", "embed")
+
+#: Seconds to wait after starting Ray, while its own processes finish starting (they take CPU).
+SETTLE_S = 5.0
 
 
 @dataclass
@@ -47,9 +52,9 @@ class JobResult:
     rows: int
     seconds: float
     tokens: int = 0  # generated tokens (generation only)
-    load_s: float = math.nan  # in-process: model load; Ray: job start to first output block
-    steady_rows: int = 0  # Ray: rows after the first output block
-    steady_s: float = math.nan  # Ray: first to last output block
+    load_s: float = math.nan  # in-process: model load; Ray: the job's time outside the actors' batches
+    steady_rows: int = 0  # Ray: rows the actors processed
+    steady_s: float = math.nan  # Ray: from the first batch an actor started to the last it ended
     nodes: int = 1
     actors: int = 1
     cpus_per_actor: int = 1
@@ -149,6 +154,26 @@ def in_process(
         engine.close()
 
 
+def _timed(cls: type) -> type:
+    """``cls`` (``Generate`` or ``Embed``) whose batches also carry when the actor started and
+    ended them (``time.time()``), and on which node."""
+
+    class Timed(cls):  # type: ignore[misc, valid-type]
+        def process(self, batch: Any) -> Any:
+            import ray
+
+            t0 = time.time()
+            out = super().process(batch)
+            n = len(out["error"])
+            out["_t0"] = np.full(n, t0)
+            out["_t1"] = np.full(n, time.time())
+            out["_node"] = np.full(n, ray.get_runtime_context().get_node_id(), dtype=object)
+            return out
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
+    return Timed
+
+
 def ray_job(
     kind: str,
     model: str,
@@ -161,11 +186,13 @@ def ray_job(
     options: Mapping[str, Any] | None = None,
 ) -> JobResult:
     """The rows through a Ray Data job on the Ray instance this process is connected to:
-    ``actors`` actors of ``cpus_per_actor`` CPUs (and llama.cpp threads) each."""
+    ``actors`` actors of ``cpus_per_actor`` CPUs (and llama.cpp threads) each.
+
+    ``seconds`` is the whole job (actor start and model load included); the steady part is
+    from the first batch an actor started to the last one it finished (``steady_s``)."""
     import ray.data
 
-    from llamabatch.ray.data import embed as ray_embed
-    from llamabatch.ray.data import generate as ray_generate
+    from llamabatch.ray.data import Embed, Generate, _actor_pool
 
     data_context = ray.data.DataContext.get_current()
     progress = data_context.enable_progress_bars
@@ -173,51 +200,40 @@ def ray_job(
     try:
         column = "prompt" if kind == "generate" else "text"
         ds = ray.data.from_items([{column: r} for r in rows]).materialize()  # not timed
-        worker_options = {"n_threads": cpus_per_actor, **dict(options or {})}
-        if batch_size is None:  # at least a few batches per actor, to measure a steady state
-            batch_size = max(1, min(1024 if kind == "embed" else 256, len(rows) // (4 * actors)))
+        worker_options: dict[str, Any] = {"model": model, "n_threads": cpus_per_actor, **dict(options or {})}
         if kind == "generate":
-            job = ray_generate(
-                ds,
-                model,
-                _params(max_tokens),
-                concurrency=actors,
-                num_cpus=cpus_per_actor,
-                batch_size=batch_size,
-                generate_options=worker_options,
-            )
-        else:
-            job = ray_embed(
-                ds,
-                model,
-                concurrency=actors,
-                num_cpus=cpus_per_actor,
-                batch_size=batch_size,
-                embed_options=worker_options,
-            )
+            worker_options["sampling_params"] = _params(max_tokens)
+        if batch_size is None:  # many batches per actor: the steady part dominates
+            batch_size = max(1, min(1024 if kind == "embed" else 256, len(rows) // (16 * actors)))
+        job = ds.map_batches(
+            _timed(Generate if kind == "generate" else Embed),
+            fn_constructor_kwargs=worker_options,
+            compute=_actor_pool(actors),
+            num_cpus=cpus_per_actor,
+            batch_size=batch_size,
+        )
         n = tokens = failed = 0
-        arrivals: list[tuple[float, int]] = []
+        starts, ends, nodes = [], [], set()
         t0 = time.perf_counter()
         for batch in job.iter_batches(batch_size=None, batch_format="numpy"):
-            k = len(batch[column])
-            arrivals.append((time.perf_counter(), k))
-            n += k
+            n += len(batch[column])
             failed += sum(isinstance(e, str) for e in batch["error"])  # None/NaN: no error
             if kind == "generate":
                 tokens += int(batch["completion_tokens"].sum())
+            starts.append(float(batch["_t0"].min()))
+            ends.append(float(batch["_t1"].max()))
+            nodes.update(batch["_node"])
         seconds = time.perf_counter() - t0
     finally:
         data_context.enable_progress_bars = progress
     if n != len(rows) or failed:
         raise RuntimeError(f"the Ray job returned {n} of {len(rows)} rows, {failed} with errors")
     result = JobResult("ray", kind, n, seconds, tokens, actors=actors, cpus_per_actor=cpus_per_actor)
-    if arrivals:
-        result.load_s = arrivals[0][0] - t0
-        result.steady_rows = n - arrivals[0][1]
-        result.steady_s = arrivals[-1][0] - arrivals[0][0]
-    if len(arrivals) < 3:
-        result.notes.append("fewer than 3 output blocks: steady rows/s is the end-to-end rate")
-        result.steady_rows = 0
+    result.nodes_used = len(nodes)
+    if starts:
+        result.steady_rows = n
+        result.steady_s = max(ends) - min(starts)
+        result.load_s = seconds - result.steady_s
     return result
 
 
@@ -229,6 +245,7 @@ def _local_ray(num_cpus: int) -> Iterator[None]:
     import ray
 
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    time.sleep(SETTLE_S)
     try:
         yield
     finally:
@@ -248,6 +265,7 @@ def _simulated_cluster(nodes: int, cpus_per_node: int) -> Iterator[None]:
             cluster.add_node(num_cpus=cpus_per_node)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        time.sleep(SETTLE_S)
         try:
             yield
         finally:
@@ -353,6 +371,7 @@ def _columns() -> Any:
         Column("kind", "kind"),
         Column("nodes", "nodes", "d"),
         Column("actors", "actors", "d"),
+        Column("nodes_used", "nodes used", "d"),
         Column("cpus_per_actor", "CPUs/actor", "d"),
         Column("rows", "rows", "d"),
         Column("seconds", "s", ".2f"),
