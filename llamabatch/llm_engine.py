@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from llamabatch._core.strategies import get_strategy
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
@@ -105,6 +106,10 @@ class EngineHost:
             max_prefixes = 4 if kv_unified and prefix_cache else 0
         if not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64:
             raise ValueError(f"max_prefixes must be an int in [0, 64], got {max_prefixes!r}")
+        try:
+            get_strategy(strategy)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"strategy: {exc}") from None
         n_seq_max = n_parallel + max_prefixes  # pinned prefixes live in sequences of their own
         if n_seq_max > n_ctx:
             raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({n_ctx})")
@@ -143,7 +148,7 @@ class EngineHost:
                 self.model,
                 self.context,
                 n_parallel=n_parallel,
-                n_batch=n_batch,
+                n_batch=self.context.n_batch,  # llama.cpp caps it at n_ctx; a bigger batch aborts
                 chunk_size=chunk_size,
                 strategy=strategy,
                 max_queue=max_queue,
@@ -160,7 +165,7 @@ class EngineHost:
         #: the most tokens one request may hold (prompt + max_tokens), checked at submit
         self.n_ctx_seq: int = self.context.n_ctx_seq
         self.n_parallel = n_parallel
-        self.n_batch = n_batch
+        self.n_batch = self.context.n_batch
         self.max_queue = max_queue
 
     # -- prompts to requests ----------------------------------------------------------------

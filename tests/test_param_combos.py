@@ -341,21 +341,6 @@ def check(outcome: tuple[str, str, str], kwargs: dict[str, Any]) -> None:
     pytest.fail(f"{tag} ({exc_type}) for {kwargs!r}:\n{message}")
 
 
-def llm_known_issue(kwargs: dict[str, Any], length: int) -> bool:
-    """LLM combinations that still fail until the lead's fixes land (see the xfail tests below):
-
-    - the engine's token budget is the requested ``n_batch``, but llama.cpp caps a batch at
-      ``min(n_ctx, n_batch)`` and aborts (GGML_ASSERT(n_tokens_all <= cparams.n_batch)) on a
-      larger one: ``test_llm_batch_is_capped_by_n_ctx``;
-    - a ``strategy`` that is neither a built-in name nor an object with ``plan()`` raises a
-      ``TypeError`` that does not name the parameter: ``test_llm_bad_strategy_is_named``.
-    """
-    n_ctx, n_batch = kwargs.get("n_ctx", 4096), kwargs.get("n_batch", 512)
-    if isinstance(n_ctx, int) and isinstance(n_batch, int) and n_ctx < n_batch and length + 3 > n_ctx:
-        return True
-    return "strategy" in kwargs and not isinstance(kwargs["strategy"], str)
-
-
 def embedder_known_issue(kwargs: dict[str, Any], length: int) -> bool:
     """Embedder combinations that still fail until its owner's fix lands: with
     ``kv_unified=False`` each sequence has ``n_ctx / n_seq_max`` cells (at least 256), but the
@@ -425,9 +410,7 @@ test_context_combinations, test_context_combinations_slow = _combination_tests(
 test_context_combinations_encoder, test_context_combinations_encoder_slow = _combination_tests(
     "context", "minilm", _context_kwargs()
 )
-test_llm_combinations, test_llm_combinations_slow = _combination_tests(
-    "llm", "tiny", _llm_kwargs(), skip=llm_known_issue
-)
+test_llm_combinations, test_llm_combinations_slow = _combination_tests("llm", "tiny", _llm_kwargs())
 test_embedder_combinations, test_embedder_combinations_slow = _combination_tests(
     "embedder", "tiny", _embedder_kwargs(), skip=embedder_known_issue
 )
@@ -461,11 +444,6 @@ def test_known_combinations(
     check(worker.call(kind, tiny, kwargs, length), kwargs)
 
 
-@pytest.mark.xfail(
-    reason="the lead's fix pending: LLMEngine must give EngineCore the context's n_batch "
-    "(llama_n_batch = min(n_ctx, n_batch)), not the requested n_batch",
-    strict=True,
-)
 @pytest.mark.parametrize(
     ("kwargs", "length"),
     [
@@ -479,11 +457,6 @@ def test_llm_batch_is_capped_by_n_ctx(worker: Worker, tiny: str, kwargs: dict[st
     check(worker.call("llm", tiny, kwargs, length), kwargs)
 
 
-@pytest.mark.xfail(
-    reason="the lead's fix pending: a strategy that is neither a built-in name nor an object with "
-    "plan() should raise ValueError naming 'strategy' (today: TypeError 'a strategy needs a plan(...)')",
-    strict=True,
-)
 @pytest.mark.parametrize("strategy", [None, 3])
 def test_llm_bad_strategy_is_named(worker: Worker, tiny: str, strategy: Any) -> None:
     kwargs = {"strategy": strategy}
