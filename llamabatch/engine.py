@@ -222,6 +222,8 @@ class EngineCore:
             return True
         source, n_cached = table.best_prefix(tokens) if self.kv.reuse else (-1, 0)
         need = len(tokens) - min(n_cached, len(tokens) - 1) + self.watermark
+        # Prompts admitted but not computed yet (this step's too) will take cells as well.
+        need += sum(table.n_pending(s) for s in range(self.n_parallel))
         while table.cells_free < need:
             if not self.kv.evict_one(keep=(source,)):
                 return False
@@ -524,5 +526,7 @@ class EngineCore:
                         else None
                     ),
                     preemptions=request.n_preemptions,
+                    index=request.index,
+                    n=request.params.n,
                 )
             )

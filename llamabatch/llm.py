@@ -205,15 +205,9 @@ class LLM(EngineHost, Worker):
     async def astream(self, prompt: Prompt, params: Params = None) -> AsyncIterator[Delta]:
         """Async iterator of deltas (``.index`` tells ``n > 1`` completions apart);
         cancelling the consuming task cancels the request."""
-        with self._cond:
-            self._raise_if_closed()
-        channel = Channel()
-        aqueue: asyncio.Queue[Any] = asyncio.Queue()
-        channel.listen_from(asyncio.get_running_loop(), aqueue)
-        requests = self._make_requests(prompt, params, channel=channel)
-        self._enqueue(requests)
-        ends = 0
+        requests, aqueue = self._submit_async(prompt, params, streaming=True)
         try:
+            ends = 0
             while ends < len(requests):
                 item = await aqueue.get()
                 if item is _END:
@@ -221,27 +215,35 @@ class LLM(EngineHost, Worker):
                     continue
                 yield item
         finally:
-            for request in requests:
-                if not request.done:
-                    self._cancel(request)
+            self._cancel_unfinished(requests)
 
     async def agenerate(self, prompt: Prompt, params: Params = None) -> RequestOutput:
-        """Await one prompt's ``RequestOutput`` (all ``n`` completions)."""
-        outputs: dict[int, Any] = {}
-        first = None
-        async for delta in self.astream(prompt, params):
-            if delta.output is not None:
-                outputs[delta.index] = delta.output
-                first = first or delta.output
-        assert first is not None
-        return RequestOutput(
-            request_id=first.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[outputs[i] for i in sorted(outputs)],
-            finished=True,
-            metrics=outputs[0].timings,
-        )
+        """Await one prompt's ``RequestOutput`` (all ``n`` completions); cancelling the
+        awaiting task cancels the request."""
+        requests, aqueue = self._submit_async(prompt, params, streaming=False)
+        try:
+            ends = 0
+            while ends < len(requests):  # only the completions' ends arrive
+                ends += (await aqueue.get()) is _END
+        finally:
+            self._cancel_unfinished(requests)
+        return request_output(requests)
+
+    def _submit_async(self, prompt: Prompt, params: Params, streaming: bool) -> tuple[list[Request], Any]:
+        """Submit a prompt whose deltas go to an asyncio queue of the running loop."""
+        with self._cond:
+            self._raise_if_closed()
+        channel = Channel()
+        aqueue: asyncio.Queue[Any] = asyncio.Queue()
+        channel.listen_from(asyncio.get_running_loop(), aqueue)
+        requests = self._make_requests(prompt, params, channel=channel, streaming=streaming)
+        self._enqueue(requests)
+        return requests, aqueue
+
+    def _cancel_unfinished(self, requests: list[Request]) -> None:
+        for request in requests:
+            if not request.done:
+                self._cancel(request)
 
     def chat(
         self,

@@ -254,7 +254,8 @@ class EngineHost:
     def stats(self) -> GenerationStats:
         """Slots, queue depth, KV cells, ticks, tokens/s and other running totals."""
         core = self._core
-        assert core is not None
+        if core is None or self.closed:
+            raise EngineClosed("the engine is closed")
         c = core.counters
         table = core.table
         return GenerationStats(
@@ -326,6 +327,10 @@ class LLMEngine(EngineHost):
             raise EngineClosed("the engine is closed")
         return self._core
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def add_request(
         self, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None, request_id: Any = None
     ) -> Any:
@@ -366,6 +371,7 @@ class LLMEngine(EngineHost):
                     finish_reason,
                     request.output if finished else None,
                     request.index,
+                    request.token_logprobs(token_ids),
                 )
             )
             if finished:

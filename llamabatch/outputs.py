@@ -86,6 +86,8 @@ class Delta:
     finish_reason: FinishReason | None = None
     output: CompletionOutput | None = None
     index: int = 0
+    #: with ``SamplingParams(logprobs=N)``: one dict per token of ``token_ids``
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -100,3 +102,5 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     output: CompletionOutput | None = None
     index: int = 0
+    #: with ``SamplingParams(logprobs=N)``: one dict per token of ``new_token_ids``
+    logprobs: list[dict[int, float]] | None = None

@@ -200,12 +200,28 @@ class Request:
         channel = self.channel
         if finish_reason is None:
             if channel is not None:
-                channel.put(Delta(self.request_id, text, token_ids, None, None, self.index))
+                channel.put(
+                    Delta(
+                        self.request_id,
+                        text,
+                        token_ids,
+                        None,
+                        None,
+                        self.index,
+                        self.token_logprobs(token_ids),
+                    )
+                )
             return
         if channel is not None:
             channel.put(Delta(self.request_id, text, token_ids, finish_reason, self.output, self.index))
             channel.put(_END)
         self._done.set()
+
+    def token_logprobs(self, token_ids: list[int]) -> list[dict[int, float]] | None:
+        """The log-probabilities of the last ``len(token_ids)`` generated tokens, if asked for."""
+        if self.logprobs is None or not token_ids:
+            return None
+        return self.logprobs[-len(token_ids) :]
 
     def wait(self, timeout: float | None) -> bool:
         return self._done.wait(timeout)
