@@ -53,6 +53,9 @@ class RequestEvent:
     generation_tokens_per_s: float | None
     #: times the request was preempted under KV pressure and recomputed
     preemptions: int = 0
+    #: which of the prompt's ``n`` completions this is (``SamplingParams(n=...)``)
+    index: int = 0
+    n: int = 1
 
 
 @dataclass(frozen=True)
