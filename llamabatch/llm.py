@@ -110,7 +110,8 @@ class LLM(EngineHost, Worker):
                     break
                 if not block:
                     raise QueueFull(
-                        f"the request queue is full ({self._queue_depth()} waiting, max_queue={self.max_queue})"
+                        f"the request queue is full ({self._queue_depth()} waiting, "
+                        f"max_queue={self.max_queue})"
                     )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
