@@ -1,9 +1,11 @@
 /* The part of llama.h that llamabatch uses, for cffi's API mode.
  *
- * Hand-written on purpose: only what the project calls. Structs end in `...;` so the
- * C compiler fills in the real layout from the vendored llama.h and checks every field
- * named here (llama.h changes its structs often). tests/test_ffi_cdefs.py fails if a
- * function named here is missing from the vendored header.
+ * Hand-written on purpose: only what the project calls, and the types, fields and enum
+ * values those calls need. Structs end in `...;` so the C compiler fills in the real
+ * layout from the vendored llama.h and checks every field named here (llama.h changes its
+ * structs often). tests/test_ffi_cdefs.py fails if a name here is missing from the
+ * vendored header, or if no code in llamabatch/ uses it (add a declaration together with
+ * its first caller).
  */
 
 typedef int32_t llama_pos;
@@ -16,19 +18,12 @@ struct llama_context;
 struct llama_sampler;
 typedef struct llama_memory_i * llama_memory_t;
 
-#define LLAMA_DEFAULT_SEED ...
-#define LLAMA_TOKEN_NULL ...
-
-enum llama_vocab_type { LLAMA_VOCAB_TYPE_NONE, LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE,
-                        LLAMA_VOCAB_TYPE_WPM, LLAMA_VOCAB_TYPE_UGM, ... };
+/* Enums list only the values the project uses; `...` lets the compiler supply them. */
+enum llama_vocab_type { LLAMA_VOCAB_TYPE_NONE, ... };
 
 enum llama_pooling_type {
     LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN,
     LLAMA_POOLING_TYPE_CLS, LLAMA_POOLING_TYPE_LAST, LLAMA_POOLING_TYPE_RANK, ...
-};
-
-enum llama_attention_type {
-    LLAMA_ATTENTION_TYPE_UNSPECIFIED, LLAMA_ATTENTION_TYPE_CAUSAL, LLAMA_ATTENTION_TYPE_NON_CAUSAL, ...
 };
 
 enum llama_flash_attn_type {
@@ -40,27 +35,9 @@ enum llama_load_mode {
     LLAMA_LOAD_MODE_MMAP_MLOCK, LLAMA_LOAD_MODE_DIRECT_IO, ...
 };
 
-enum llama_token_attr { LLAMA_TOKEN_ATTR_CONTROL, LLAMA_TOKEN_ATTR_BYTE, ... };
-
-enum ggml_log_level {
-    GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO, GGML_LOG_LEVEL_WARN,
-    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
-};
+enum ggml_log_level { GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ... };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 typedef bool (*ggml_abort_callback)(void * data);
-
-typedef struct llama_token_data {
-    llama_token id;
-    float logit;
-    float p;
-} llama_token_data;
-
-typedef struct llama_token_data_array {
-    llama_token_data * data;
-    size_t size;
-    int64_t selected;
-    bool sorted;
-} llama_token_data_array;
 
 typedef struct llama_batch {
     int32_t n_tokens;
@@ -89,14 +66,10 @@ struct llama_context_params {
     int32_t  n_threads;
     int32_t  n_threads_batch;
     enum llama_pooling_type    pooling_type;
-    enum llama_attention_type  attention_type;
     enum llama_flash_attn_type flash_attn_type;
-    ggml_abort_callback abort_callback;
-    void *              abort_callback_data;
     bool embeddings;
     bool offload_kqv;
     bool no_perf;
-    bool swa_full;
     bool kv_unified;
     ...;
 };
@@ -116,30 +89,10 @@ typedef struct llama_chat_message {
     const char * content;
 } llama_chat_message;
 
-struct llama_perf_context_data {
-    double t_start_ms;
-    double t_load_ms;
-    double t_p_eval_ms;
-    double t_eval_ms;
-    int32_t n_p_eval;
-    int32_t n_eval;
-    ...;
-};
-
-struct llama_perf_sampler_data {
-    double t_sample_ms;
-    int32_t n_sample;
-    ...;
-};
-
 /* version, backend, logging */
 const char * llama_version(void);
 void llama_backend_init(void);
-void llama_backend_free(void);
-const char * llama_print_system_info(void);
-bool llama_supports_gpu_offload(void);
 size_t llama_max_parallel_sequences(void);
-int64_t llama_time_us(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 extern "Python" void _llamabatch_log_callback(enum ggml_log_level, const char *, void *);
 
@@ -171,15 +124,11 @@ bool llama_model_is_hybrid(const struct llama_model * model);
 enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
 int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
 const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
-enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, llama_token token);
 bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
-bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token);
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
 llama_token llama_vocab_sep(const struct llama_vocab * vocab);
-llama_token llama_vocab_nl(const struct llama_vocab * vocab);
-llama_token llama_vocab_pad(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_sep(const struct llama_vocab * vocab);
@@ -201,11 +150,7 @@ uint32_t llama_n_ubatch(const struct llama_context * ctx);
 uint32_t llama_n_seq_max(const struct llama_context * ctx);
 enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
-void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
-void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
-void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
-void llama_synchronize(struct llama_context * ctx);
 
 /* batches, decode, outputs */
 struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
@@ -214,7 +159,6 @@ int32_t llama_encode(struct llama_context * ctx, struct llama_batch batch);
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
-float * llama_get_embeddings(struct llama_context * ctx);
 float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
 float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
 
@@ -222,24 +166,14 @@ float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id
 void llama_memory_clear(llama_memory_t mem, bool data);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
-void llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
-llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
-bool llama_memory_can_shift(llama_memory_t mem);
 
 /* samplers */
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
 void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
-int32_t llama_sampler_chain_n(const struct llama_sampler * chain);
-const char * llama_sampler_name(const struct llama_sampler * smpl);
-void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
-void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
-void llama_sampler_reset(struct llama_sampler * smpl);
-struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
-uint32_t llama_sampler_get_seed(const struct llama_sampler * smpl);
 struct llama_sampler * llama_sampler_init_greedy(void);
 struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
 struct llama_sampler * llama_sampler_init_top_k(int32_t k);
@@ -256,11 +190,6 @@ struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_
 int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
                                   bool add_ass, char * buf, int32_t length);
 int32_t llama_chat_builtin_templates(const char ** output, size_t len);
-
-/* perf counters */
-struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
-void llama_perf_context_reset(struct llama_context * ctx);
-struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * chain);
 
 /* llamabatch's own C helper (defined in _build.py): an abort callback that reads an int
  * flag, so that close() or a test can stop llama_decode without calling into Python

@@ -24,6 +24,7 @@ FLASH_ATTN = {
     False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
 
+
 class DecodeCode(enum.IntEnum):
     """``llama_decode`` / ``llama_encode`` return codes: the ONE definition of their meaning.
 
@@ -323,10 +324,6 @@ class Context:
     def clear_abort(self) -> None:
         self._abort_flag[0] = 0
 
-    @property
-    def abort_requested(self) -> bool:
-        return bool(self._abort_flag[0])
-
     # -- compute ------------------------------------------------------------------------
 
     def decode_address(self, batch_address: int) -> int:
@@ -405,12 +402,6 @@ class Context:
         """Make ``dst`` share ``src``'s cells at positions [p0, p1)."""
         lib.llama_memory_seq_cp(self._memory_or_raise(), src, dst, p0, p1)
 
-    def seq_keep(self, seq_id: int) -> None:
-        lib.llama_memory_seq_keep(self._memory_or_raise(), seq_id)
-
-    def seq_pos_min(self, seq_id: int) -> int:
-        return lib.llama_memory_seq_pos_min(self._memory_or_raise(), seq_id)
-
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id`` in the KV cache, -1 when it holds none."""
         return lib.llama_memory_seq_pos_max(self._memory_or_raise(), seq_id)
@@ -421,19 +412,3 @@ class Context:
     def _memory_or_raise(self):
         self.ptr  # noqa: B018 - raises when closed
         return self._memory
-
-    # -- perf ---------------------------------------------------------------------------
-
-    def perf(self) -> dict[str, float]:
-        """llama.cpp's own counters for this context."""
-        data = lib.llama_perf_context(self.ptr)
-        return {
-            "t_load_ms": data.t_load_ms,
-            "t_p_eval_ms": data.t_p_eval_ms,
-            "t_eval_ms": data.t_eval_ms,
-            "n_p_eval": data.n_p_eval,
-            "n_eval": data.n_eval,
-        }
-
-    def perf_reset(self) -> None:
-        lib.llama_perf_context_reset(self.ptr)

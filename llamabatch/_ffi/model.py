@@ -302,9 +302,6 @@ class Model:
         vocab = self.vocab
         return bytearray(lib.llama_vocab_is_eog(vocab, t) for t in range(self.n_vocab))
 
-    def is_control(self, token: int) -> bool:
-        return bool(lib.llama_vocab_is_control(self.vocab, token))
-
     def _check_token(self, token: int) -> None:
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")

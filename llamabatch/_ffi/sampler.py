@@ -81,26 +81,7 @@ class SamplerChain:
         chosen token is accepted into the chain's state."""
         return _sample(self._ptr, context._ptr, idx)
 
-    def accept(self, token: int) -> None:
-        lib.llama_sampler_accept(self.ptr, token)
-
-    def reset(self) -> None:
-        lib.llama_sampler_reset(self.ptr)
-
-    def clone(self) -> SamplerChain:
-        """An independent copy with the same state (for parallel sampling)."""
-        twin = SamplerChain.__new__(SamplerChain)
-        ptr = lib.llama_sampler_clone(self.ptr)
-        if ptr == ffi.NULL:
-            raise MemoryError("llama_sampler_clone returned NULL")
-        twin._ptr = ffi.gc(ptr, lib.llama_sampler_free)
-        twin.seed = self.seed
-        return twin
-
     def close(self) -> None:
         if self._ptr != ffi.NULL:
             ffi.release(self._ptr)
             self._ptr = ffi.NULL
-
-    def __len__(self) -> int:
-        return lib.llama_sampler_chain_n(self.ptr)
