@@ -20,9 +20,9 @@ from fake_llama import FakeContext, FakeLlamaError, FakeModel, FakeSampler, make
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from llamabatch._core.slots import SlotState
 
 from llamabatch import LLM, LLMEngine, PromptTooLong, SamplingParams
+from llamabatch._core.slots import SlotState
 from llamabatch.engine import EngineCore
 from llamabatch.kv_cache import PinnedPrefix
 from llamabatch.request import Request
@@ -365,11 +365,6 @@ def test_idle_cached_prefixes_are_evicted_least_recently_used_first():
     assert long_runner.finish_reason == "length" and e.finish_reason == "length"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KVCache.evict_one(keep=...) takes the lowest-numbered other cached slot, not the "
-    "least recently used one, when the LRU slot is kept (reported to the lead)",
-)
 def test_eviction_that_keeps_the_reused_prefix_still_goes_by_lru():
     core, ctx, model = make_core(n_parallel=4, n_ctx=96, prefix_cache=True)
     rec = Recorder(core, ctx, model)
@@ -498,11 +493,6 @@ def test_a_scripted_kv_full_preempts_then_resumes(kv_unified):
         assert r.finish_reason == "length"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tick whose every request failed returns before emitting its TickEvent, so the "
-    "preemptions it made are missing from telemetry (and the Prometheus counter) (reported to the lead)",
-)
 def test_preemptions_reach_telemetry_even_when_the_tick_fails():
     events = []
     telemetry = Telemetry()
@@ -676,12 +666,8 @@ def test_a_pinned_prefix_leaving_too_little_room_fails_the_request_in_bounded_st
     assert s.finish_reason == "length" and s.n_reused == 40
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLM.register_prefix gives the pin sequence back (drop_pin_seq) on a timeout while its "
-    "request still runs; the request then pins into a free sequence (reported to the lead)",
-)
 def test_a_pin_sequence_given_back_while_its_request_runs_is_not_pinned_into():
+    """LLM.register_prefix gives the sequence back when its wait times out."""
     core, ctx, model = make_core(n_parallel=2, prefix_cache=True, n_pinned_max=1, chunk_size=8)
     rec = Recorder(core, ctx, model)
     pin = PinnedPrefix(core.kv.new_pin_seq(), prompt(30, 1))
@@ -924,8 +910,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._settle_pins()
         for r in self.rec.requests:
             self.rec.check_done(r)
-        # (== once a tick whose every request failed still reports its preemptions)
-        assert sum(e.preemptions for e in self.ticks) <= self.core.counters.preemptions
+        assert sum(e.preemptions for e in self.ticks) == self.core.counters.preemptions
         if not self.core.kv.reuse:
             assert self.ctx.cells_used() == 0
         for pinned in self.pins:
