@@ -225,7 +225,7 @@ class EngineCore:
         # Prompts admitted but not computed yet (this step's too) will take cells as well.
         need += sum(table.n_pending(s) for s in range(self.n_parallel))
         while table.cells_free < need:
-            if not self.kv.evict_one(keep=(source,)):
+            if not self.kv.evict_one(keep=source):
                 return False
             self.counters.evictions += 1
         return True
@@ -274,13 +274,16 @@ class EngineCore:
         t_tick = time.perf_counter()
         self._decode_time = 0.0
         self._tick_preemptions = 0
+        self._last_fill = (0, 0)
         retries = 0
+        decoded = False
         while True:
             outcome = halve_and_retry(self._try_decode, self.n_batch, relieve=self._relieve)
             retries += outcome.retries
             if outcome.used == 0:
-                return
+                break
             if outcome.ok:
+                decoded = True
                 break
             if outcome.code is DecodeCode.ABORTED and self.stopping:
                 return  # the driver is closing: it ends every request next
@@ -292,18 +295,25 @@ class EngineCore:
                 self._finish(slot, "error", error=error)
             retries += 1
             if not self.table.n_busy:
-                return
-        self._sample_outputs()
-        tick_time = time.perf_counter() - t_tick
+                break
+        if decoded:
+            self._sample_outputs()
+        if decoded or retries:
+            self._record_tick(decoded, retries, time.perf_counter() - t_tick)
+
+    def _record_tick(self, decoded: bool, retries: int, tick_time: float) -> None:
+        """Counters and the ``TickEvent`` of a tick (also of one whose decodes all failed:
+        its retries and preemptions count)."""
         n_decode, n_prefill = self._last_fill
         n_tokens = n_decode + n_prefill
         busy = self.table.n_busy
         counters = self.counters
-        counters.ticks += 1
-        counters.batch_tokens += n_tokens
-        counters.decode_tokens += n_decode
-        counters.prefill_tokens += n_prefill
-        counters.busy_slot_ticks += busy
+        if decoded:
+            counters.ticks += 1
+            counters.batch_tokens += n_tokens
+            counters.decode_tokens += n_decode
+            counters.prefill_tokens += n_prefill
+            counters.busy_slot_ticks += busy
         counters.decode_time += self._decode_time
         counters.tick_time += tick_time
         counters.decode_retries += retries

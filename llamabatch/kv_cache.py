@@ -158,18 +158,10 @@ class KVCache:
 
     # -- eviction -----------------------------------------------------------------------
 
-    def evict_one(self, keep: tuple[int, ...] = ()) -> bool:
-        """Drop the least recently used idle slot's cached tokens (not those in ``keep``);
-        False when no idle slot holds any."""
-        table = self.table
-        slot = table.lru_slot(cached_only=True)
-        if slot in keep:
-            candidates = [
-                s
-                for s in range(table.n_parallel)
-                if s not in keep and table.state(s) == SlotState.IDLE and table.seq_len(s)
-            ]
-            slot = candidates[0] if candidates else -1
+    def evict_one(self, keep: int = -1) -> bool:
+        """Drop the least recently used idle slot's cached tokens (not ``keep``'s: a prefix
+        about to be reused); False when no other idle slot holds any."""
+        slot = self.table.lru_slot(cached_only=True, exclude=keep)
         if slot < 0:
             return False
         self.trim(slot, 0)
@@ -195,10 +187,16 @@ class KVCache:
             raise ValueError("no room for another pinned prefix (raise LLM(max_prefixes=...))")
         return self._free_pin_seqs.pop()
 
-    def pin(self, prefix: PinnedPrefix, source_slot: int) -> None:
-        """Copy the prefix, just computed in ``source_slot``, into its own sequence."""
-        self.copy(source_slot, prefix.seq_id, len(prefix.tokens))
-        self.pinned[prefix.seq_id] = prefix
+    def pin(self, prefix: PinnedPrefix, source_slot: int) -> bool:
+        """Copy the prefix, just computed in ``source_slot``, into its own sequence; False
+        (nothing copied) when its sequence was given back meanwhile (``register_prefix``
+        gave up waiting)."""
+        seq = prefix.seq_id
+        if prefix.released or seq in self._free_pin_seqs or seq in self.pinned:
+            return False
+        self.copy(source_slot, seq, len(prefix.tokens))
+        self.pinned[seq] = prefix
+        return True
 
     def unpin(self, prefix: PinnedPrefix) -> None:
         if self.pinned.pop(prefix.seq_id, None) is not None:

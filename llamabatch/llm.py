@@ -320,8 +320,18 @@ class LLM(EngineHost, Worker):
         request.pin = pinned
         self._enqueue([request], block=True, timeout=timeout)
         if not request.wait(timeout) or request.finish_reason != "stop":
-            self.call(lambda: kv.drop_pin_seq(seq_id))
-            raise RuntimeError(f"could not compute the prefix: {request.error or request.finish_reason}")
+
+            def give_back() -> None:  # on the engine thread, so the request cannot pin after it
+                pinned.released = True
+                if kv.pinned.get(seq_id) is pinned:
+                    kv.unpin(pinned)
+                else:
+                    kv.drop_pin_seq(seq_id)
+
+            self._cancel(request)
+            self.call(give_back)
+            reason = request.error or request.finish_reason or f"not computed within {timeout} s"
+            raise RuntimeError(f"could not compute the prefix: {reason}")
         return PrefixHandle(self, pinned)
 
     def clear_prefix_cache(self) -> None:

@@ -831,11 +831,12 @@ cdef class SlotTable:
         self.clock += 1
         self.last_used[seq] = self.clock
 
-    def lru_slot(self, bint cached_only=False):
-        """The least recently used idle slot (holding cached tokens, if ``cached_only``), or -1."""
+    def lru_slot(self, bint cached_only=False, int32_t exclude=-1):
+        """The least recently used idle slot (holding cached tokens, if ``cached_only``; not
+        ``exclude``), or -1."""
         cdef int32_t i, best = -1
         for i in range(self.n_parallel):
-            if self.slots[i].state == ST_IDLE and (self.slots[i].n_past or not cached_only):
+            if i != exclude and self.slots[i].state == ST_IDLE and (self.slots[i].n_past or not cached_only):
                 if best < 0 or self.last_used[i] < self.last_used[best]:
                     best = i
         return best
