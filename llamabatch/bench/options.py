@@ -185,9 +185,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-unified",
         type=on_off,
-        default=True,
+        default=False,
         metavar="on|off",
-        help="on (default): one KV buffer for all sequences; off: one per sequence (LLM's default)",
+        help="off (default, as LLM's): one KV stream per sequence; on: one buffer for all sequences",
     )
     p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
     p.add_argument(

@@ -42,8 +42,8 @@ class BenchConfig:
         seed: the seed of the prompts and of the mixed workload's arrivals.
         prefix_cache: let the engine reuse cached prompt prefixes (off by default: the raw
             loop recomputes every prompt; the prompts of a workload share no prefix anyway).
-        kv_unified: one KV buffer shared by all sequences (llamabatch's default), or a
-            stream per sequence, whose attention then spans only its own cells (the engine
+        kv_unified: one KV buffer shared by all sequences, or a stream per sequence
+            (llamabatch's default), whose attention then spans only its own cells (the engine
             and the raw loop).
     """
 
@@ -60,7 +60,7 @@ class BenchConfig:
     warmup: bool = True
     seed: int = 0
     prefix_cache: bool = False
-    kv_unified: bool = True
+    kv_unified: bool = False
 
     @property
     def threads(self) -> int:
