@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llamabatch import LLM, LLMEngine, PromptTooLong, SamplingParams
+from llamabatch import LLM, LLMEngine, PromptTooLong, QueueFull, SamplingParams
 from llamabatch._core.slots import SlotState
 from llamabatch.engine import EngineCore
 from llamabatch.kv_cache import PinnedPrefix
@@ -326,6 +326,17 @@ def test_a_request_always_starts_when_nothing_runs():
     rec.run()
     rec.check_done(r)
     assert r.finish_reason == "length" and len(r.output.token_ids) == 1
+
+
+def test_a_full_queue_takes_nothing():
+    core, ctx, model = make_core(n_parallel=1, max_queue=2)
+    rec = Recorder(core, ctx, model)
+    rec.new(prompt(3, 1), greedy(2))
+    with pytest.raises(QueueFull):
+        rec.new(prompt(3, 2), greedy(2), n=2)
+    assert len(core.waiting) == 1 and len(rec.requests) == 1
+    rec.run()
+    rec.check_done(rec.requests[0])
 
 
 # -- eviction -------------------------------------------------------------------------------
@@ -882,6 +893,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def clear_prefix_cache(self):
         self.core.kv.clear()
+
+    @rule(now=st.integers(0, 4))
+    def fail_all(self, now):
+        """A driver closing (or crashing) ends everything; the core stays usable."""
+        if now:
+            return
+        for request, text, token_ids, reason in self.core.fail_all("cancelled"):
+            assert reason == "cancelled" and not text and not token_ids and request.done
+            self.rec.ends[request] += 1
+        self._settle_pins()
 
     def _settle_pins(self):
         # as LLM.register_prefix does: a pin that did not complete gives its sequence back
