@@ -20,7 +20,7 @@ from llamabatch.llm_engine import LLMEngine
 from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, Usage
 from llamabatch.params import SamplingParams
 from llamabatch.request import RequestHandle
-from llamabatch.telemetry import EmbedPackEvent, GenerationStats, RequestEvent, TickEvent
+from llamabatch.telemetry import EmbedderStats, EmbedPackEvent, GenerationStats, RequestEvent, TickEvent
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "Delta",
     "EmbedPackEvent",
     "Embedder",
+    "EmbedderStats",
     "EngineClosed",
     "GenerationStats",
     "KVCacheFull",

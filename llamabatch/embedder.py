@@ -45,6 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -53,8 +54,8 @@ from llamabatch._core.batch import BatchPool
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
 from llamabatch.errors import DecodeError, EngineClosed, KVCacheFull, PromptTooLong
-from llamabatch.params import check_positive_int
-from llamabatch.telemetry import EmbedPackEvent, Listener, Telemetry
+from llamabatch.params import INT32_MAX, check_positive_int
+from llamabatch.telemetry import EmbedderCounters, EmbedderStats, EmbedPackEvent, Listener, Telemetry
 from llamabatch.worker import RetryOutcome, Worker, halve_and_retry
 
 __all__ = ["NORMALIZATIONS", "POOLINGS", "PRECISIONS", "Embedder", "pack_budget"]
@@ -267,7 +268,9 @@ class Embedder(Worker):
     Args:
         model_path: the ``.gguf`` file (an embedding model such as a converted BERT, or any
             decoder used as an embedding model).
-        n_batch: packing capacity: the most tokens in one decode. Also the per-text limit.
+        n_batch: packing capacity: the most tokens in one decode. Also the per-text limit
+            (``max_tokens``), lowered to the KV cells of one sequence with
+            ``kv_unified=False`` and to the model's ``n_ctx_train`` for encoders.
         n_ubatch: llama.cpp's physical micro-batch (default ``n_batch``; must be <= n_batch).
             Models without KV memory (BERT-like encoders) always get ``n_ubatch = n_batch``;
             with mean, CLS or rank pooling a pack never exceeds ``n_ubatch`` tokens.
@@ -288,9 +291,9 @@ class Embedder(Worker):
             attention skips the masked-out pairs of a pack: about 3x the texts/s of ``False``.
         n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
         kv_unified: one KV buffer for all sequences (default). ``False`` gives each sequence
-            only ``n_ctx / n_seq_max`` cells (a text that does not fit in them fails with
-            ``KVCacheFull`` after the retry-by-halving) and, with mean/CLS/rank pooling, packs
-            of one text (llama.cpp would split the texts of a pack across ubatches).
+            only ``n_ctx / n_seq_max`` cells (llama.cpp pads them to 256; ``context.n_ctx_seq``),
+            which then caps ``max_tokens``, and, with mean/CLS/rank pooling, packs of one text
+            (llama.cpp would split the texts of a pack across ubatches).
         load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
         validate: check the GGUF file before llama.cpp reads it (``False`` skips the check).
 
@@ -336,6 +339,12 @@ class Embedder(Worker):
         check_positive_int("n_ctx", n_ctx, allow_none=True)
         if n_ubatch is not None and n_ubatch > n_batch:  # rounding could hide it
             raise ValueError(f"n_ubatch ({n_ubatch}) must be <= n_batch ({n_batch})")
+        for name, value in (("n_batch", n_batch), ("n_ctx", n_ctx)):
+            if value is not None and _round_up(value, n_seq_max) > INT32_MAX:
+                raise ValueError(
+                    f"{name} ({value}) rounded up to a multiple of n_seq_max ({n_seq_max}) exceeds "
+                    f"{INT32_MAX}, the most llama.cpp takes"
+                )
         if pooling is not None and pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS} or None, got {pooling!r}")
         self.normalize: str = _normalize_mode(normalize)
@@ -374,7 +383,9 @@ class Embedder(Worker):
                 self.pack_seq_max = 1
             #: the most tokens one text may have (special tokens included)
             self.max_tokens: int = self.capacity
-            if not ctx.has_memory:  # absolute position embeddings end at n_ctx_train
+            if ctx.has_memory:  # without a unified KV cache a text gets one stream's cells
+                self.max_tokens = min(self.max_tokens, ctx.n_ctx_seq)
+            else:  # absolute position embeddings end at n_ctx_train
                 self.max_tokens = min(self.max_tokens, self.model.n_ctx_train)
             self.n_embd: int = self.model.n_embd
             self.n_out: int = self.model.n_cls_out if self.pooling == "rank" else self.model.n_embd
@@ -389,10 +400,9 @@ class Embedder(Worker):
 
         self._pending_tokens = 0
         self._pending_at_take = 0
-        self._n_packs = 0
-        self._n_calls = 0
+        self._counters = EmbedderCounters()  # the worker thread's, written under _cond
+        self._n_calls = 0  # calls and texts are counted by the callers, under _cond
         self._n_texts = 0
-        self._queue_wait_max = 0.0
         logger.info(
             "Embedder %s: pooling=%s capacity=%d tokens/pack, n_seq_max=%d, n_batch=%d, n_ubatch=%d, "
             "n_ctx=%d, kv memory=%s, max %d tokens/text",
@@ -409,17 +419,25 @@ class Embedder(Worker):
         """The context, sized so that llama.cpp's own checks cannot abort the process."""
 
         def make(ubatch: int, ctx_size: int) -> Context:
-            # Multiples of n_seq_max: llama.cpp's mean-pooling graph reservation asserts it.
-            return Context(
-                self.model,
-                n_ctx=_round_up(ctx_size, n_seq_max),
-                n_batch=_round_up(n_batch, n_seq_max),
-                n_ubatch=_round_up(ubatch, n_seq_max),
-                n_seq_max=n_seq_max,
-                embeddings=True,
-                pooling=self.pooling,
-                **kwargs,
-            )
+            try:
+                # Multiples of n_seq_max: llama.cpp's mean-pooling graph reservation asserts it.
+                return Context(
+                    self.model,
+                    n_ctx=_round_up(ctx_size, n_seq_max),
+                    n_batch=_round_up(n_batch, n_seq_max),
+                    n_ubatch=_round_up(ubatch, n_seq_max),
+                    n_seq_max=n_seq_max,
+                    embeddings=True,
+                    pooling=self.pooling,
+                    **kwargs,
+                )
+            except ValueError as exc:
+                if n_ctx is not None or "n_ctx" not in str(exc).partition("\n")[0]:
+                    raise
+                # The caller left n_ctx to us: it is n_batch's, so n_batch is what to change.
+                raise ValueError(
+                    f"n_batch ({n_batch}) is too large: n_ctx defaults to it, and {exc}"
+                ) from None
 
         context = make(n_ubatch, n_ctx or n_batch)
         if not context.has_memory and (context.n_ubatch < n_batch or context.n_ctx < n_batch):
@@ -717,37 +735,43 @@ class Embedder(Worker):
         """Stop calling ``listener``."""
         self.telemetry.remove_listener(listener)
 
-    def stats(self) -> dict[str, Any]:
-        """Running totals: packs, tokens per pack, pack utilisation, queue wait, retries, ..."""
-        c = self.telemetry.snapshot()
-        packs = c.get("packs", 0)
-        sequences = c.get("sequences", 0)
-        tokens = c.get("tokens", 0)
-        decode_time = c.get("decode_time", 0.0)
-        return {
-            "pooling": self.pooling,
-            "capacity": self.capacity,
-            "n_seq_max": self.n_seq_max,
-            "calls": self._n_calls,
-            "texts": self._n_texts,
-            "packs": int(packs),
-            "decodes": int(c.get("decodes", 0)),
-            "sequences": int(sequences),
-            "tokens": int(tokens),
-            "tokens_per_pack": tokens / packs if packs else 0.0,
-            "sequences_per_pack": sequences / packs if packs else 0.0,
-            "utilisation": tokens / c["capacity"] if c.get("capacity") else 0.0,
-            "queue_wait_mean_s": c.get("queue_wait", 0.0) / sequences if sequences else 0.0,
-            "queue_wait_max_s": self._queue_wait_max,
-            "decode_time_s": decode_time,
-            "pack_time_s": c.get("pack_time", 0.0),
-            "texts_per_s": sequences / c["pack_time"] if c.get("pack_time") else 0.0,
-            "tokens_per_s": tokens / c["pack_time"] if c.get("pack_time") else 0.0,
-            "retries": int(c.get("retries", 0)),
-            "failed_sequences": int(c.get("failed", 0)),
-            "pending_tokens": self._pending_tokens,
-            "queue_depth": len(self._queue),
-        }
+    def stats(self) -> EmbedderStats:
+        """Running totals and what is queued: packs, tokens per pack, pack utilisation, queue
+        wait, retries, texts/s, ...
+
+        Raises:
+            EngineClosed: the embedder is closed.
+        """
+        with self._cond:
+            self._raise_if_closed()
+            c = replace(self._counters)
+            calls, texts = self._n_calls, self._n_texts
+            pending_tokens, queue_depth = self._pending_tokens, len(self._queue)
+        packs, sequences, tokens = c.packs, c.sequences, c.tokens
+        return EmbedderStats(
+            pooling=self.pooling,
+            capacity=self.capacity,
+            n_seq_max=self.n_seq_max,
+            calls=calls,
+            texts=texts,
+            packs=packs,
+            decodes=c.decodes,
+            sequences=sequences,
+            failed_sequences=c.failed_sequences,
+            tokens=tokens,
+            decode_retries=c.decode_retries,
+            tokens_per_pack=tokens / packs if packs else 0.0,
+            sequences_per_pack=sequences / packs if packs else 0.0,
+            utilisation=tokens / (packs * self.capacity) if packs else 0.0,
+            queue_wait_mean_s=c.queue_wait / sequences if sequences else 0.0,
+            queue_wait_max_s=c.queue_wait_max,
+            decode_time_s=c.decode_time,
+            pack_time_s=c.pack_time,
+            texts_per_s=(sequences - c.failed_sequences) / c.pack_time if c.pack_time else 0.0,
+            tokens_per_s=tokens / c.pack_time if c.pack_time else 0.0,
+            pending_tokens=pending_tokens,
+            queue_depth=queue_depth,
+        )
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker and free the model; calls still queued or in a pack end with
@@ -841,9 +865,7 @@ class Embedder(Worker):
             if not self.truncate:
                 error = PromptTooLong(
                     f"text {index} has {n} tokens, more than the {self.max_tokens} one text may have "
-                    f"(capacity {self.capacity} tokens per pack"
-                    + ("" if self.context.has_memory else f", n_ctx_train {self.model.n_ctx_train}")
-                    + "); pass truncate=True to cut it, or raise n_batch"
+                    f"({self._limit_reason()}); pass truncate=True to cut it"
                 )
                 error.index = index  # type: ignore[attr-defined]
                 error.n_tokens = n  # type: ignore[attr-defined]
@@ -855,6 +877,18 @@ class Embedder(Worker):
             else:
                 tokens = tokens[: self.max_tokens]
         return np.asarray(tokens, dtype=np.int32)
+
+    def _limit_reason(self) -> str:
+        """What sets ``max_tokens``, and how to raise it."""
+        ctx = self.context
+        if self.max_tokens == self.capacity:
+            return f"the pack capacity, {self.capacity} tokens: raise n_batch"
+        if ctx.has_memory:
+            return (
+                f"the {ctx.n_ctx_seq} KV cells of one sequence: without a unified KV cache each of the "
+                f"{ctx.n_seq_max} sequences gets n_ctx / n_seq_max; raise n_ctx or use kv_unified=True"
+            )
+        return f"the model's n_ctx_train, {self.model.n_ctx_train}: its position embeddings end there"
 
     def _finish(self, out: Any, mode: str) -> Any:
         """Normalise a completed call's rows with ``mode`` (on the caller's thread)."""
@@ -1013,25 +1047,24 @@ class Embedder(Worker):
         failed: int,
         pack_time: float,
     ) -> None:
-        self._n_packs += 1
         tokens = sum(seq.n for seq in pack)
-        self._queue_wait_max = max(self._queue_wait_max, max(waits))
-        self.telemetry.add(
-            packs=1,
-            decodes=run.decodes,
-            sequences=len(pack) - failed,
-            tokens=tokens,
-            capacity=self.capacity,
-            queue_wait=sum(waits),
-            decode_time=run.decode_time,
-            pack_time=pack_time,
-            retries=retries,
-            failed=failed,
-        )
+        with self._cond:  # stats() copies the counters under the lock: a consistent set
+            c = self._counters
+            c.packs += 1
+            c.decodes += run.decodes
+            c.sequences += len(pack)
+            c.failed_sequences += failed
+            c.tokens += tokens
+            c.decode_retries += retries
+            c.queue_wait += sum(waits)
+            c.queue_wait_max = max(c.queue_wait_max, max(waits))
+            c.decode_time += run.decode_time
+            c.pack_time += pack_time
+            pack_number = c.packs
         if self.telemetry.has_listeners:
             self.telemetry.emit(
                 EmbedPackEvent(
-                    pack=self._n_packs,
+                    pack=pack_number,
                     sequences=len(pack),
                     tokens=tokens,
                     capacity=self.capacity,

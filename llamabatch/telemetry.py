@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,17 +144,72 @@ class GenerationStats:
         return self.kv_cells_used / self.kv_cells_total if self.kv_cells_total else 0.0
 
 
+@dataclass
+class EmbedderCounters:
+    """Running totals of the embedder's packs, written by its worker thread only (under the
+    embedder's lock, so that ``stats()`` copies a consistent set)."""
+
+    packs: int = 0
+    decodes: int = 0
+    #: texts taken into packs (``failed_sequences`` of them could not be embedded)
+    sequences: int = 0
+    failed_sequences: int = 0
+    tokens: int = 0
+    decode_retries: int = 0
+    #: seconds from a text's call to its pack's start, summed over texts; the longest
+    queue_wait: float = 0.0
+    queue_wait_max: float = 0.0
+    decode_time: float = 0.0
+    pack_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class EmbedderStats:
+    """``Embedder.stats()``: the embedder's settings, its totals and what is queued.
+
+    ``texts`` counts the texts of all calls; ``sequences`` those taken into packs (texts
+    without any token need no decode), ``failed_sequences`` of which could not be embedded.
+    Rates are over the time spent in packs."""
+
+    pooling: str
+    #: the most tokens one pack holds (``n_seq_max``: the most texts)
+    capacity: int
+    n_seq_max: int
+    calls: int
+    texts: int
+    packs: int
+    decodes: int
+    sequences: int
+    failed_sequences: int
+    tokens: int
+    decode_retries: int
+    tokens_per_pack: float
+    sequences_per_pack: float
+    #: tokens / (packs * capacity), 0..1
+    utilisation: float
+    queue_wait_mean_s: float
+    queue_wait_max_s: float
+    decode_time_s: float
+    pack_time_s: float
+    texts_per_s: float
+    tokens_per_s: float
+    #: tokens and texts queued, not yet in a pack
+    pending_tokens: int
+    queue_depth: int
+
+
 Listener = Callable[[Any], None]
 
 
 class Telemetry:
-    """Listeners plus running totals; thread-safe to read with ``snapshot()``."""
+    """The listeners of one engine; ``emit`` calls them (on the worker thread).
+
+    Running totals are typed dataclasses of their own (``GenerationCounters``,
+    ``EmbedderCounters``), kept by the engines."""
 
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
-        self.started = time.perf_counter()
-        self.counters: dict[str, float] = {}
 
     def add_listener(self, listener: Listener) -> None:
         if not callable(listener):
@@ -177,11 +231,3 @@ class Telemetry:
                 listener(event)
             except Exception:
                 logger.exception("llamabatch telemetry listener %r raised; ignored", listener)
-
-    def add(self, **amounts: float) -> None:
-        counters = self.counters
-        for key, value in amounts.items():
-            counters[key] = counters.get(key, 0) + value
-
-    def snapshot(self) -> dict[str, float]:
-        return dict(self.counters)

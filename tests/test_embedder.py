@@ -10,6 +10,7 @@ with a message, when the package is missing). The MiniLM reference vectors in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llamabatch import Embedder, EngineClosed, KVCacheFull, PromptTooLong
+from llamabatch import Embedder, EmbedderStats, EngineClosed, KVCacheFull, PromptTooLong
 from llamabatch.cli import main
 from llamabatch.telemetry import EmbedPackEvent
 from llamabatch.testing import english_sentences, model_path
@@ -88,7 +89,7 @@ def test_encoder_gets_n_ubatch_equal_to_n_batch(minilm: Path, sentences: list[st
     with Embedder(minilm, n_batch=256, n_ubatch=64, n_seq_max=16, n_threads=THREADS) as embedder:
         assert embedder.context.n_ubatch >= 256 and embedder.capacity == 256
         vectors = embedder.embed(sentences)
-        assert embedder.stats()["tokens_per_pack"] > 64
+        assert embedder.stats().tokens_per_pack > 64
     assert _cos(vectors, np.load(REFERENCE)).min() >= MIN_COSINE
 
 
@@ -100,7 +101,7 @@ def test_packing_does_not_change_vectors(
     with Embedder(minilm, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=THREADS) as embedder:
         got = embedder.embed(sentences)
         stats = embedder.stats()
-    assert stats["sequences_per_pack"] <= n_seq_max and stats["tokens_per_pack"] <= n_batch
+    assert stats.sequences_per_pack <= n_seq_max and stats.tokens_per_pack <= n_batch
     np.testing.assert_allclose(got, expected, atol=2e-4)
 
 
@@ -126,7 +127,7 @@ def test_truncation_and_over_long_error(minilm: Path) -> None:
         with pytest.raises(PromptTooLong, match=rf"text 1 has {n} tokens.*64") as info:
             strict.embed(["short", words, "also short"])
         assert info.value.index == 1 and info.value.n_tokens == n  # type: ignore[attr-defined]
-        assert strict.stats()["texts"] == 0  # nothing was enqueued
+        assert strict.stats().texts == 0  # nothing was enqueued
     with Embedder(minilm, n_batch=64, n_seq_max=8, n_threads=THREADS, truncate=True) as cut:
         # the first 62 word pieces + [CLS] + [SEP] decide the vector: a different tail does not matter
         a, b, c = cut.embed([words, words + " and a different ending", "short"])
@@ -210,11 +211,11 @@ def test_sixteen_threads_match_one_call(llama: Embedder) -> None:
     assert not errors
     np.testing.assert_allclose(np.concatenate(out), expected, atol=2e-4)
     after = llama.stats()
-    assert after["calls"] - before["calls"] == 16
+    assert after.calls - before.calls == 16
     # the 16 callers' texts share packs: about as many packs as the one call needed
-    one_call_packs = before["packs"] - start["packs"]
-    assert after["packs"] - before["packs"] <= one_call_packs + 16
-    assert after["sequences_per_pack"] > 2
+    one_call_packs = before.packs - start.packs
+    assert after.packs - before.packs <= one_call_packs + 16
+    assert after.sequences_per_pack > 2
 
 
 def test_aembed(llama: Embedder) -> None:
@@ -265,7 +266,7 @@ def test_empty_inputs(llama: Embedder) -> None:
     vector = llama.embed([""])  # Llama adds <s>: one token
     assert vector.shape == (1, 64) and abs(np.linalg.norm(vector) - 1) < 1e-5
     with pytest.raises(TypeError, match="bytes"):
-        llama.embed(b"a text")  # type: ignore[call-overload]
+        llama.embed(b"a text")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"texts\[1\]"):
         llama.embed(["ok", 3])  # type: ignore[list-item]
 
@@ -279,6 +280,9 @@ def test_empty_inputs(llama: Embedder) -> None:
         ({"n_batch": 0}, "n_batch"),
         ({"n_batch": 1.5}, "n_batch"),
         ({"n_batch": True}, "n_batch"),
+        ({"n_batch": 2**31 - 1}, "n_batch"),  # rounded up to a multiple of n_seq_max: past int32
+        ({"n_batch": 2**31 - 64}, "n_batch"),  # n_ctx defaults to it: too large for the machine
+        ({"n_ctx": 2**31 - 1}, "n_ctx"),
         ({"n_ubatch": -1}, "n_ubatch"),
         ({"n_batch": 64, "n_ubatch": 128}, "n_ubatch"),
         ({"n_seq_max": 0}, "n_seq_max"),
@@ -328,18 +332,24 @@ def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
 
 
 def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
-    # Without a unified KV cache each sequence has 256 cells; a 300+ token text fits the
-    # 1024-token pack but not its sequence's cells: llama_decode returns 1 (no KV slot).
-    # Last-token pooling: with one KV stream per sequence llama.cpp may split a pack's
-    # sequences across ubatches, which only last-token (and no) pooling tolerates.
+    # Every text fits its pack and its KV cells (max_tokens sees to it), so llama.cpp runs out
+    # of memory only under real memory pressure (a GPU): here one text's decodes are made to
+    # return 1 (no KV slot) as such a text's would, and llama.cpp computes all the others.
     short = english_sentences(12)
-    long_text = " ".join(english_sentences(40))[:700]
-    with Embedder(tiny, pooling="last", n_batch=1024, n_seq_max=4, n_threads=THREADS) as unified:
-        expected = unified.embed(short)
-    with Embedder(tiny, pooling="last", n_batch=1024, n_seq_max=4, kv_unified=False, n_threads=THREADS) as e:
-        n_long = len(e.tokenize(long_text))
-        assert e.context.n_ctx_seq < n_long <= e.max_tokens
-        np.testing.assert_allclose(e.embed(short), expected, atol=1e-3)
+    poison = "this text never fits"
+    with Embedder(tiny, pooling="last", n_batch=1024, n_seq_max=4, n_threads=THREADS) as e:
+        expected = e.embed(short)
+        poison_tokens = np.asarray(e.tokenize(poison), dtype=np.int32)
+        decode = e._decode
+        parts: list[int] = []
+
+        def failing_decode(part: list[Any]) -> int:
+            parts.append(len(part))
+            if any(np.array_equal(seq.tokens, poison_tokens) for seq in part):
+                return 1  # llama_decode's "no KV slot for this batch"
+            return decode(part)
+
+        e._decode = failing_decode  # type: ignore[method-assign]
         gate = _Gate()
         e.add_listener(gate)
         results: dict[str, Any] = {}
@@ -349,7 +359,7 @@ def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
 
         def bad() -> None:
             try:
-                e.embed(["tiny text", long_text])
+                e.embed(["tiny text", poison])
             except KVCacheFull as exc:
                 results["bad"] = exc
 
@@ -358,21 +368,53 @@ def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
         assert gate.entered.wait(10)
         callers = [threading.Thread(target=bad), threading.Thread(target=good)]
         callers[0].start()  # the failing call first, then the other: they share the next pack
-        _wait_for(lambda: e.stats()["queue_depth"] == 2)
+        _wait_for(lambda: e.stats().queue_depth == 2)
         callers[1].start()
-        _wait_for(lambda: e.stats()["queue_depth"] == 14)
+        _wait_for(lambda: e.stats().queue_depth == 14)
         gate.release.set()
         for t in [holder, *callers]:
             t.join(30)
         np.testing.assert_allclose(results["good"], expected, atol=1e-3)
         message = str(results["bad"])
-        assert f"text 1 ({n_long} tokens)" in message and "KV cache" in message and "n_ctx" in message
+        assert f"text 1 ({len(poison_tokens)} tokens)" in message and "KV cache" in message
+        assert "retries with halved packs" in message
         stats = e.stats()
-        assert stats["retries"] >= 1 and stats["failed_sequences"] == 1
+        assert stats.decode_retries >= 1 and stats.failed_sequences == 1
+        assert stats.sequences == 1 + 12 + 2 + 12 and stats.texts_per_s > 0
         mixed = [ev for ev in gate.events if ev.callers >= 2]
         assert mixed and mixed[0].retries >= 1 and mixed[0].failed == 1 and mixed[0].decodes > 1
+        assert parts[1:4] == [4, 2, 1]  # the 4-text pack, halved down to the poisoned text alone
         # the embedder keeps serving
         np.testing.assert_allclose(e.embed(short[:3]), expected[:3], atol=1e-3)
+
+
+def test_text_longer_than_one_sequences_kv_cells(tiny: Path) -> None:
+    # Without a unified KV cache each of the 4 sequences has 256 cells: a 300+ token text fits
+    # the 1024-token pack but not its cells, so it is too long for the call (or truncated),
+    # never a KVCacheFull out of the decode.
+    long_text = " ".join(english_sentences(40))[:700]
+    split: dict[str, Any] = {
+        "pooling": "last",
+        "n_batch": 1024,
+        "n_seq_max": 4,
+        "kv_unified": False,
+        "n_threads": THREADS,
+    }
+    with Embedder(tiny, **split) as e:
+        n_long = len(e.tokenize(long_text))
+        assert e.max_tokens == e.context.n_ctx_seq == 256 < n_long <= e.capacity
+        with pytest.raises(PromptTooLong, match=rf"text 1 has {n_long} tokens.* 256 .*KV cells") as info:
+            e.embed(["short", long_text])
+        assert "kv_unified=True" in str(info.value) and info.value.limit == 256  # type: ignore[attr-defined]
+        assert e.stats().texts == 0
+    with Embedder(tiny, truncate=True, **split) as cut:
+        a, b = cut.embed([long_text, long_text + " and a different ending"])
+    # the same 256 tokens, cut by a unified embedder's pack capacity
+    with Embedder(tiny, pooling="last", n_batch=256, n_seq_max=4, truncate=True, n_threads=THREADS) as small:
+        assert small.max_tokens == 256
+        expected = small.embed(long_text)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(a, expected, atol=1e-3)
 
 
 def test_mean_pooling_without_unified_kv_packs_one_text(tiny: Path) -> None:
@@ -382,7 +424,7 @@ def test_mean_pooling_without_unified_kv_packs_one_text(tiny: Path) -> None:
     with Embedder(tiny, pooling="mean", n_seq_max=4, kv_unified=False, n_threads=THREADS) as split:
         assert split.pack_seq_max == 1
         np.testing.assert_allclose(split.embed(texts), expected, atol=1e-3)
-        assert split.stats()["sequences_per_pack"] == 1
+        assert split.stats().sequences_per_pack == 1
 
 
 def test_close_ends_pending_calls(tiny: Path) -> None:
@@ -413,7 +455,7 @@ def test_close_ends_pending_calls(tiny: Path) -> None:
     loop = asyncio.new_event_loop()
     task = loop.create_task(async_call())
     loop.run_until_complete(asyncio.sleep(0))  # the coroutine enqueues its texts
-    _wait_for(lambda: e.stats()["queue_depth"] == 65)
+    _wait_for(lambda: e.stats().queue_depth == 65)
     threading.Timer(0.2, gate.release.set).start()
     e.close()
     for t in [holder, *pending]:
@@ -427,6 +469,8 @@ def test_close_ends_pending_calls(tiny: Path) -> None:
     assert e.closed and e._pool.n_outstanding == 0
     with pytest.raises(EngineClosed):
         e.embed(["after close"])
+    with pytest.raises(EngineClosed):
+        e.stats()  # as LLM.stats()
     e.close()  # idempotent
 
 
@@ -437,13 +481,19 @@ def test_stats_and_listener(tiny: Path) -> None:
         e.embed(english_sentences(20))
         stats = e.stats()
         e.remove_listener(events.append)
-    assert stats["packs"] == len(events) >= 3 and stats["texts"] == stats["sequences"] == 20
+    assert isinstance(stats, EmbedderStats) and stats.pooling == "mean" and stats.capacity == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.packs = 0  # type: ignore[misc]
+    assert stats.packs == len(events) >= 3 and stats.texts == stats.sequences == 20
+    assert stats.decodes == stats.packs and stats.calls == 1 and stats.queue_depth == 0
+    assert stats.tokens_per_pack == stats.tokens / stats.packs <= 256
+    assert stats.utilisation == pytest.approx(stats.tokens_per_pack / 256)
     assert sum(ev.sequences for ev in events) == 20
     assert all(0 < ev.utilisation <= 1 and ev.tokens <= ev.capacity == 256 for ev in events)
-    assert stats["tokens"] == sum(ev.tokens for ev in events)
-    assert 0 < stats["utilisation"] <= 1 and stats["queue_wait_max_s"] >= stats["queue_wait_mean_s"] >= 0
-    assert stats["retries"] == 0 and stats["failed_sequences"] == 0 and stats["pending_tokens"] == 0
-    assert stats["texts_per_s"] > 0
+    assert stats.tokens == sum(ev.tokens for ev in events)
+    assert 0 < stats.utilisation <= 1 and stats.queue_wait_max_s >= stats.queue_wait_mean_s >= 0
+    assert stats.decode_retries == 0 and stats.failed_sequences == 0 and stats.pending_tokens == 0
+    assert stats.texts_per_s > 0
 
 
 # --------------------------------------------------------------------------- command line
@@ -505,10 +555,10 @@ def test_encode_as_a_sentence_transformers_user_calls_it(
 def test_encode_shapes_and_batch_size(llama: Embedder) -> None:
     texts = english_sentences(23)
     expected = llama.embed(texts)
-    before = llama.stats()["calls"]
+    before = llama.stats().calls
     for batch_size in (1, 5, 32, 1000):  # texts queued at a time: the packs, and vectors, do not change
         np.testing.assert_allclose(llama.encode(texts, batch_size=batch_size), expected, atol=2e-4)
-    assert llama.stats()["calls"] == before + 4  # one call each, however many jobs
+    assert llama.stats().calls == before + 4  # one call each, however many jobs
     np.testing.assert_allclose(llama.encode(tuple(texts)), expected, atol=2e-4)
     np.testing.assert_allclose(llama.encode(np.array(texts)), expected, atol=2e-4)
     single = llama.encode(texts[2])
@@ -570,14 +620,14 @@ def test_encode_options(llama: Embedder) -> None:
         with pytest.raises(error, match=match):
             llama.encode(texts, **kwargs)
     with pytest.raises(TypeError, match="bytes"):
-        llama.encode(b"raw bytes")  # type: ignore[call-overload]
+        llama.encode(b"raw bytes")  # type: ignore[arg-type]
     assert llama.encode(texts[:2], prompt="q: ", prompt_name="ignored").shape == (2, 64)
     # a text too long, in a later batch: the call fails naming it, the queued batches are dropped
     too_long = " ".join(english_sentences(80))
     with pytest.raises(PromptTooLong, match="text 5 "):
         llama.encode([*texts[:5], too_long], batch_size=2)
     np.testing.assert_allclose(llama.encode(texts), full, atol=2e-4)
-    _wait_for(lambda: llama.stats()["pending_tokens"] == 0)
+    _wait_for(lambda: llama.stats().pending_tokens == 0)
 
 
 def test_encode_token_embeddings(tiny: Path) -> None:
@@ -699,7 +749,8 @@ def test_close_from_a_listener_is_deferred(tiny: Path) -> None:
     e.add_listener(listener)
     with pytest.raises(EngineClosed):
         e.embed(english_sentences(20))  # needs many packs: the first one closes the embedder
-    assert e._thread.join(10) is None and not e._thread.is_alive()
+    e._thread.join(10)
+    assert not e._thread.is_alive()
     assert isinstance(seen[0], EmbedPackEvent) and isinstance(seen[1], RuntimeError)
     assert seen[2] == ("after close", True, False)  # not freed under the running pack
     assert len(seen) == 3  # no pack ran after the one that closed

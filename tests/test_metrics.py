@@ -135,9 +135,9 @@ def test_embedder_packs_and_closed_sources():
         stats = emb.stats()
         s = _samples(metrics.generate_latest().decode())
         assert _value(s, "llamabatch:embedding_sequences_total", model_name="emb") == 20
-        assert _value(s, "llamabatch:embedding_packs_total", model_name="emb") == stats["packs"]
-        assert _value(s, "llamabatch:embedding_tokens_total", model_name="emb") == stats["tokens"]
-        assert _value(s, "llamabatch:embedding_pack_utilisation_count", model_name="emb") == stats["packs"]
+        assert _value(s, "llamabatch:embedding_packs_total", model_name="emb") == stats.packs
+        assert _value(s, "llamabatch:embedding_tokens_total", model_name="emb") == stats.tokens
+        assert _value(s, "llamabatch:embedding_pack_utilisation_count", model_name="emb") == stats.packs
         assert _value(s, "llamabatch:embedding_queue_texts", model_name="emb") == 0
     # closed: the scrape still works, the counts stay
     s = _samples(metrics.generate_latest().decode())

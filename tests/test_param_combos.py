@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamabatch import testing
@@ -341,14 +341,6 @@ def check(outcome: tuple[str, str, str], kwargs: dict[str, Any]) -> None:
     pytest.fail(f"{tag} ({exc_type}) for {kwargs!r}:\n{message}")
 
 
-def embedder_known_issue(kwargs: dict[str, Any], length: int) -> bool:
-    """Embedder combinations that still fail until its owner's fix lands: with
-    ``kv_unified=False`` each sequence has ``n_ctx / n_seq_max`` cells (at least 256), but the
-    per-text limit is the pack capacity, so a longer text fails with ``KVCacheFull`` (even with
-    ``truncate=True``) instead of ``PromptTooLong``: ``test_embedder_known_issues``."""
-    return kwargs.get("kv_unified") is False and length > 80  # the tiny model: 3 tokens a word
-
-
 # --------------------------------------------------------------------------- the tests
 
 
@@ -387,7 +379,7 @@ LENGTHS = st.integers(1, 300)
 _SETTINGS: dict[str, Any] = {"deadline": None, "suppress_health_check": list(HealthCheck)}
 
 
-def _combination_tests(kind: str, model: str, kwargs: Any, skip: Any = None) -> tuple[Any, Any]:
+def _combination_tests(kind: str, model: str, kwargs: Any) -> tuple[Any, Any]:
     """A default-run test (few examples) and a ``slow``-marked one (many) of ``kind`` on the
     model fixture ``model``."""
 
@@ -395,8 +387,6 @@ def _combination_tests(kind: str, model: str, kwargs: Any, skip: Any = None) -> 
         @settings(max_examples=max_examples, **_SETTINGS)
         @given(kwargs=kwargs, length=LENGTHS)
         def test(worker: Worker, request: pytest.FixtureRequest, kwargs: dict[str, Any], length: int) -> None:
-            if skip is not None:
-                assume(not skip(kwargs, length))
             check(worker.call(kind, request.getfixturevalue(model), kwargs, length), kwargs)
 
         return test
@@ -412,10 +402,10 @@ test_context_combinations_encoder, test_context_combinations_encoder_slow = _com
 )
 test_llm_combinations, test_llm_combinations_slow = _combination_tests("llm", "tiny", _llm_kwargs())
 test_embedder_combinations, test_embedder_combinations_slow = _combination_tests(
-    "embedder", "tiny", _embedder_kwargs(), skip=embedder_known_issue
+    "embedder", "tiny", _embedder_kwargs()
 )
 test_embedder_combinations_encoder, test_embedder_combinations_encoder_slow = _combination_tests(
-    "embedder", "minilm", _embedder_kwargs(), skip=embedder_known_issue
+    "embedder", "minilm", _embedder_kwargs()
 )
 
 
@@ -463,22 +453,16 @@ def test_llm_bad_strategy_is_named(worker: Worker, tiny: str, strategy: Any) -> 
     check(worker.call("llm", tiny, kwargs, 3), kwargs)
 
 
-@pytest.mark.xfail(
-    reason="the Embedder's fixes pending: with kv_unified=False the per-text limit must be "
-    "min(capacity, n_ctx_seq), so a longer text is truncated (truncate=True) or raises PromptTooLong; "
-    "a huge n_batch must be refused naming n_batch (today the n_ctx the Embedder derives from it, "
-    "rounded up past int32, is named)",
-    strict=True,
-)
 @pytest.mark.parametrize(
     ("kwargs", "length"),
     [
         # n_seq_max=64 streams of 256 cells, n_batch=400: a 300-token text fits a pack, not a stream
         ({"kv_unified": False, "n_batch": 400, "truncate": True}, 300),
+        ({"kv_unified": False, "n_batch": 400}, 300),  # PromptTooLong, not KVCacheFull
         ({"n_batch": 2**31 - 1}, 2),
     ],
 )
-def test_embedder_known_issues(worker: Worker, tiny: str, kwargs: dict[str, Any], length: int) -> None:
+def test_embedder_limits(worker: Worker, tiny: str, kwargs: dict[str, Any], length: int) -> None:
     check(worker.call("embedder", tiny, kwargs, length), kwargs)
 
 

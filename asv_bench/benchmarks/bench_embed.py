@@ -79,12 +79,12 @@ class EmbedPacking:
             self.stats = embedder.stats()
 
     def track_tokens_per_pack(self, *params: Any) -> float:
-        return self.stats["tokens_per_pack"]
+        return self.stats.tokens_per_pack
 
     track_tokens_per_pack.unit = "tokens"  # type: ignore[attr-defined]
 
     def track_utilisation(self, *params: Any) -> float:
-        return self.stats["utilisation"]
+        return self.stats.utilisation
 
     track_utilisation.unit = "fraction"  # type: ignore[attr-defined]
 

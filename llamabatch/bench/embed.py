@@ -115,7 +115,7 @@ def _timed(fn: Callable[[], Any], n: int) -> tuple[float, Any]:
 
 def _tokens_per_pack(embedder: Any) -> float:
     """The embedder's mean tokens per packed decode so far."""
-    return embedder.stats()["tokens_per_pack"]
+    return embedder.stats().tokens_per_pack
 
 
 def _interleaved(contenders: Sequence[Any], texts: list[str], rounds: int) -> list[ContenderResult]:
