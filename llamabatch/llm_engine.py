@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from llamabatch._core.strategies import get_strategy
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
@@ -24,6 +23,7 @@ from llamabatch.inputs import check_token_ids, normalize_prompt
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams, check_positive_int
 from llamabatch.request import Channel, Request
+from llamabatch.strategies import Strategy, get_strategy
 from llamabatch.telemetry import GenerationStats, Listener, Telemetry
 
 logger = logging.getLogger("llamabatch")
@@ -74,7 +74,7 @@ class EngineHost:
         n_batch: int = 512,
         n_ubatch: int | None = None,
         chunk_size: int = 512,
-        strategy: Any = "decode_maximal",
+        strategy: str | Strategy = "decode_maximal",
         max_queue: int = 1024,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,

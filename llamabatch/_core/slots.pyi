@@ -1,0 +1,164 @@
+"""Type stubs for the compiled ``llamabatch._core.slots`` (see slots.pyx for the behaviour)."""
+
+import enum
+
+import numpy as np
+import numpy.typing as npt
+
+from llamabatch._core.batch import Batch, _Tokens
+from llamabatch.strategies import Strategy
+
+#: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
+DEBUG: bool
+
+def live_tables() -> int:
+    """Number of ``SlotTable`` C buffers currently allocated in this process."""
+
+class SlotState(enum.IntEnum):
+    """State of a slot (ordered by progress)."""
+
+    IDLE = 0
+    PREFILL = 1
+    AWAIT_SAMPLE = 2
+    DECODE = 3
+
+#: The allowed state transitions, as (from, to) pairs.
+EDGES: frozenset[tuple[SlotState, SlotState]]
+
+class SlotTable:
+    """``n_parallel`` slots of up to ``n_ctx_seq`` tokens; prompt chunks of ``chunk_size``."""
+
+    @property
+    def n_parallel(self) -> int: ...
+    @property
+    def n_ctx_seq(self) -> int: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def n_seq(self) -> int:
+        """Sequences the KV record tracks: the slots, then the pinned prefixes."""
+    @property
+    def kv_unified(self) -> bool: ...
+    @property
+    def kv_size(self) -> int:
+        """Cells in the pool (unified) or in each stream."""
+    @property
+    def n_overflow(self) -> int: ...
+    @property
+    def n_outputs(self) -> int: ...
+    @property
+    def fill_pending(self) -> bool: ...
+    @property
+    def n_commits(self) -> int: ...
+    @property
+    def n_rollbacks(self) -> int: ...
+    def __init__(
+        self,
+        n_parallel: int,
+        n_ctx_seq: int,
+        chunk_size: int = 512,
+        n_pinned: int = 0,
+        kv_unified: bool = True,
+        kv_size: int = 0,
+    ) -> None: ...
+
+    # -- the state machine
+    def start(self, slot: int, prompt_tokens: _Tokens, n_past: int = 0) -> None:
+        """IDLE -> PREFILL; ``PromptTooLong`` if the prompt exceeds ``n_ctx_seq``."""
+    def accept(self, slot: int, token: int) -> None:
+        """Append a sampled token: AWAIT_SAMPLE -> DECODE."""
+    def finish(self, slot: int, keep: bool = False) -> None:
+        """End the slot's request, from any busy state: -> IDLE."""
+    def _transition(self, slot: int, state: SlotState | int) -> None:
+        """Test hook: call the transition function directly."""
+
+    # -- the tick
+    def fill(self, batch: Batch, strategy: Strategy | str, n_batch: int, queue_depth: int = 0) -> int:
+        """Build this tick's batch in place; return its ``n_tokens``."""
+    def commit(self) -> None:
+        """The decode of the last fill succeeded: apply it."""
+    def rollback(self) -> None:
+        """The decode of the last fill failed: forget the fill."""
+
+    # -- outputs, telemetry
+    @property
+    def out_slot(self) -> npt.NDArray[np.int32]:
+        """``out_slot[i]`` is the slot whose logits are at ``out_index[i]``."""
+    @property
+    def out_index(self) -> npt.NDArray[np.int32]:
+        """Batch index of each output's logits."""
+    def outputs(self) -> list[tuple[int, int]]:
+        """The last fill's outputs as ``(slot, batch_index)``, in batch order."""
+    @property
+    def last_fill_stats(self) -> tuple[int, int]:
+        """``(n_decode_tokens, n_prefill_tokens)`` of the last fill."""
+    def tokens_in_batch(self, slot: int) -> int: ...
+    def batch_index(self, slot: int) -> int: ...
+    def plan(self) -> list[tuple[int, int]]:
+        """The last fill's plan: ``[(slot, n_tokens), ...]`` in batch order."""
+    @property
+    def decode_cursor(self) -> int: ...
+
+    # -- per-slot state
+    def state(self, slot: int) -> SlotState: ...
+    def n_past(self, slot: int) -> int: ...
+    def n_pending(self, slot: int) -> int: ...
+    def n_prompt(self, slot: int) -> int: ...
+    def n_generated(self, slot: int) -> int: ...
+    def n_reused(self, slot: int) -> int: ...
+    def room(self, slot: int) -> int: ...
+    def arrival(self, slot: int) -> int: ...
+    def history(self, slot: int) -> npt.NDArray[np.int32]:
+        """A copy of the slot's prompt + accepted tokens."""
+    def common_prefix(self, seq: int, tokens: _Tokens) -> int: ...
+    def common_history(self, slot: int, tokens: _Tokens) -> int: ...
+    def best_prefix(self, tokens: _Tokens) -> tuple[int, int]:
+        """``(seq, n)`` sharing the longest prefix with ``tokens``, or ``(-1, 0)``."""
+
+    # -- the KV record
+    def seq_len(self, seq: int) -> int: ...
+    def seq_tokens(self, seq: int) -> npt.NDArray[np.int32]: ...
+    def trim(self, seq: int, n: int) -> None: ...
+    def copy(self, src: int, dst: int, n: int) -> None: ...
+    def record_cached(self, seq: int, tokens: _Tokens) -> None: ...
+    def touch(self, seq: int) -> None: ...
+    def lru_slot(self, cached_only: bool = False, exclude: int = -1) -> int:
+        """The least recently used idle slot (cached ones only if ``cached_only``; not ``exclude``), or -1."""
+    @property
+    def cells_total(self) -> int: ...
+    @property
+    def cells_used(self) -> int: ...
+    @property
+    def cells_free(self) -> int: ...
+    def cells_owned(self, seq: int) -> int: ...
+    def check_kv(self) -> None: ...
+    def free_slot(self) -> int:
+        """The lowest IDLE slot, or -1."""
+    def count(self, state: SlotState | int) -> int: ...
+    @property
+    def n_busy(self) -> int: ...
+    def states(self) -> list[SlotState]: ...
+    def view(self) -> TableView:
+        """A read-only view of the table (what a user strategy's ``plan`` receives)."""
+    def check_invariants(self) -> None: ...
+
+class TableView:
+    """Read-only view of a :class:`SlotTable`, valid during ``plan()`` (made by the table only)."""
+
+    @property
+    def n_parallel(self) -> int: ...
+    @property
+    def decode_slots(self) -> list[int]:
+        """DECODE slots in round-robin order (the order the built-ins serve them)."""
+    @property
+    def prefill_slots(self) -> list[int]:
+        """PREFILL slots in arrival order (oldest first)."""
+    def state(self, slot: int) -> SlotState: ...
+    def n_pending(self, slot: int) -> int:
+        """Prompt tokens still to compute (0 unless PREFILL)."""
+    def n_past(self, slot: int) -> int:
+        """Tokens of the slot already in the KV cache."""
+    def arrival(self, slot: int) -> int:
+        """Start counter of the slot's request (FIFO order of prompts)."""
+    def n_generated(self, slot: int) -> int:
+        """Tokens accepted after the prompt."""

@@ -1,0 +1,67 @@
+"""Batching strategies: the protocol a custom strategy satisfies, and the built-ins.
+
+A strategy decides, every tick, which slots get how many tokens of the next batch
+(``LLM(strategy=...)``). Pass a built-in's name (``"decode_maximal"``, the default,
+``"prefill_priority"``, ``"balanced"``) or any object with a ``plan`` method; no base class
+is needed. :class:`Strategy` is that method as a :class:`typing.Protocol`, so type checkers
+accept ``LLM(strategy=MyStrategy())`` and check the method's signature::
+
+    from collections.abc import Iterable
+
+    from llamabatch.strategies import Strategy, TableView
+
+    class DecodeFirst:
+        name = "decode_first"  # optional: used in error messages
+
+        def plan(
+            self, view: TableView, budget: int, chunk_size: int, queue_depth: int
+        ) -> Iterable[tuple[int, int]]:
+            plan = [(slot, 1) for slot in view.decode_slots[:budget]]
+            left = budget - len(plan)
+            for slot in view.prefill_slots:
+                n = min(view.n_pending(slot), chunk_size, left)
+                if n > 0:
+                    plan.append((slot, n))
+                    left -= n
+            return plan
+
+    strategy: Strategy = DecodeFirst()
+
+The rules a plan must follow, and what ``view`` offers, are in
+:mod:`llamabatch._core.strategies`' docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from llamabatch._core.slots import SlotState, TableView
+from llamabatch._core.strategies import STRATEGIES, Balanced, DecodeMaximal, PrefillPriority, get_strategy
+
+__all__ = [
+    "STRATEGIES",
+    "Balanced",
+    "DecodeMaximal",
+    "PrefillPriority",
+    "SlotState",
+    "Strategy",
+    "TableView",
+    "get_strategy",
+]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A batching strategy: anything with this ``plan`` method (the built-ins included).
+
+    ``plan`` returns ``(slot, n_tokens)`` pairs, in batch order, within ``budget`` tokens:
+    one token for a slot in ``view.decode_slots``, ``1 .. min(view.n_pending(slot),
+    chunk_size)`` for a slot in ``view.prefill_slots``. ``queue_depth`` is the number of
+    requests waiting for a free slot. The engine validates the plan and raises
+    ``ValueError`` naming the strategy and the violation.
+    """
+
+    def plan(
+        self, view: TableView, budget: int, chunk_size: int, queue_depth: int
+    ) -> Iterable[tuple[int, int]]: ...
