@@ -99,6 +99,10 @@ class Recorder:
     def step(self) -> list:
         events = self.core.step()
         self.steps += 1
+        self.record(events)
+        return events
+
+    def record(self, events: list) -> None:
         for request, text, token_ids, reason in events:
             assert self.ends[request] == 0, f"request {request.request_id}: an event after its end"
             self.texts[request].append(text)
@@ -107,7 +111,6 @@ class Recorder:
                 self.ends[request] += 1
                 assert request.done and reason == request.finish_reason
         self.check()
-        return events
 
     def check(self) -> None:
         check_core(self.core, self.ctx)
@@ -637,10 +640,9 @@ def test_an_aborted_decode_is_an_error_unless_the_driver_is_closing():
     ctx.abort()
     rec.step()
     assert not b.done  # closing: no error; the driver ends it
-    for request, *_ in core.fail_all("cancelled"):
-        rec.ends[request] += 1
+    rec.record(core.fail_all("cancelled"))
     assert b.finish_reason == "cancelled"
-    rec.check()
+    rec.check_done(b)
 
 
 def test_a_request_that_cannot_fit_even_alone_fails_instead_of_looping():
@@ -899,9 +901,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A driver closing (or crashing) ends everything; the core stays usable."""
         if now:
             return
-        for request, text, token_ids, reason in self.core.fail_all("cancelled"):
-            assert reason == "cancelled" and not text and not token_ids and request.done
-            self.rec.ends[request] += 1
+        events = self.core.fail_all("cancelled")
+        assert all(reason == "cancelled" and not token_ids for _, _, token_ids, reason in events)
+        self.rec.record(events)
         self._settle_pins()
 
     def _settle_pins(self):
