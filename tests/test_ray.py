@@ -153,11 +153,17 @@ def test_embed_500_texts_two_actors_on_both_nodes(cluster, tiny, tmp_path):
     )
     assert cosine.min() >= MIN_COSINE
 
-    # The columns survive Parquet: fixed-size float vectors, a nullable error column.
+    # The files Ray writes agree on every column's type (the error column is a string column
+    # even in blocks without an error), so any Parquet reader takes them as one table.
+    import pyarrow.dataset
+
     job.drop_columns(["node_id"]).write_parquet(str(tmp_path))
-    table = pa.concat_tables([pa.parquet.read_table(f) for f in sorted(tmp_path.glob("*.parquet"))])
-    assert table.num_rows == 500
-    assert np.allclose(np.stack(table.column("embedding").to_numpy(zero_copy_only=False)), vectors)
+    files = sorted(tmp_path.glob("*.parquet"))
+    assert len({pa.parquet.read_schema(f).field("error").type for f in files}) == 1
+    table = pyarrow.dataset.dataset(str(tmp_path)).to_table()
+    assert table.num_rows == 500 and table.schema.field("error").type == pa.string()
+    got = np.stack(table.sort_by("id").column("embedding").to_numpy(zero_copy_only=False))
+    assert np.allclose(got, vectors)
 
 
 def test_row_errors_land_in_the_error_column(cluster, tiny):
@@ -354,6 +360,19 @@ def test_batch_formats_give_the_same_rows(generator):
     assert as_arrow.column("logprobs").type == pa.list_(pa.float64())
 
 
+def test_ray_gets_typed_arrow_blocks(generator):
+    """What Ray receives: Arrow, with the output columns typed even when all null."""
+    import asyncio
+
+    ok = asyncio.run(generator({"prompt": np.array(["Hello"], dtype=object)}))
+    failed = asyncio.run(generator(pd.DataFrame({"prompt": [""]})))
+    assert isinstance(ok, pa.Table) and isinstance(failed, pa.Table)
+    for name in ("generated_text", "error", "finish_reason", "token_ids", "logprobs", "completion_tokens"):
+        assert ok.schema.field(name).type == failed.schema.field(name).type, name
+    assert ok.schema.field("error").type == pa.string()
+    assert failed.column("generated_text").to_pylist() == [None]
+
+
 def test_token_id_prompts_and_unicode_column_dtype(generator):
     ids = generator.llm.tokenize("The first prompt")
     by_ids = generator.process(
@@ -374,10 +393,11 @@ def test_params_column_and_n(tiny):
         with_n.close()
     per_row = Generate(tiny, {"max_tokens": 3, "temperature": 0}, params_column="params", **LLM_OPTIONS)
     try:
-        params = np.array([None, {"max_tokens": 5}, {"max_tokens": -1}, {"nope": 1}], dtype=object)
-        out = per_row.process({"prompt": np.array(["Hello"] * 4, dtype=object), "params": params})
-        assert list(out["completion_tokens"]) == [3, 5, 0, 0]
+        params = np.array([None, {"max_tokens": 5}, {"max_tokens": -1}, {"nope": 1}, {"n": 2}], dtype=object)
+        out = per_row.process({"prompt": np.array(["Hello"] * 5, dtype=object), "params": params})
+        assert list(out["completion_tokens"]) == [3, 5, 0, 0, 0]
         assert "max_tokens" in out["error"][2] and "nope" in out["error"][3]
+        assert "n must be > 1 exactly when" in out["error"][4]
     finally:
         per_row.close()
 

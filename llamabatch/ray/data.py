@@ -148,6 +148,51 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _plain(value: Any) -> Any:
+    """A cell as plain Python for ``pyarrow.array`` (numpy arrays and scalars converted)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and math.isnan(value):  # pandas' missing value
+        return None
+    return value
+
+
+def _typed_block(batch: Any, types: Mapping[str, Any]) -> Any:
+    """``batch`` as an Arrow table whose columns named in ``types`` have exactly those types.
+
+    Left to inference, a column's type would depend on the block: ``null`` where every value
+    is None (a block without a failed row has an all-None error column), ``large_string``
+    from pandas, a tensor type from numpy arrays. Ray reconciles such blocks, but the Parquet
+    files it writes would then disagree, and other readers (pyarrow datasets, pandas) refuse
+    them. The other columns are converted as Ray converts them."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor, BlockType
+
+    kind = _kind(batch)
+    names = _names(batch, kind)
+    ours = {name: [_plain(v) for v in _column(batch, name)] for name in names if name in types}
+    if kind == "numpy":
+        rest: Any = {k: v for k, v in batch.items() if k not in ours}
+    elif kind == "pandas":
+        rest = batch.drop(columns=list(ours))
+    else:
+        rest = batch.drop_columns(list(ours))
+    if _names(rest, kind):
+        table = rest if kind == "pyarrow" else BlockAccessor.batch_to_block(rest, block_type=BlockType.ARROW)
+        if not isinstance(table, pa.Table):  # Ray could not make Arrow of the rest: leave it all to Ray
+            return batch
+    else:
+        table = pa.table({"_": pa.nulls(_n_rows(batch))}).drop_columns(["_"])
+    for name in names:
+        if name in ours:
+            table = table.append_column(name, pa.array(ours[name], type=types[name]))
+    return table
+
+
 # -- the actor's resources ---------------------------------------------------------------------
 
 
@@ -212,12 +257,23 @@ class _Worker:
             return self._executor
 
     async def __call__(self, batch: Any) -> Any:
-        """Process one batch (Ray Data calls this; several batches may be in flight at once)."""
+        """Process one batch for Ray Data (several batches may be in flight at once); the
+        result is an Arrow table whose output columns have the same types in every block."""
+        return _typed_block(await self.run(batch), self.arrow_types())
+
+    async def run(self, batch: Any) -> Any:
+        """``process(batch)`` on the worker's threads, awaited (batch in its own format)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool(), self.process, batch)
 
     def process(self, batch: Any) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def arrow_types(self) -> dict[str, Any]:
+        """The Arrow type of each output column that may be all null in a block."""
+        import pyarrow as pa
+
+        return {self.error_column: pa.string()} if self.error_column else {}
 
     def _row_failed(self, row: int, reason: str, errors: list[str | None]) -> None:
         if self.on_error == "raise":
@@ -334,7 +390,12 @@ class Generate(_Worker):
         if not isinstance(value, Mapping):
             raise TypeError(f"{self.params_column!r} must hold dicts of SamplingParams fields")
         overrides = {k: v for k, v in value.items() if not _missing(v)}  # Arrow fills absent keys
-        return SamplingParams.from_dict({**self.params.to_dict(), **overrides})
+        params = SamplingParams.from_dict({**self.params.to_dict(), **overrides})
+        if (params.n > 1) != (self.params.n > 1):
+            raise ValueError(
+                "a row's n must be > 1 exactly when sampling_params' n is (the columns hold lists then)"
+            )
+        return params
 
     # -- the batch
 
@@ -421,9 +482,9 @@ class Generate(_Worker):
     def _columns(
         self, n_rows: int, generated: Mapping[int, _Generated], params: list[SamplingParams]
     ) -> dict[str, Any]:
-        want_ids = self.return_token_ids or any(p.logprobs is not None for p in params)
-        want_top = any(p.logprobs for p in params)
-        many = any(p.n > 1 for p in params)
+        # The same columns in every batch, from the default params (per-row overrides
+        # cannot add columns: blocks with different columns would not stack).
+        want_ids, want_top, many = self.return_token_ids, bool(self.params.logprobs), self.params.n > 1
         cols: dict[str, list[Any]] = {
             self.output_column: [],
             "finish_reason": [],
@@ -464,6 +525,22 @@ class Generate(_Worker):
             out["completion_tokens"] = np.asarray(cols["completion_tokens"], dtype=np.int64)
             out["finish_reason"] = _object_array(["error" if v is None else v for v in cols["finish_reason"]])
         return out
+
+    def arrow_types(self) -> dict[str, Any]:
+        import pyarrow as pa
+
+        top = pa.list_(pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])))
+        types = {
+            self.output_column: pa.string(),
+            "finish_reason": pa.string(),
+            "completion_tokens": pa.int64(),
+            "token_ids": pa.list_(pa.int64()),
+            "logprobs": pa.list_(pa.float64()),
+            "top_logprobs": top,
+        }
+        if self.params.n > 1:
+            types = {name: pa.list_(t) for name, t in types.items()}
+        return {**types, "prompt_tokens": pa.int64(), **super().arrow_types()}
 
     def close(self) -> None:
         """Stop the LLM and the batch threads."""

@@ -136,7 +136,7 @@ class LlamabatchDeployment:
                 "prompt": _objects(prompts),
                 "sampling_params": _objects([overrides] * len(prompts)),
             }
-            out = await self.generator(batch)
+            out = await self.generator.run(batch)
             return JSONResponse({"outputs": _records(out, exclude=("prompt", "sampling_params"))})
 
         async def embed(request: Request) -> JSONResponse:
@@ -146,7 +146,7 @@ class LlamabatchDeployment:
                 texts = _list_field(await body_of(request), "texts", "input")
             except _BadRequest as exc:
                 return error(400, str(exc))
-            out = await self.embedder({"text": _objects(texts)})
+            out = await self.embedder.run({"text": _objects(texts)})
             vectors = out[self.embedder.output_column]
             errors = list(out[self.embedder.error_column])
             embeddings = [
