@@ -272,7 +272,8 @@ def test_serve_app(cluster, tiny):
     from llamabatch.ray import serve_app
 
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One proxy: the simulated nodes share this machine's ports.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
     common = {"llm_options": LLM_OPTIONS, "embedder_options": EMBED_OPTIONS}
     try:

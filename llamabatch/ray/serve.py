@@ -234,7 +234,7 @@ def serve_app(
     The model paths must be readable at the same path on every node that may run a replica.
     """
     options = {"max_ongoing_requests": DEFAULT_MAX_ONGOING_REQUESTS, **deployment_options}
-    deployment = serve.deployment(LlamabatchDeployment).options(**options)
+    deployment = serve.deployment(**options)(LlamabatchDeployment)
     return deployment.bind(
         str(model) if model is not None else None,
         str(embedding_model) if embedding_model is not None else None,
