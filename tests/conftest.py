@@ -3,13 +3,31 @@
 Hypothesis profiles, chosen by the ``HYPOTHESIS_PROFILE`` environment variable:
 ``dev`` (default, modest) and ``ci`` (the default when ``CI`` is set; more examples; the
 core tests stay within about a minute on 2 cores).
+
+Tests marked ``slow`` (minutes: the 1,000-mutant GGUF fuzz run, the 135M model) are skipped
+unless pytest runs with ``--runslow``.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 settings.register_profile("dev", max_examples=40, deadline=None)
 settings.register_profile(

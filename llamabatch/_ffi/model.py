@@ -7,8 +7,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from llamabatch._ffi import ensure_backend, ffi, lib
+from llamabatch._ffi import ensure_backend, ffi, lib, log
 from llamabatch.errors import ModelLoadError
+from llamabatch.gguf_check import check_gguf
 from llamabatch.params import check_bool, check_positive_int
 
 GGUF_MAGIC = b"GGUF"
@@ -21,6 +22,9 @@ LOAD_MODES = {
     "mmap_mlock": lib.LLAMA_LOAD_MODE_MMAP_MLOCK,
     "direct_io": lib.LLAMA_LOAD_MODE_DIRECT_IO,
 }
+
+# enum llama_vocab_type (llama.h; the cdef declares only NONE)
+_VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 1, 2, 3, 4
 
 POOLING_NAMES = {
     lib.LLAMA_POOLING_TYPE_UNSPECIFIED: "unspecified",
@@ -68,10 +72,16 @@ class Model:
         vocab_only: load only the vocabulary (tokenization without weights).
         check_tensors: validate tensor data while loading.
         main_gpu: the GPU that holds the whole model when not splitting.
+        validate: check the file with :func:`llamabatch.gguf_check.check_gguf` before
+            llama.cpp reads it (default). llama.cpp aborts the process on some inconsistent
+            files; ``False`` skips the check (for files known to be good, or to see what
+            llama.cpp itself says).
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ModelLoadError: the file is not a GGUF, is truncated or corrupt, or unsupported.
+        ModelLoadError: the file is not a GGUF, is truncated, corrupt, inconsistent or
+            unsupported; the message names the key or tensor at fault, or carries llama.cpp's
+            own reason when llama.cpp rejects the file.
         ValueError: an invalid parameter.
     """
 
@@ -84,6 +94,7 @@ class Model:
         vocab_only: bool = False,
         check_tensors: bool = False,
         main_gpu: int = 0,
+        validate: bool = True,
     ) -> None:
         self._ptr = ffi.NULL
         self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -95,7 +106,10 @@ class Model:
         main_gpu = check_positive_int("main_gpu", main_gpu, minimum=0)
         vocab_only = check_bool("vocab_only", vocab_only)
         check_tensors = check_bool("check_tensors", check_tensors)
+        validate = check_bool("validate", validate)
         _check_gguf_file(self.path)
+        if validate:
+            check_gguf(self.path, vocab_only=vocab_only)
         ensure_backend()
 
         params = lib.llama_model_default_params()
@@ -104,15 +118,21 @@ class Model:
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
         params.main_gpu = main_gpu
-        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        with log.capture() as logged:
+            ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+            # on failure llama.cpp's own error lines go into the exception, not to the log
+            reason = log.load_reason(logged.errors) if ptr == ffi.NULL else ""
+            logged.release(failed=ptr == ffi.NULL)
         if ptr == ffi.NULL:
-            raise ModelLoadError(
-                str(self.path),
-                "llama.cpp rejected the file (corrupt, truncated or unsupported; enable the "
-                "'llamabatch.llama_cpp' logger at DEBUG for llama.cpp's own message)",
-            )
+            reason = reason or "no reason given"
+            raise ModelLoadError(str(self.path), f"llama.cpp rejected the file: {reason}")
         self._ptr = ffi.gc(ptr, lib.llama_model_free)
         self._vocab = lib.llama_model_get_vocab(ptr)
+        #: False for files without a vocabulary (tokenizer "none"): llama.cpp aborts on
+        #: tokenizing with one, so the token methods raise ValueError instead.
+        self.has_vocab: bool = lib.llama_vocab_type(self._vocab) != lib.LLAMA_VOCAB_TYPE_NONE
+        if validate:
+            self._check_vocab_resolved()
         self.vocab_only = vocab_only
         self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
         self.architecture: str = self.meta("general.architecture") or ""
@@ -193,6 +213,31 @@ class Model:
         state = "closed" if self.closed else f"{self.description!r}"
         return f"<llamabatch.Model {self.path.name} {state}>"
 
+    def _check_vocab_resolved(self) -> None:
+        """What llama.cpp made of the vocabulary: the special tokens its tokenizer adds must
+        exist, or llama.cpp asserts at the first tokenization (SentencePiece, BPE and Unigram
+        add BOS / EOS when the file says so; WordPiece always adds CLS, its BOS, and SEP).
+        The ids are llama.cpp's own, its per-tokenizer defaults applied."""
+        vocab = self._vocab
+        if not self.has_vocab:
+            return  # tokenize() refuses a model without a vocabulary
+        kind = lib.llama_vocab_type(vocab)
+        bos = ("tokenizer.ggml.bos_token_id", "BOS", lib.llama_vocab_bos)
+        eos = ("tokenizer.ggml.eos_token_id", "EOS", lib.llama_vocab_eos)
+        sep = ("tokenizer.ggml.seperator_token_id", "SEP", lib.llama_vocab_sep)
+        needed = []
+        if kind in (_VOCAB_SPM, _VOCAB_BPE, _VOCAB_UGM):
+            needed += [bos] if lib.llama_vocab_get_add_bos(vocab) else []
+            needed += [eos] if lib.llama_vocab_get_add_eos(vocab) else []
+        elif kind == _VOCAB_WPM:
+            needed += [bos, sep]
+        for key, name, token in needed:
+            if token(vocab) < 0:
+                self.close()
+                raise ModelLoadError(
+                    str(self.path), f"{key}: missing, but the tokenizer adds a {name} token to every text"
+                )
+
     # -- metadata -----------------------------------------------------------------------
 
     def meta(self, key: str) -> str | None:
@@ -251,6 +296,7 @@ class Model:
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Tokenize ``text``; ``add_special`` adds BOS/EOS as the model wants, ``parse_special``
         turns special-token text such as ``<|im_start|>`` into those tokens."""
+        self._check_has_vocab()
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         n_max = len(data) + 8
         while True:
@@ -302,6 +348,11 @@ class Model:
         vocab = self.vocab
         return bytearray(lib.llama_vocab_is_eog(vocab, t) for t in range(self.n_vocab))
 
+    def _check_has_vocab(self) -> None:
+        if not self.has_vocab:
+            raise ValueError(f"{self.path.name} has no vocabulary (tokenizer 'none'): it cannot tokenize")
+
     def _check_token(self, token: int) -> None:
+        self._check_has_vocab()
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")
