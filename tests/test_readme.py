@@ -107,8 +107,7 @@ SMALL_IF_ABSENT: dict[str, dict[str, str | None]] = {
 TEST_COMMAND_MARK = "pytest"
 MAIN_JOB_INSTALL = "pip install ."
 
-PYTHON_TIMEOUT = 300  # seconds; generous because CI's cores may be shared
-COMMAND_TIMEOUT = 300
+COMMAND_TIMEOUT = 300  # seconds, per command or Python block; generous because CI's cores may be shared
 SERVER_START_TIMEOUT = 120
 _SHELL_OPS = {"&&", "&", "||", "|", ";", ">", ">>", "<", "2>", "2>&1"}
 
@@ -403,22 +402,26 @@ def convert_output(tokens: list[str]) -> str | None:
     return positional[1] if len(positional) > 1 else None
 
 
-def run_checked(command: str, cwd: Path, what: str) -> None:
+def run_checked(command: str | list[str], cwd: Path, what: str, context: str = "") -> None:
+    """Run a shell command line (str) or an argv; fail with its output (and ``context``) unless it exits 0."""
+    argv = ["bash", "-c", command] if isinstance(command, str) else command
+    shown = command if isinstance(command, str) else shlex.join(command)
     try:
         done = subprocess.run(
-            ["bash", "-c", command],
-            cwd=cwd,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT,
+            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{what} ran past {COMMAND_TIMEOUT} s:\n$ {command}\n{_tail(str(exc.stdout or ''))}")
+        out = [
+            x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+            for x in (exc.stdout, exc.stderr)
+        ]
+        pytest.fail(
+            f"{what} ran past {COMMAND_TIMEOUT} s:\n$ {shown}\n{_tail(out[0])}\n{_tail(out[1])}{context}"
+        )
     if done.returncode != 0:
         pytest.fail(
-            f"{what} exited with {done.returncode}:\n$ {command}\n--- stdout\n{_tail(done.stdout)}"
-            f"\n--- stderr\n{_tail(done.stderr)}"
+            f"{what} exited with {done.returncode}:\n$ {shown}\n--- stdout\n{_tail(done.stdout)}"
+            f"\n--- stderr\n{_tail(done.stderr)}{context}"
         )
 
 
@@ -481,19 +484,28 @@ def run_shell_block(
                 if port is not None:
                     argv = [substitute_port(t, port) for t in argv]
                 command = shell_join(argv)
-                run_checked(command + (" &" if background else ""), work, where)
+                run_checked(command + (" &" if background else ""), work, where, server_log(servers, port))
             elif word == "curl":
                 if port is None:
                     pytest.fail(
                         f"{where}: curl, but no `llamabatch serve` line before it in {block.section!r}"
                     )
                 tokens = ["curl", "-sS", "--fail-with-body", "--max-time", "120", *tokens[1:]]
-                run_checked(shell_join([substitute_port(t, port) for t in tokens]), work, where)
+                run_checked(
+                    shell_join([substitute_port(t, port) for t in tokens]),
+                    work,
+                    where,
+                    server_log(servers, port),
+                )
             else:
                 pytest.fail(
                     f"{where}: the test does not know how to run `{word}` (teach tests/test_readme.py, "
                     f"or mark the block `<!-- readme-test: skip (why) -->`)"
                 )
+
+
+def server_log(servers: Servers, port: int | None) -> str:
+    return f"\n--- the server's log\n{servers.output()}" if port is not None else ""
 
 
 def resolve_placeholder(token: str, stand_ins: dict[str, Path | None]) -> str:
@@ -557,21 +569,10 @@ def test_block(
         source = substitute_port(source, _server_for(block, model_links, servers))
     script = tmp_path / f"readme_line{block.line}.py"
     script.write_text(source, encoding="utf-8")
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=PYTHON_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"README.md:{block.line} ran past {PYTHON_TIMEOUT} s\n{_tail(str(exc.stderr or ''))}")
-    assert done.returncode == 0, (
-        f"README.md:{block.line} failed (exit {done.returncode})\n--- stderr\n{_tail(done.stderr)}"
-        f"\n--- stdout\n{_tail(done.stdout, 1500)}\n--- script as run\n{source}"
-    )
+    context = f"\n--- the block as run\n{source}"
+    if servers.proc is not None:
+        context += f"\n--- the server's log\n{servers.output()}"
+    run_checked([sys.executable, str(script)], tmp_path, f"README.md:{block.line}", context)
 
 
 def test_markers_are_well_formed() -> None:
