@@ -119,11 +119,17 @@ class EngineCore:
 
     def add(self, requests: list[Request], *, check_room: bool = True) -> None:
         """Queue requests (all or none); ``QueueFull`` beyond ``max_queue`` waiting."""
-        if check_room and len(self.waiting) + len(requests) > self.max_queue:
+        if check_room and self.n_queued + len(requests) > self.max_queue:
             raise QueueFull(
-                f"the request queue is full ({len(self.waiting)} waiting, max_queue={self.max_queue})"
+                f"the request queue is full ({self.n_queued} waiting, max_queue={self.max_queue})"
             )
         self.waiting.extend(requests)
+
+    @property
+    def n_queued(self) -> int:
+        """Waiting requests that count against ``max_queue``: preempted ones, waiting to be
+        recomputed, were admitted once and do not."""
+        return len(self.waiting) - sum(1 for r in self.waiting if r.n_preemptions)
 
     def abort(self, request: Request) -> None:
         """End ``request`` as ``"cancelled"`` at the start of the next step."""

@@ -93,6 +93,11 @@ class LLM(EngineHost, Worker):
         core = self._core
         return len(self._inbox) + (len(core.waiting) if core is not None else 0)
 
+    def _queued(self) -> int:
+        """What counts against ``max_queue`` (not the preempted requests waiting)."""
+        core = self._core
+        return len(self._inbox) + (core.n_queued if core is not None else 0)
+
     # -- requests (any thread) ------------------------------------------------------------
 
     def _enqueue(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
@@ -106,11 +111,11 @@ class LLM(EngineHost, Worker):
         with self._cond:
             while True:
                 self._raise_if_closed()
-                if self._queue_depth() + len(requests) <= self.max_queue:
+                if self._queued() + len(requests) <= self.max_queue:
                     break
                 if not block:
                     raise QueueFull(
-                        f"the request queue is full ({self._queue_depth()} waiting, "
+                        f"the request queue is full ({self._queued()} waiting, "
                         f"max_queue={self.max_queue})"
                     )
                 left = None if deadline is None else deadline - time.monotonic()
