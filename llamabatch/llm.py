@@ -22,7 +22,7 @@ from llamabatch.kv_cache import PinnedPrefix
 from llamabatch.llm_engine import EngineHost, Prompt
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
-from llamabatch.request import _END, Channel, Request, RequestHandle, request_output
+from llamabatch.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
 from llamabatch.worker import Worker
 
 Params = SamplingParams | Mapping[str, Any] | None
@@ -115,8 +115,7 @@ class LLM(EngineHost, Worker):
                     break
                 if not block:
                     raise QueueFull(
-                        f"the request queue is full ({self._queued()} waiting, "
-                        f"max_queue={self.max_queue})"
+                        f"the request queue is full ({self._queued()} waiting, max_queue={self.max_queue})"
                     )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -216,7 +215,7 @@ class LLM(EngineHost, Worker):
             ends = 0
             while ends < len(requests):
                 item = await aqueue.get()
-                if item is _END:
+                if item is END_OF_STREAM:
                     ends += 1
                     continue
                 yield item
@@ -230,7 +229,7 @@ class LLM(EngineHost, Worker):
         try:
             ends = 0
             while ends < len(requests):  # only the completions' ends arrive
-                ends += (await aqueue.get()) is _END
+                ends += (await aqueue.get()) is END_OF_STREAM
         finally:
             self._cancel_unfinished(requests)
         return request_output(requests)

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 _ids = itertools.count(1)
 _arrivals = itertools.count()
-_END = object()
+#: what a channel carries after a completion's last delta
+END_OF_STREAM = object()
 
 
 def next_request_id() -> int:
@@ -214,7 +215,7 @@ class Request:
             return
         if channel is not None:
             channel.put(Delta(self.request_id, text, token_ids, finish_reason, self.output, self.index))
-            channel.put(_END)
+            channel.put(END_OF_STREAM)
         self._done.set()
 
     def token_logprobs(self, token_ids: list[int]) -> list[dict[int, float]] | None:
@@ -284,7 +285,7 @@ class RequestHandle:
         ends = 0
         while ends < len(self._requests):
             item = channel.queue.get()
-            if item is _END:
+            if item is END_OF_STREAM:
                 ends += 1
                 continue
             yield item
