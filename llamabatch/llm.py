@@ -15,11 +15,13 @@ import sys
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
+from typing_extensions import Unpack
+
 from llamabatch.chat_template import chat_prompt_tokens, render_chat
 from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.inputs import as_prompt_list
 from llamabatch.kv_cache import PinnedPrefix
-from llamabatch.llm_engine import EngineHost, Prompt
+from llamabatch.llm_engine import EngineHost, EngineOptions, Prompt
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
 from llamabatch.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
@@ -37,7 +39,7 @@ class LLM(EngineHost, Worker):
 
     _kind = "LLM"
 
-    def __init__(self, model_path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, model_path: str | os.PathLike[str], **options: Unpack[EngineOptions]) -> None:
         Worker.__init__(self, "llamabatch-engine")
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []

@@ -12,7 +12,9 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypedDict
+
+from typing_extensions import Unpack
 
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
@@ -31,6 +33,27 @@ logger = logging.getLogger("llamabatch")
 Prompt = str | Sequence[int]
 
 _DEFAULT_PARAMS = SamplingParams()
+
+
+class EngineOptions(TypedDict, total=False):
+    """The keyword options of ``LLM`` and ``LLMEngine`` (documented on ``EngineHost``)."""
+
+    n_ctx: int
+    n_parallel: int
+    n_batch: int
+    n_ubatch: int | None
+    chunk_size: int
+    strategy: str | Strategy
+    max_queue: int
+    n_threads: int | None
+    n_threads_batch: int | None
+    n_gpu_layers: int
+    flash_attn: bool | str | None
+    load_mode: str
+    prefix_cache: bool
+    max_prefixes: int | None
+    kv_unified: bool
+    validate: bool
 
 
 class EngineHost:
@@ -314,7 +337,7 @@ class LLMEngine(EngineHost):
     ...         print(out.request_id, out.text, out.finished)
     """
 
-    def __init__(self, model_path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, model_path: str | os.PathLike[str], **options: Unpack[EngineOptions]) -> None:
         super().__init__(model_path, **options)
         self._by_id: dict[Any, list[Request]] = {}
         self._order: list[list[Request]] = []
