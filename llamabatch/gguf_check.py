@@ -420,7 +420,7 @@ def _parse(path: Path, buf: mmap.mmap) -> _Header:
             ttype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[ttype]
         except (ValueError, KeyError):
-            raise p.fail(where, f"unknown tensor type {raw_type}") from None
+            raise p.fail(where, f"unknown tensor type {raw_type} (not a gguf.GGMLQuantizationType)") from None
         offset = p.u64(where)
         n_elements = math.prod(dims)
         if dims and dims[0] % block:
@@ -560,9 +560,13 @@ class _Checker:
         self.arch = arch
         self.check_vocab()
         layout_checked = False
+        n_splits = self.get_int(Keys.Split.LLM_KV_SPLIT_COUNT) or 1
         if not self.vocab_only:
             self.check_generic_hparams()
-            if arch in KNOWN_LAYOUTS:
+            if n_splits > 1:
+                # a split model: this part holds some of the tensors; llama.cpp checks the set
+                self.notes.append(f"{Keys.Split.LLM_KV_SPLIT_COUNT}: part of a {n_splits}-file model")
+            elif arch in KNOWN_LAYOUTS:
                 self.check_layout()
                 layout_checked = True
         return GGUFReport(
@@ -659,7 +663,7 @@ class _Checker:
                 continue
             if entry.type in _FLOAT_TYPES:
                 if not math.isfinite(entry.value):
-                    raise self.fail(key, f"{entry.value} is not a finite number")
+                    raise self.fail(key, f"{entry.value:.7g} is not a finite number")
             elif entry.type == GGUFValueType.ARRAY and entry.item_type in _FLOAT_TYPES:
                 if not np.isfinite(entry.value).all():
                     raise self.fail(key, "holds values that are not finite numbers")
@@ -672,11 +676,11 @@ class _Checker:
         ):
             value = self.get_float(self.k(template))
             if value is not None and not value > 0:
-                raise self.fail(self.k(template), f"{value} must be positive")
+                raise self.fail(self.k(template), f"{value:.7g} must be positive")
         for template in (Keys.Rope.SCALING_FACTOR, Keys.Rope.SCALING_ATTN_FACTOR):
             value = self.get_float(self.k(template))
             if value is not None and value < 0:
-                raise self.fail(self.k(template), f"{value} must not be negative")
+                raise self.fail(self.k(template), f"{value:.7g} must not be negative")
 
     # -- vocabulary --------------------------------------------------------------------------
 

@@ -67,6 +67,10 @@ class Capture:
     def errors(self) -> list[str]:
         return [line for level, line in self.records if level >= logging.ERROR]
 
+    @property
+    def warnings(self) -> list[str]:
+        return [line for level, line in self.records if level == logging.WARNING]
+
     def release(self, failed: bool) -> None:
         """Log the held lines: at their own levels, or at DEBUG when ``failed`` (the caller
         raises an exception carrying them instead)."""

@@ -120,10 +120,11 @@ class Model:
         params.main_gpu = main_gpu
         with log.capture() as logged:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
-            # on failure llama.cpp's own error lines go into the exception, not to the log
-            reason = log.load_reason(logged.errors) if ptr == ffi.NULL else ""
-            logged.release(failed=ptr == ffi.NULL)
-        if ptr == ffi.NULL:
+            failed = ptr == ffi.NULL
+            # on failure llama.cpp's own lines go into the exception, not to the log
+            reason = (log.load_reason(logged.errors) or log.load_reason(logged.warnings)) if failed else ""
+            logged.release(failed=failed)
+        if failed:
             reason = reason or "no reason given"
             raise ModelLoadError(str(self.path), f"llama.cpp rejected the file: {reason}")
         self._ptr = ffi.gc(ptr, lib.llama_model_free)
