@@ -60,7 +60,7 @@ from gguf.constants import (
 
 from llamabatch.errors import ModelLoadError
 
-__all__ = ["GGUFReport", "check_gguf"]
+__all__ = ["GGUFReport", "check_gguf", "tensor_names"]
 
 # -- facts of the format and of llama.cpp (numbers, not code) --------------------------------
 
@@ -229,6 +229,21 @@ def check_gguf(path: str | os.PathLike[str], *, vocab_only: bool = False) -> GGU
         raise ModelLoadError(str(path), "not a regular file")
     header = _read_header(path)
     return _Checker(path, header, vocab_only).run()
+
+
+def tensor_names(path: str | os.PathLike[str]) -> list[str]:
+    """The names of the tensors in the GGUF at ``path``, from its header alone (fast on any
+    file: ``gguf.GGUFReader`` parses every vocabulary entry first, seconds on a large one).
+
+    Raises ``FileNotFoundError`` or :class:`~llamabatch.errors.ModelLoadError` as :func:`check_gguf`
+    does for a file that cannot be read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ModelLoadError(str(path), "not a regular file")
+    return [t.name for t in _read_header(path).tensors]
 
 
 # -- the container ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from gguf_mutants import GGUF, Bases, Mutant, Tensor, issue_mutants, run_mutants
 
 from llamabatch import Embedder, ModelLoadError
 from llamabatch._ffi.model import Model
-from llamabatch.gguf_check import GGUFReport, _read_header, check_gguf
+from llamabatch.gguf_check import GGUFReport, _read_header, check_gguf, tensor_names
 
 VT = GGUFValueType
 Q = GGMLQuantizationType
@@ -98,6 +98,11 @@ def test_header_parser_agrees_with_gguf_reader(bases: Bases, base: str) -> None:
     assert [
         (t.name, list(t.dims), int(t.type), ours.data_offset + t.offset, t.nbytes) for t in ours.tensors
     ] == [(t.name, t.shape.tolist(), int(t.tensor_type), t.data_offset, t.n_bytes) for t in theirs.tensors]
+
+
+def test_tensor_names(bases: Bases) -> None:
+    path = bases.paths["bert"]
+    assert tensor_names(path) == [t.name for t in GGUFReader(path).tensors]
 
 
 def test_generic_architecture_gets_generic_checks(bases: Bases, tmp_path: Path) -> None:
