@@ -261,6 +261,15 @@ class Model:
         return out
 
     @property
+    def generates_text(self) -> bool:
+        """Whether the model can generate text: a decoder-only model with causal attention
+        (llama.cpp reports BERT-like encoders as decoders with bidirectional attention)."""
+        causal = self.meta(f"{self.architecture}.attention.causal")
+        if self.architecture in ("bert", "nomic-bert", "jina-bert-v2", "modern-bert", "neo-bert"):
+            causal = causal or "false"
+        return self.has_decoder and not self.has_encoder and (causal or "true").lower() not in ("false", "0")
+
+    @property
     def pooling_type(self) -> str:
         """The pooling the GGUF declares (``mean``, ``cls``, ``last``, ``rank``, ``none``)."""
         value = self.meta(f"{self.architecture}.pooling_type")
@@ -280,7 +289,7 @@ class Model:
         if getattr(self, "_has_cls", None) is None:
             import re
 
-            from llamabatch.gguf_check import _read_header
+            from llamabatch.gguf_check import tensor_names
 
             paths = [self.path]
             split = re.fullmatch(r"(.*)-\d{5}-of-(\d{5})\.gguf", self.path.name)
@@ -288,7 +297,7 @@ class Model:
                 prefix, n = split.group(1), int(split.group(2))
                 paths = [self.path.with_name(f"{prefix}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
             heads = {"cls.weight", "cls.output.weight"}
-            names = (tensor.name for path in paths if path.is_file() for tensor in _read_header(path).tensors)
+            names = (name for path in paths if path.is_file() for name in tensor_names(path))
             self._has_cls = any(name in heads for name in names)
         return bool(self._has_cls)
 
