@@ -1071,10 +1071,10 @@ class Embedder(Worker):
                     utilisation=tokens / self.capacity,
                     queue_wait=sum(waits) / len(waits),
                     decode_time=run.decode_time,
-                    retries=retries,
+                    decode_retries=retries,
                     callers=len({id(seq.job) for seq in pack}),
                     decodes=run.decodes,
-                    failed=failed,
+                    failed_sequences=failed,
                     pending_tokens=self._pending_at_take,
                 )
             )

@@ -63,7 +63,7 @@ class EngineCore:
         max_queue: int,
         telemetry: Telemetry,
         prefix_cache: bool = True,
-        n_pinned_max: int = 0,
+        max_prefixes: int = 0,
     ) -> None:
         self.model = model
         self.context = context
@@ -80,7 +80,7 @@ class EngineCore:
             n_parallel,
             self.n_ctx_seq,
             chunk_size,
-            n_pinned=n_pinned_max,
+            n_pinned=max_prefixes,
             kv_unified=unified,
             kv_size=context.n_ctx if unified else 0,
         )
@@ -138,11 +138,11 @@ class EngineCore:
             self._aborts.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self._aborts or self.table.n_busy)
+        return bool(self.waiting or self._aborts or self.table.busy_slots)
 
     @property
     def busy_slots(self) -> int:
-        return self.table.n_busy
+        return self.table.busy_slots
 
     def step(self) -> list[StepEvent]:
         """One scheduling step: aborts, admission, one decode, sampling. Returns what the
@@ -152,7 +152,7 @@ class EngineCore:
             self._end_aborted()
         if self.waiting:
             self._admit()
-        if self.table.n_busy:
+        if self.table.busy_slots:
             self._tick()
         return events
 
@@ -200,7 +200,7 @@ class EngineCore:
         free cells blocks the queue until running requests free some."""
         table = self.table
         waiting = self.waiting
-        n_idle = self.n_parallel - table.n_busy
+        n_idle = self.n_parallel - table.busy_slots
         admitting: list[list[int]] = []
         i = 0
         while n_idle and i < len(waiting):
@@ -224,7 +224,7 @@ class EngineCore:
         fit the free cells (plus the watermark); idle cached prefixes are evicted (least
         recently used first) to make room. A request always starts when nothing runs."""
         table = self.table
-        if not table.kv_unified or not table.n_busy:
+        if not table.kv_unified or not table.busy_slots:
             return True
         source, n_cached = table.best_prefix(tokens) if self.kv.reuse else (-1, 0)
         need = len(tokens) - min(n_cached, len(tokens) - 1) + self.watermark
@@ -241,12 +241,12 @@ class EngineCore:
         leader_slot = self._slot_of(leader) if leader is not None else -1
         placement = self.kv.place(tokens, leader_slot)
         slot = placement.slot
-        self.table.start(slot, tokens, placement.n_reused)
+        self.table.start(slot, tokens, placement.reused_tokens)
         self.running[slot] = request
         if request.n_preemptions:
-            self.counters.recomputed_tokens += len(tokens) - placement.n_reused
+            self.counters.recomputed_tokens += len(tokens) - placement.reused_tokens
         else:
-            request.n_reused = placement.n_reused
+            request.reused_tokens = placement.reused_tokens
             request.t_admitted = time.perf_counter()
 
     def _slot_of(self, request: Request) -> int:
@@ -300,7 +300,7 @@ class EngineCore:
             for slot in self._failed_slots:
                 self._finish(slot, "error", error=error)
             retries += 1
-            if not self.table.n_busy:
+            if not self.table.busy_slots:
                 break
         if decoded:
             self._sample_outputs()
@@ -312,7 +312,7 @@ class EngineCore:
         its retries and preemptions count)."""
         n_decode, n_prefill = self._last_fill
         n_tokens = n_decode + n_prefill
-        busy = self.table.n_busy
+        busy = self.table.busy_slots
         counters = self.counters
         if decoded:
             counters.ticks += 1

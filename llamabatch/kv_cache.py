@@ -53,7 +53,7 @@ class Placement:
 
     slot: int
     source_seq: int  # -1: nothing copied (the slot's own cache is reused in place, or none)
-    n_reused: int
+    reused_tokens: int
 
 
 @dataclass

@@ -177,7 +177,7 @@ class EngineHost:
                 max_queue=max_queue,
                 telemetry=self.telemetry,
                 prefix_cache=prefix_cache,
-                n_pinned_max=max_prefixes,
+                max_prefixes=max_prefixes,
             )
         except BaseException:
             if hasattr(self, "context"):

@@ -193,14 +193,14 @@ class PrometheusListener:
                 c = m.counters
                 c["iteration_tokens"] += event.batch_tokens
                 c["forward_passes"] += 1
-                c["decode_retries"] += event.retries
-                c["num_preemptions"] += getattr(event, "preemptions", 0)
+                c["decode_retries"] += event.decode_retries
+                c["num_preemptions"] += event.preemptions
             elif isinstance(event, EmbedPackEvent):
                 c = m.counters
                 c["embedding_packs"] += 1
                 c["embedding_sequences"] += event.sequences
                 c["embedding_tokens"] += event.tokens
-                c["embedding_failed"] += event.failed
+                c["embedding_failed"] += event.failed_sequences
                 m.histograms["embedding_pack_utilisation"].observe(event.utilisation)
 
     # -- the collector -----------------------------------------------------------------------

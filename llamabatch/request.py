@@ -73,7 +73,6 @@ class Request:
         "leader",
         "logprobs",
         "n_preemptions",
-        "n_reused",
         "output",
         "output_tokens",
         "params",
@@ -81,6 +80,7 @@ class Request:
         "prompt",
         "prompt_tokens",
         "request_id",
+        "reused_tokens",
         "sampler",
         "stop_ids",
         "stop_matcher",
@@ -116,7 +116,7 @@ class Request:
         self.stop_matcher = StopMatcher(params.stop)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.sampler: SamplerChain | None = None
-        self.n_reused = 0  # prompt tokens reused from the KV cache at the first admission
+        self.reused_tokens = 0  # prompt tokens reused from the KV cache at the first admission
         self.n_preemptions = 0
         self.leader: Request | None = None  # the first completion of a parallel-sampling group
         self.pin: Any = None  # a PinnedPrefix this request computes (LLM.register_prefix)
@@ -186,7 +186,7 @@ class Request:
             text="".join(self.text_parts),
             token_ids=list(self.output_tokens),
             finish_reason=reason,
-            usage=Usage(len(self.prompt_tokens), len(self.output_tokens), self.n_reused),
+            usage=Usage(len(self.prompt_tokens), len(self.output_tokens), self.reused_tokens),
             timings=Timings(queue_wait, ttft, now - self.t_submitted, self.n_preemptions),
             prompt_token_ids=self.prompt_tokens,
             logprobs=self.logprobs,

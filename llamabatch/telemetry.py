@@ -24,11 +24,11 @@ class TickEvent:
     batch_tokens: int
     decode_tokens: int
     prefill_tokens: int
-    active_slots: int
+    busy_slots: int
     queue_depth: int
     decode_time: float
     tick_time: float
-    retries: int = 0
+    decode_retries: int = 0
     #: running requests preempted (recomputed later) to make room in this tick
     preemptions: int = 0
     #: KV cells in use after the tick (shared cells counted once), and in all
@@ -68,13 +68,13 @@ class EmbedPackEvent:
     utilisation: float
     queue_wait: float
     decode_time: float
-    retries: int
+    decode_retries: int
     #: distinct calls (``embed``/``aembed``) whose texts share the pack
     callers: int = 1
     #: ``llama_decode`` calls the pack took (1 + retries after failures)
     decodes: int = 1
     #: texts of the pack that failed (could not be decoded even alone)
-    failed: int = 0
+    failed_sequences: int = 0
     #: tokens still queued when the pack was taken
     pending_tokens: int = 0
 

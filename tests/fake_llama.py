@@ -551,7 +551,7 @@ def make_core(
     n_ctx: int | None = None,
     kv_unified: bool = True,
     prefix_cache: bool = False,
-    n_pinned_max: int = 0,
+    max_prefixes: int = 0,
     n_batch: int = 64,
     n_ubatch: int | None = None,
     chunk_size: int = 64,
@@ -564,7 +564,7 @@ def make_core(
     """An ``EngineCore`` over a fake model and context (``n_ctx``: all cells together;
     default 64 per sequence). The context checks it decodes the core's own batch."""
     model = model or FakeModel()
-    n_seq_max = n_parallel + n_pinned_max
+    n_seq_max = n_parallel + max_prefixes
     n_ctx = n_ctx if n_ctx is not None else 64 * n_seq_max
     context = FakeContext(
         model,
@@ -585,7 +585,7 @@ def make_core(
         max_queue=max_queue,
         telemetry=telemetry or Telemetry(),
         prefix_cache=prefix_cache,
-        n_pinned_max=n_pinned_max,
+        max_prefixes=max_prefixes,
     )
     context.batch = core.batch
     return core, context, model

@@ -154,8 +154,8 @@ def test_bench_prefix_rows_and_report(tiny_path):
     result = prefix.prefix_report(rows, {"model": tiny_path.name})
     lines = [json.loads(line) for line in report.json_lines(result.json_rows())]
     for off, on in (lines[0:2], lines[2:4]):
-        assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"] == off["prompt_tokens"]
-        assert on["vs_off_computed"] == on["computed_prompt_tokens"] / off["computed_prompt_tokens"]
+        assert on["prefill_tokens"] < off["prefill_tokens"] == off["prompt_tokens"]
+        assert on["vs_off_computed"] == on["prefill_tokens"] / off["prefill_tokens"]
         assert on["vs_off_time"] == off["t_total_s"] / on["t_total_s"] and on["model"] == tiny_path.name
     text = result.text()
     assert "| reuse on vs |" in text and "T s (off/on)" in text and "note: multi-turn chat" in text

@@ -30,7 +30,7 @@ def snapshot(t):
         [t.n_past(i) for i in range(t.n_parallel)],
         [t.n_pending(i) for i in range(t.n_parallel)],
         [t.history(i).tolist() for i in range(t.n_parallel)],
-        t.plan(),
+        t.last_plan(),
         t.outputs(),
         t.last_fill_stats,
         t.decode_cursor,
@@ -83,7 +83,7 @@ def test_prefix_reuse_positions(pool):
     t.copy(0, 1, 4)
     assert t.cells_used == 5 and t.cells_owned(0) == 1 and t.cells_owned(1) == 0
     t.start(1, [1, 2, 3, 4, 5, 6], n_past=4)
-    assert t.n_pending(1) == 2 and t.n_reused(1) == 4
+    assert t.n_pending(1) == 2 and t.reused_tokens(1) == 4
     t.fill(b, "balanced", 8)
     assert b.entries() == [(5, 4, 1, False), (6, 5, 1, True)]
     t.commit()
@@ -258,7 +258,7 @@ def test_table_arguments():
 def test_queries():
     t = SlotTable(3, 8)
     t.start(1, np.array([4, 5, 6], dtype=np.int32))
-    assert t.free_slot() == 0 and t.count(PREFILL) == 1 and t.n_busy == 1
+    assert t.free_slot() == 0 and t.count(PREFILL) == 1 and t.busy_slots == 1
     assert t.arrival(1) == 0
     t.start(0, [1])
     t.start(2, [1])

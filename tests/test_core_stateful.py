@@ -83,7 +83,7 @@ def observable(core):
         core.states(),
         [core.n_past(i) for i in range(core.n_parallel)],
         [core.n_pending(i) for i in range(core.n_parallel)],
-        core.plan(),
+        core.last_plan(),
         core.outputs(),
         core.decode_cursor,
         core.fill_pending,
@@ -222,7 +222,7 @@ class CoreVsReference(RuleBasedStateMachine):
         assert entries == expected
         assert n_tokens == len(entries) == batch.n_tokens <= n_batch
         assert self.core.outputs() == self.ref.outputs
-        assert self.core.plan() == self.ref.plan
+        assert self.core.last_plan() == self.ref.plan
         # each slot at most once: its entries form one run, at its next positions
         runs = [e[2] for i, e in enumerate(entries) if i == 0 or entries[i - 1][2] != e[2]]
         assert len(runs) == len(set(runs))

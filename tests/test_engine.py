@@ -110,7 +110,9 @@ def test_seeded_sampling_is_reproducible(llm):
     a = firsts(llm.generate(["tell me", "tell me"], params))
     b = llm.generate("tell me", params)[0].outputs[0]
     assert a[0].token_ids == a[1].token_ids == b.token_ids
-    c = llm.generate("tell me", SamplingParams(max_tokens=16, temperature=1.0, top_k=0, seed=99))[0].outputs[0]
+    c = llm.generate("tell me", SamplingParams(max_tokens=16, temperature=1.0, top_k=0, seed=99))[0].outputs[
+        0
+    ]
     assert c.token_ids != a[0].token_ids
 
 
@@ -219,7 +221,9 @@ def test_grammar_constrains_output_and_utf8_is_never_split(llm):
 
 
 def test_logit_bias_and_penalties(llm):
-    out = llm.generate("bias", SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 50.0}))[0].outputs[0]
+    out = llm.generate("bias", SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 50.0}))[
+        0
+    ].outputs[0]
     assert out.token_ids == [400, 400, 400]
     penalised = SamplingParams(max_tokens=3, temperature=0, logit_bias={400: 5.0}, repeat_penalty=1e9)
     assert len(set(llm.generate("bias", penalised)[0].outputs[0].token_ids)) == 3
@@ -281,7 +285,9 @@ def test_prompt_too_long_or_truncated(tiny_path):
         long_prompt = " ".join(testing.english_sentences(40))
         with pytest.raises(PromptTooLong, match=f"per-request context of {limit}"):
             small.submit(long_prompt, SamplingParams(max_tokens=8))
-        out = small.generate(long_prompt, SamplingParams(max_tokens=8, temperature=0, truncate=True))[0].outputs[0]
+        out = small.generate(long_prompt, SamplingParams(max_tokens=8, temperature=0, truncate=True))[
+            0
+        ].outputs[0]
         assert out.usage.prompt_tokens == limit - 8 and out.finish_reason == "length"
         with pytest.raises(PromptTooLong):
             small.submit("hi", SamplingParams(max_tokens=limit))
@@ -336,7 +342,10 @@ def test_kv_pressure_preempts_instead_of_failing(tiny_path):
         assert sum(o.timings.preemptions for o in outs) == stats.preemptions
         assert any(isinstance(e, TickEvent) and e.preemptions for e in events)
         _assert_no_kv(small)
-        assert small.generate("still alive", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
+        assert (
+            small.generate("still alive", SamplingParams(max_tokens=3))[0].outputs[0].finish_reason
+            == "length"
+        )
 
 
 def test_decode_error_fails_affected_requests_and_engine_continues(tiny_path):
@@ -487,6 +496,8 @@ class PrefillWhenQueued:
 def test_user_strategy_sees_queue_depth(tiny_path):
     strategy = PrefillWhenQueued()
     with LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=16, strategy=strategy) as small:
-        outs = firsts(small.generate([_prompt(i) for i in range(6)], SamplingParams(max_tokens=5, temperature=0)))
+        outs = firsts(
+            small.generate([_prompt(i) for i in range(6)], SamplingParams(max_tokens=5, temperature=0))
+        )
     assert all(o.finish_reason == "length" and len(o.token_ids) == 5 for o in outs)
     assert 0 in strategy.seen_queue_depths and max(strategy.seen_queue_depths) >= 1

@@ -80,7 +80,7 @@ def test_abort_and_run_until_complete_order(tiny_path):
         assert [o.finish_reason for o in outs] == ["length", "cancelled", "length", "length", "length"]
         assert engine.stats().finish_reasons == {"length": 4, "cancelled": 1}
         table = engine.core.table
-        assert table.n_busy == 0 and not engine.has_unfinished_requests()
+        assert table.busy_slots == 0 and not engine.has_unfinished_requests()
 
 
 def test_queue_limit_and_close(tiny_path):

@@ -151,7 +151,9 @@ def test_reuse_switches_itself_off_where_unsupported(tiny_path, caplog, monkeypa
     with llm:
         assert any("prefix reuse switched off" in r.message for r in caplog.records)
         assert llm.stats().prefix_cache is False
-        outs = completions(llm.generate(["same prompt here", "same prompt here"], SamplingParams(max_tokens=4, n=2)))
+        outs = completions(
+            llm.generate(["same prompt here", "same prompt here"], SamplingParams(max_tokens=4, n=2))
+        )
         assert all(o.finish_reason == "length" and o.usage.reused_tokens == 0 for o in outs)
         with pytest.raises(ValueError, match="prefix reuse is off"):
             llm.register_prefix("a system prompt")
@@ -164,12 +166,12 @@ def test_prefix_benchmark_workloads_run(tiny_path):
     off = shared_system_prompt(str(tiny_path), prefix_cache=False, **small)
     on = shared_system_prompt(str(tiny_path), prefix_cache=True, **small)
     assert off.prompt_tokens == on.prompt_tokens == 4 * 72
-    assert off.computed_prompt_tokens == 4 * 72 and on.computed_prompt_tokens < 72 + 4 * 9
+    assert off.prefill_tokens == 4 * 72 and on.prefill_tokens < 72 + 4 * 9
     chat = {"n_conversations": 2, "n_turns": 3, "system_tokens": 32, "user_tokens": 8, "reply_tokens": 4}
     chat_off = multi_turn_chat(str(tiny_path), prefix_cache=False, **chat)
     chat_on = multi_turn_chat(str(tiny_path), prefix_cache=True, **chat)
-    assert chat_on.prompt_tokens == chat_off.prompt_tokens == chat_off.computed_prompt_tokens
-    assert chat_on.computed_prompt_tokens < 0.5 * chat_off.computed_prompt_tokens
+    assert chat_on.prompt_tokens == chat_off.prompt_tokens == chat_off.prefill_tokens
+    assert chat_on.prefill_tokens < 0.5 * chat_off.prefill_tokens
 
 
 def test_bench_prefix_cli_runs(capsys, monkeypatch):

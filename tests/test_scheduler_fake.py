@@ -418,7 +418,7 @@ def test_eviction_keeps_the_prefix_the_new_request_reuses():
     r = rec.new(shared + prompt(15, 4), greedy(2))[0]
     rec.step()
     assert core.counters.evictions == 1 and core.table.seq_len(1) == 0
-    assert core.running[0] is r and r.n_reused == 30
+    assert core.running[0] is r and r.reused_tokens == 30
     rec.run()
     rec.check_done(r)
     rec.check_done(runner)
@@ -660,7 +660,7 @@ def test_a_request_that_cannot_fit_even_alone_fails_instead_of_looping():
 
 
 def test_a_pinned_prefix_leaving_too_little_room_fails_the_request_in_bounded_steps():
-    core, ctx, model = make_core(n_parallel=2, n_ctx=64, prefix_cache=True, n_pinned_max=1)
+    core, ctx, model = make_core(n_parallel=2, n_ctx=64, prefix_cache=True, max_prefixes=1)
     rec = Recorder(core, ctx, model)
     pin = PinnedPrefix(core.kv.new_pin_seq(), prompt(40, 1))
     pinner = Request(pin.tokens, greedy(1))
@@ -676,12 +676,12 @@ def test_a_pinned_prefix_leaving_too_little_room_fails_the_request_in_bounded_st
     s = rec.new(pin.tokens + prompt(5, 3), greedy(3))[0]
     rec.run()
     rec.check_done(s)
-    assert s.finish_reason == "length" and s.n_reused == 40
+    assert s.finish_reason == "length" and s.reused_tokens == 40
 
 
 def test_a_pin_sequence_given_back_while_its_request_runs_is_not_pinned_into():
     """LLM.register_prefix gives the sequence back when its wait times out."""
-    core, ctx, model = make_core(n_parallel=2, prefix_cache=True, n_pinned_max=1, chunk_size=8)
+    core, ctx, model = make_core(n_parallel=2, prefix_cache=True, max_prefixes=1, chunk_size=8)
     rec = Recorder(core, ctx, model)
     pin = PinnedPrefix(core.kv.new_pin_seq(), prompt(30, 1))
     pinner = Request(pin.tokens, greedy(1))
@@ -818,7 +818,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             n_ctx=n_ctx,
             kv_unified=kv_unified,
             prefix_cache=reuse,
-            n_pinned_max=n_pinned,
+            max_prefixes=n_pinned,
             n_batch=max(n_batch, n_seq),
             n_ubatch=n_ubatch,
             chunk_size=chunk_size,

@@ -190,7 +190,7 @@ def test_the_protocol_docstring_example_plans_a_valid_batch():
     table.commit()
     table.accept(0, 7)
     assert table.fill(batch, strategy, 8) == 1 + 4  # slot 0 decodes, slot 1's next chunk
-    assert table.plan() == [(0, 1), (1, 4)]
+    assert table.last_plan() == [(0, 1), (1, 4)]
     table.commit()
     assert table.state(0) == SlotState.AWAIT_SAMPLE
     pool.release(batch)

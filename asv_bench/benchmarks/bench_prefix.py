@@ -64,7 +64,7 @@ class MultiTurnChat:
         self.off = multi_turn_chat(path, prefix_cache=False, reply_tokens=reply, **kwargs)
         self.on = multi_turn_chat(path, prefix_cache=True, reply_tokens=reply, **kwargs)
 
-    def track_computed_prompt_share(self, model):
-        return self.on.computed_prompt_tokens / self.off.computed_prompt_tokens
+    def track_prefill_share(self, model):
+        return self.on.prefill_tokens / self.off.prefill_tokens
 
-    track_computed_prompt_share.unit = "fraction"
+    track_prefill_share.unit = "fraction"

@@ -18,7 +18,7 @@ ctypedef struct slot_t:
     int32_t n_prompt     # prompt length
     int32_t n_hist       # tokens in the history (prompt + accepted)
     int32_t n_past       # tokens already in the KV cache (next position)
-    int32_t n_reused     # n_past given to start() (prefix reuse)
+    int32_t reused_tokens     # n_past given to start() (prefix reuse)
     int32_t fill_n       # tokens of this slot in the last fill (0: not in it)
     int32_t fill_first   # batch index of its first token in the last fill
     int32_t rank         # scratch: position in the round-robin decode order of this fill
@@ -76,7 +76,7 @@ cdef class SlotTable:
     cdef int32_t * kv_len(self, int32_t seq) noexcept nogil
     cdef void kv_push(self, int32_t seq, int32_t n) noexcept nogil
     cdef void kv_release(self, int32_t seq, int32_t p0) noexcept nogil
-    cdef int check_idle_api(self) except -1
+    cdef int check_not_planning(self) except -1
 
     cdef int transition(self, int32_t slot, int32_t new_state) except -1
     cdef int32_t gather(self, plan_in_t * p) noexcept nogil

@@ -214,7 +214,7 @@ cdef class SlotTable:
             s.n_prompt = 0
             s.n_hist = 0
             s.n_past = 0
-            s.n_reused = 0
+            s.reused_tokens = 0
         s.state = new_state
         return 0
 
@@ -223,7 +223,7 @@ cdef class SlotTable:
             raise IndexError("slot %d out of range 0..%d" % (slot, self.n_parallel - 1))
         return 0
 
-    cdef int check_idle_api(self) except -1:
+    cdef int check_not_planning(self) except -1:
         if self.in_plan:
             raise RuntimeError("the slot table cannot be changed from inside a strategy's plan()")
         return 0
@@ -237,7 +237,7 @@ cdef class SlotTable:
         last prompt token is always computed (``0 <= n_past <= len - 1``). Raises
         ``PromptTooLong`` (a ``ValueError``) if the prompt exceeds ``n_ctx_seq``.
         """
-        self.check_idle_api()
+        self.check_not_planning()
         self.check_slot(slot)
         cdef slot_t * s = &self.slots[slot]
         if s.state != ST_IDLE:
@@ -262,7 +262,7 @@ cdef class SlotTable:
         s.n_prompt = <int32_t> n
         s.n_hist = <int32_t> n
         s.n_past = n_past
-        s.n_reused = n_past
+        s.reused_tokens = n_past
         s.fill_n = 0
         self.clock += 1
         self.last_used[slot] = self.clock
@@ -274,7 +274,7 @@ cdef class SlotTable:
         Raises ``ValueError`` if the slot is not awaiting a sample or its history already
         holds ``n_ctx_seq`` tokens (no room to decode another: finish the request instead).
         """
-        self.check_idle_api()
+        self.check_not_planning()
         self.check_slot(slot)
         cdef slot_t * s = &self.slots[slot]
         if s.state != ST_AWAIT_SAMPLE:
@@ -293,7 +293,7 @@ cdef class SlotTable:
         caller removes them from llama.cpp's cache). If a fill is pending, the slot drops
         out of its commit (its output is skipped).
         """
-        self.check_idle_api()
+        self.check_not_planning()
         self.check_slot(slot)
         cdef slot_t * s = &self.slots[slot]
         cdef int32_t n = s.n_past
@@ -476,7 +476,7 @@ cdef class SlotTable:
         cdef plan_in_t p
         cdef int32_t n, nd
         cdef Strategy st
-        self.check_idle_api()
+        self.check_not_planning()
         if self.fill_pending:
             raise RuntimeError("fill() while the last fill is pending: commit() or rollback() it first")
         self.empty_fill = False
@@ -524,7 +524,7 @@ cdef class SlotTable:
         """
         cdef int32_t e, s
         cdef slot_t * sl
-        self.check_idle_api()
+        self.check_not_planning()
         if not self.fill_pending:
             if self.empty_fill:  # nothing was decoded: nothing to apply
                 self.empty_fill = False
@@ -553,7 +553,7 @@ cdef class SlotTable:
     cpdef rollback(self):
         """The decode of the last fill failed: forget the fill (the slots never changed)."""
         cdef int32_t j
-        self.check_idle_api()
+        self.check_not_planning()
         if not self.fill_pending:
             if self.empty_fill:
                 self.empty_fill = False
@@ -600,7 +600,7 @@ cdef class SlotTable:
         self.check_slot(slot)
         return self.slots[slot].fill_first if self.slots[slot].fill_n else -1
 
-    def plan(self):
+    def last_plan(self):
         """The last fill's plan: ``[(slot, n_tokens), ...]`` in batch order."""
         cdef int32_t e
         return [(self.plan_slot[e], self.plan_n[e]) for e in range(self.n_plan)]
@@ -636,10 +636,10 @@ cdef class SlotTable:
         self.check_slot(slot)
         return self.slots[slot].n_hist - self.slots[slot].n_prompt
 
-    def n_reused(self, int32_t slot):
+    def reused_tokens(self, int32_t slot):
         """Prompt tokens that were already in the KV cache at start (``n_past`` of start())."""
         self.check_slot(slot)
-        return self.slots[slot].n_reused
+        return self.slots[slot].reused_tokens
 
     def room(self, int32_t slot):
         """How many more tokens the slot's history can hold (``n_ctx_seq - len(history)``)."""
@@ -748,7 +748,7 @@ cdef class SlotTable:
 
     cdef int check_resting(self, int32_t seq) except -1:
         """Only idle slots and pinned-prefix sequences change outside a tick."""
-        self.check_idle_api()
+        self.check_not_planning()
         self.check_seq(seq)
         if seq < self.n_parallel and self.slots[seq].state != ST_IDLE:
             raise ValueError("slot %d is busy (%s)" % (seq, _STATE_BY_VALUE[self.slots[seq].state].name))
@@ -916,7 +916,7 @@ cdef class SlotTable:
         return c
 
     @property
-    def n_busy(self):
+    def busy_slots(self):
         return self.n_parallel - self.count(ST_IDLE)
 
     def states(self):
@@ -959,7 +959,7 @@ cdef class SlotTable:
 
     def __repr__(self):
         return "<SlotTable n_parallel=%d n_ctx_seq=%d chunk_size=%d busy=%d>" % (
-            self.n_parallel, self.n_ctx_seq, self.chunk_size, self.n_busy
+            self.n_parallel, self.n_ctx_seq, self.chunk_size, self.busy_slots
         )
 
 

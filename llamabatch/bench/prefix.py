@@ -45,7 +45,7 @@ class PrefixRun:
     wall_s: float
     median_ttft_s: float
     prompt_tokens: int
-    computed_prompt_tokens: int
+    prefill_tokens: int
     reused_tokens: int
 
 
@@ -150,7 +150,7 @@ def _row(workload: str, run: PrefixRun) -> dict[str, Any]:
         "t_total_s": run.wall_s,
         "ttft_p50_ms": run.median_ttft_s * 1000,
         "prompt_tokens": run.prompt_tokens,
-        "computed_prompt_tokens": run.computed_prompt_tokens,
+        "prefill_tokens": run.prefill_tokens,
         "reused_tokens": run.reused_tokens,
     }
 
@@ -161,7 +161,7 @@ _COLUMNS = (
     Column("t_total_s", "T s", ".2f"),
     Column("ttft_p50_ms", "TTFT p50", ".1f"),
     Column("prompt_tokens", "prompt tokens", "d"),
-    Column("computed_prompt_tokens", "computed", "d"),
+    Column("prefill_tokens", "computed", "d"),
     Column("reused_tokens", "reused", "d"),
 )
 
@@ -191,7 +191,7 @@ def prefix_report(rows: list[dict[str, Any]], settings: dict[str, Any]) -> Repor
     """The report of :func:`compare`'s rows: the rows with reuse on get the ratios to reuse
     off (``vs_off_time``: total time off / on, ``vs_off_ttft_p50``: median time to first
     token off / on, ``vs_off_computed``: computed prompt tokens on / off)."""
-    metrics = {"time": "t_total_s", "ttft_p50": "ttft_p50_ms", "computed": "computed_prompt_tokens"}
+    metrics = {"time": "t_total_s", "ttft_p50": "ttft_p50_ms", "computed": "prefill_tokens"}
     inverse = ("time", "ttft_p50")
     ratios = ratio_rows(
         rows, subject="on", key=("workload",), metrics=metrics, inverse=inverse, by="prefix_cache"
