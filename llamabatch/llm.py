@@ -10,6 +10,7 @@ channels. The core itself is the one ``LLMEngine`` drives on the caller's thread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ class LLM(EngineHost, Worker):
         Worker.__init__(self, "llamabatch-engine")
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
+        self._model_users = 0  # callers' threads tokenizing or building samplers (_using_model)
         EngineHost.__init__(self, model_path, **options)
         self._start()
 
@@ -83,6 +85,9 @@ class LLM(EngineHost, Worker):
             request.publish(text, token_ids, finish_reason)
 
     def _on_close(self) -> None:
+        with self._cond:  # a caller's thread may still be tokenizing with the model: let it end
+            while self._model_users:
+                self._cond.wait()
         self._free()
 
     def _interrupt(self) -> None:
@@ -99,6 +104,42 @@ class LLM(EngineHost, Worker):
         """What counts against ``max_queue`` (not the preempted requests waiting)."""
         core = self._core
         return len(self._inbox) + (core.n_queued if core is not None else 0)
+
+    # -- the model on callers' threads ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _using_model(self) -> Iterator[None]:
+        """Keep the model alive while a caller's thread uses it (tokenizing, building a
+        sampler): ``EngineClosed`` once closing, and ``close()`` frees the model only after
+        the users left (freeing it under a running ``llama_tokenize`` was a segfault)."""
+        with self._cond:
+            self._raise_if_closed()
+            self._model_users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._model_users -= 1
+                if not self._model_users:
+                    self._cond.notify_all()
+
+    def _make_requests(self, *args: Any, **kwargs: Any) -> list[Request]:
+        with self._using_model():
+            return EngineHost._make_requests(self, *args, **kwargs)
+
+    def _prompt_tokens(self, *args: Any, **kwargs: Any) -> tuple[list[int], str | None]:
+        with self._using_model():
+            return EngineHost._prompt_tokens(self, *args, **kwargs)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` under the model's vocabulary."""
+        with self._using_model():
+            return EngineHost.tokenize(self, text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens``."""
+        with self._using_model():
+            return EngineHost.detokenize(self, tokens)
 
     # -- requests (any thread) ------------------------------------------------------------
 
@@ -270,19 +311,20 @@ class LLM(EngineHost, Worker):
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
-        prompts = [
-            chat_prompt_tokens(
-                self.model,
-                self.apply_chat_template(
-                    conversation,  # type: ignore[arg-type]
-                    tools=tools,
-                    chat_template=chat_template,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template_kwargs=chat_template_kwargs,
-                ),
-            )
-            for conversation in conversations
-        ]
+        with self._using_model():
+            prompts = [
+                chat_prompt_tokens(
+                    self.model,
+                    self.apply_chat_template(
+                        conversation,  # type: ignore[arg-type]
+                        tools=tools,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        chat_template_kwargs=chat_template_kwargs,
+                    ),
+                )
+                for conversation in conversations
+            ]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
@@ -296,14 +338,15 @@ class LLM(EngineHost, Worker):
     ) -> str:
         """The prompt text for ``messages`` under the model's chat template (the GGUF's
         Jinja ``tokenizer.chat_template``, rendered as HF transformers does)."""
-        return render_chat(
-            self.model,
-            messages,
-            tools=tools,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        with self._using_model():
+            return render_chat(
+                self.model,
+                messages,
+                tools=tools,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
 
     # -- prefixes ------------------------------------------------------------------------
 
