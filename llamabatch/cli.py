@@ -316,6 +316,7 @@ def subcommands() -> list[Subcommand]:
     from llamabatch.bench import generate as bench
     from llamabatch.bench import prefix as bench_prefix
     from llamabatch.bench import serve as bench_serve
+    from llamabatch.bench import soak as bench_soak
     from llamabatch.server import cli as serve
 
     return [
@@ -356,6 +357,12 @@ def subcommands() -> list[Subcommand]:
             "prefix-reuse workloads, with reuse off and on side by side",
             bench_prefix.add_arguments,
             bench_prefix.main,
+        ),
+        (
+            "bench-soak",
+            "soak: mixed requests from many threads, cancellations, close/reopen, decode faults",
+            bench_soak.add_arguments,
+            bench_soak.main,
         ),
     ]
 
