@@ -57,6 +57,36 @@ def test_a_small_soak_holds_every_invariant(tiny_path):
     assert checks and all(r["ok"] for r in checks)
 
 
+def test_a_lost_end_is_reported_not_waited_for(tiny_path):
+    # A request whose end never reaches its caller (the engine's last publish dropped): the
+    # soak must report it within its timeout and exit, not hang.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import llamabatch.request as rq
+        from llamabatch.bench.soak import SoakConfig, run_soak
+        publish, ends = rq.Request.publish, [0]
+        def lossy(self, text, token_ids, finish_reason):
+            if finish_reason is not None:
+                ends[0] += 1
+                if ends[0] == 30:
+                    return  # lost
+            return publish(self, text, token_ids, finish_reason)
+        rq.Request.publish = lossy
+        config = SoakConfig(model={str(tiny_path)!r}, requests=120, threads=3, close_every=40,
+                            timeout=3.0, fault_rate=0.0, progress=False)
+        result = run_soak(config)
+        for v in result.violations:
+            print("VIOLATION", v.splitlines()[0])
+        sys.exit(0 if result.ok else 1)
+        """
+    )
+    run = _run(["-c", script], timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr[-2000:]
+    assert "VIOLATION" in run.stdout
+    assert any(w in run.stdout for w in ("hang", "did not end", "probe request failed")), run.stdout
+
+
 def _life(index: int = 0) -> Life:
     life = Life(index, unified=True, drained=True)
     life.completions = 3

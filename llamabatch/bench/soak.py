@@ -131,7 +131,8 @@ class Life:
     index: int
     unified: bool
     drained: bool
-    llm: Any = None
+    llm: Any = None  # dropped once closed, so that RSS shows what a closed LLM leaves behind
+    n_ctx: int | None = None
     closing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: completions ended (listener) in this life, by finish reason
@@ -162,6 +163,8 @@ class Life:
     seq_pos_max: list[int] | None = None
     busy_slots: int | None = None
     engine_requests: int | None = None
+    #: the process's RSS once this LLM was closed and dropped
+    rss_after_close: int | None = None
 
     @property
     def layout(self) -> str:
@@ -519,6 +522,7 @@ class SoakResult:
         completions = sum(life.completions for life in self.lives)
         final = self.lives[-1] if self.lives else None
         growth = None if self.rss_start is None or self.rss_end is None else self.rss_end - self.rss_start
+        closes = [life.rss_after_close for life in self.lives if life.rss_after_close]
         row: dict[str, Any] = {
             "layout": "all",
             "lives": len(self.lives),
@@ -550,6 +554,11 @@ class SoakResult:
             "rss_start_mb": None if self.rss_start is None else self.rss_start / _MB,
             "rss_end_mb": None if self.rss_end is None else self.rss_end / _MB,
             "rss_peak_mb": self.rss_peak / _MB,
+            "rss_after_each_close_mb": [round(r / _MB, 1) for r in closes],
+            # a leak grows on; allocator warm-up levels off: the second half tells them apart
+            "rss_growth_second_half_mb": (closes[-1] - closes[len(closes) // 2]) / _MB
+            if len(closes) >= 4
+            else None,
             "rss_growth_mb": None if growth is None else growth / _MB,
             "rss_growth_pct": None if growth is None else 100.0 * growth / max(self.rss_start or 1, 1),
             "wall_s": self.wall_s,
@@ -570,7 +579,7 @@ class SoakResult:
             reasons: Counter[str] = Counter()
             for life in lives:
                 reasons.update(life.ended)
-            n_ctx = lives[0].llm.n_ctx if lives[0].llm is not None else None
+            n_ctx = lives[0].n_ctx
             rows.append(
                 {
                     "layout": f"{lives[0].layout} (n_ctx {n_ctx})",
@@ -706,6 +715,7 @@ class _Soak:
         except Exception as exc:
             self.ledger.violation(f"LLM #{life.index} ({life.layout}) did not open: {exc!r}")
             return False
+        life.n_ctx = life.llm.n_ctx
         life.llm.add_listener(self._listener(life))
         return True
 
@@ -830,7 +840,11 @@ class _Soak:
             if life.fault_pending:
                 life.fault_pending = False
                 life.faults_absorbed += 1
-        self.rss_peak = max(self.rss_peak, current_rss())
+            life.llm = None  # a client still holding this life finds it closed (EngineClosed)
+        del llm
+        gc.collect()
+        life.rss_after_close = current_rss()
+        self.rss_peak = max(self.rss_peak, life.rss_after_close)
 
     # -- the fault injector ------------------------------------------------------------------
 
@@ -845,12 +859,18 @@ class _Soak:
                 continue
             with life.lock:
                 # one fault at a time, and not among the last one's error events
-                if life.closing or life.fault_pending or time.monotonic() - life.last_fault_end < 0.02:
+                llm = life.llm
+                if (
+                    llm is None
+                    or life.closing
+                    or life.fault_pending
+                    or time.monotonic() - life.last_fault_end < 0.02
+                ):
                     continue
                 life.fault_pending = True
                 life.faults_injected += 1
             injected += 1
-            life.llm.context.abort()  # the running or next llama_decode returns 2
+            llm.context.abort()  # the running or next llama_decode returns 2
 
     # -- the clients ---------------------------------------------------------------------------
 
@@ -910,6 +930,8 @@ class _Soak:
 
     def _run_sync(self, mode: str, k: int, life: Life, rng: random.Random, op: int) -> None:
         llm = life.llm
+        if llm is None:
+            raise EngineClosed("the LLM was closed and dropped")
         cfg = self.config
         ledger = self.ledger
         cancel = rng.random() < cfg.cancel_rate
@@ -1032,6 +1054,8 @@ class _Soak:
 
     async def _run_async(self, mode: str, life: Life, rng: random.Random, op: int, timeout: float) -> None:
         llm = life.llm
+        if llm is None:
+            raise EngineClosed("the LLM was closed and dropped")
         ledger = self.ledger
         params = self.workload.params(rng)
         prompt = self.workload.prompt(rng, params.max_tokens)
@@ -1252,7 +1276,13 @@ def soak_report(result: SoakResult) -> Report:
         row["runner"] = "check"
     rss = (
         f"RSS {total['rss_start_mb']:.1f} MB after the first LLM (warm-up), {total['rss_end_mb']:.1f} MB "
-        f"at the end ({total['rss_growth_mb']:+.1f} MB), peak {total['rss_peak_mb']:.1f} MB"
+        f"at the end ({total['rss_growth_mb']:+.1f} MB"
+        + (
+            ""
+            if total["rss_growth_second_half_mb"] is None
+            else f", {total['rss_growth_second_half_mb']:+.1f} MB over the second half of the LLMs"
+        )
+        + f"), peak {total['rss_peak_mb']:.1f} MB"
         if total["rss_growth_mb"] is not None
         else f"RSS peak {total['rss_peak_mb']:.1f} MB (one LLM only: no warm-up to compare with)"
     )
