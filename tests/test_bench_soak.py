@@ -1,6 +1,6 @@
 """``llamabatch bench-soak`` (issue 11): a small soak on the tiny model holds every invariant,
 the accounting catches what it is there to catch, and the engine bugs the soak found stay
-fixed (submissions racing ``close()``)."""
+fixed (submissions racing ``close()``; the Embedder's twin of that race is an xfail)."""
 
 from __future__ import annotations
 
@@ -175,6 +175,46 @@ def test_submissions_racing_close_never_crash(tiny_path):
                 t.start()
             time.sleep(0.02)
             llm.close()
+            time.sleep(0.01)
+            stop.set()
+            for t in threads:
+                t.join()
+        print("OTHER", dict(other))
+        """
+    )
+    run = _run(["-c", script], timeout=120)
+    assert run.returncode == 0, f"exit {run.returncode}: " + run.stderr[-2000:]
+    assert "OTHER {}" in run.stdout, run.stdout
+
+
+@pytest.mark.xfail(
+    reason="Embedder._submit tokenizes on the caller's thread while close() frees the model on the "
+    "worker thread (embedder.py _tokens_of / _on_close): the same use after free as LLM had",
+    strict=False,  # a race: it crashed in every try, but it is not certain to
+)
+def test_embed_racing_close_never_crashes(tiny_path):
+    script = textwrap.dedent(
+        f"""
+        import threading, time, collections
+        from llamabatch import Embedder, EngineClosed
+        text = "the quick brown fox jumps over the lazy dog " * 3000  # slow to tokenize
+        other = collections.Counter()
+        for cycle in range(5):
+            embedder = Embedder({str(tiny_path)!r}, truncate=True, n_threads=1)
+            stop = threading.Event()
+            def hammer():
+                while not stop.is_set():
+                    try:
+                        embedder.embed([text])
+                    except EngineClosed:
+                        pass
+                    except Exception as exc:
+                        other[repr(exc)] += 1
+            threads = [threading.Thread(target=hammer) for _ in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(0.05)
+            embedder.close()
             time.sleep(0.01)
             stop.set()
             for t in threads:
