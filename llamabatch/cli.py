@@ -317,6 +317,7 @@ def subcommands() -> list[Subcommand]:
     from llamabatch.bench import prefix as bench_prefix
     from llamabatch.bench import serve as bench_serve
     from llamabatch.bench import soak as bench_soak
+    from llamabatch.ray import bench as ray_bench  # loads no Ray until it runs
     from llamabatch.server import cli as serve
 
     return [
@@ -363,6 +364,12 @@ def subcommands() -> list[Subcommand]:
             "soak: mixed requests from many threads, cancellations, close/reopen, decode faults",
             bench_soak.add_arguments,
             bench_soak.main,
+        ),
+        (
+            "ray-bench",
+            "Ray's overhead vs in-process, and scaling over simulated nodes (needs llamabatch[ray])",
+            ray_bench.add_arguments,
+            ray_bench.main,
         ),
     ]
 
