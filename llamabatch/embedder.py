@@ -460,7 +460,8 @@ class Embedder(Worker):
 
     def tokenize(self, text: str) -> list[int]:
         """The tokens ``embed`` computes for ``text`` (with the model's special tokens)."""
-        return self.model.tokenize(text)
+        with self._using_resources():
+            return self.model.tokenize(text)
 
     @overload
     def embed(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
@@ -832,9 +833,8 @@ class Embedder(Worker):
     ) -> _Job:
         """Tokenize and check ``texts`` (the call's texts from ``offset``) on the caller's
         thread, then enqueue them as one job filling ``out[offset:]``."""
-        if self._closing:
-            raise EngineClosed("the embedder is closed")
-        tokens = [self._tokens_of(offset + i, text) for i, text in enumerate(texts)]
+        with self._using_resources():  # EngineClosed once closing; close() waits for it
+            tokens = [self._tokens_of(offset + i, text) for i, text in enumerate(texts)]
         seqs: list[_Seq] = []
         job = _Job(out, 0, bar)
         for i, t in enumerate(tokens):
@@ -907,9 +907,8 @@ class Embedder(Worker):
         with self._cond:
             pack = self._take_pack()
         if pack:
-            self._pack = pack
+            self._pack = pack  # what _fail_pending ends if the worker stops in the middle
             self._process(pack)
-            self._pack = []
 
     def _interrupt(self) -> None:
         context = getattr(self, "context", None)
@@ -972,7 +971,8 @@ class Embedder(Worker):
                 if outcome.ok:
                     self._collect(part)
                 elif outcome.code is DecodeCode.ABORTED and self._closing:
-                    return  # closing: what is left ends with EngineClosed (_fail_pending)
+                    self._pack = pack[run.start :]  # closing: these end with EngineClosed (_fail_pending)
+                    return
                 else:
                     self.context.clear_abort()
                     error = self._failure(outcome, part, retries)
@@ -980,6 +980,7 @@ class Embedder(Worker):
                         seq.job.fail(error)
                     failed += len(part)
                 run.start += len(part)
+            self._pack = []
         finally:
             self._account(pack, waits, run, retries, failed, time.perf_counter() - t_start)
 

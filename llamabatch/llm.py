@@ -10,7 +10,6 @@ channels. The core itself is the one ``LLMEngine`` drives on the caller's thread
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -44,7 +43,6 @@ class LLM(EngineHost, Worker):
         Worker.__init__(self, "llamabatch-engine")
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
-        self._model_users = 0  # callers' threads tokenizing or building samplers (_using_model)
         EngineHost.__init__(self, model_path, **options)
         self._start()
 
@@ -85,9 +83,6 @@ class LLM(EngineHost, Worker):
             request.publish(text, token_ids, finish_reason)
 
     def _on_close(self) -> None:
-        with self._cond:  # a caller's thread may still be tokenizing with the model: let it end
-            while self._model_users:
-                self._cond.wait()
         self._free()
 
     def _interrupt(self) -> None:
@@ -107,38 +102,22 @@ class LLM(EngineHost, Worker):
 
     # -- the model on callers' threads ----------------------------------------------------
 
-    @contextlib.contextmanager
-    def _using_model(self) -> Iterator[None]:
-        """Keep the model alive while a caller's thread uses it (tokenizing, building a
-        sampler): ``EngineClosed`` once closing, and ``close()`` frees the model only after
-        the users left (freeing it under a running ``llama_tokenize`` was a segfault)."""
-        with self._cond:
-            self._raise_if_closed()
-            self._model_users += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._model_users -= 1
-                if not self._model_users:
-                    self._cond.notify_all()
-
     def _make_requests(self, *args: Any, **kwargs: Any) -> list[Request]:
-        with self._using_model():
+        with self._using_resources():
             return EngineHost._make_requests(self, *args, **kwargs)
 
     def _prompt_tokens(self, *args: Any, **kwargs: Any) -> tuple[list[int], str | None]:
-        with self._using_model():
+        with self._using_resources():
             return EngineHost._prompt_tokens(self, *args, **kwargs)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text`` under the model's vocabulary."""
-        with self._using_model():
+        with self._using_resources():
             return EngineHost.tokenize(self, text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens``."""
-        with self._using_model():
+        with self._using_resources():
             return EngineHost.detokenize(self, tokens)
 
     # -- requests (any thread) ------------------------------------------------------------
@@ -311,7 +290,7 @@ class LLM(EngineHost, Worker):
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
-        with self._using_model():
+        with self._using_resources():
             prompts = [
                 chat_prompt_tokens(
                     self.model,
@@ -338,7 +317,7 @@ class LLM(EngineHost, Worker):
     ) -> str:
         """The prompt text for ``messages`` under the model's chat template (the GGUF's
         Jinja ``tokenizer.chat_template``, rendered as HF transformers does)."""
-        with self._using_model():
+        with self._using_resources():
             return render_chat(
                 self.model,
                 messages,

@@ -41,10 +41,11 @@ nothing is queued after the worker stopped taking work.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,6 +74,7 @@ class Worker:
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._closing = False  # no more work accepted: close() was called, or the worker crashed
         self._shut_down = False  # _fail_pending and _on_close have run
+        self._resource_users = 0  # callers' threads inside _using_resources()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -115,6 +117,23 @@ class Worker:
         """``EngineClosed`` when no more work is accepted (call with ``_cond`` held)."""
         if self._closing:
             raise EngineClosed(f"the {self._kind} is closed")
+
+    @contextlib.contextmanager
+    def _using_resources(self) -> Iterator[None]:
+        """Keep the resources (the model) alive while a caller's thread uses them
+        (tokenizing, building a sampler): ``EngineClosed`` once closing, and ``_on_close``
+        runs only after every such user has left (freeing the model under a running
+        ``llama_tokenize`` was a segfault)."""
+        with self._cond:
+            self._raise_if_closed()
+            self._resource_users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resource_users -= 1
+                if not self._resource_users:
+                    self._cond.notify_all()
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn()`` on the worker thread (the context's only user); return its result.
@@ -209,6 +228,9 @@ class Worker:
             self._fail_pending(error)
         except Exception:  # pragma: no cover - a bug in a subclass
             logger.exception("llamabatch: ending the %s's pending work failed", self._kind)
+        with self._cond:  # callers' threads may still be using the model: let them finish
+            while self._resource_users:
+                self._cond.wait()
         try:
             self._on_close()
         except Exception:  # pragma: no cover - a bug in a subclass

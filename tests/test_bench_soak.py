@@ -1,6 +1,6 @@
 """``llamabatch bench-soak`` (issue 11): a small soak on the tiny model holds every invariant,
 the accounting catches what it is there to catch, and the engine bugs the soak found stay
-fixed (submissions racing ``close()``; the Embedder's twin of that race is an xfail)."""
+fixed (submissions racing ``close()``, in ``LLM`` and ``Embedder``)."""
 
 from __future__ import annotations
 
@@ -187,11 +187,6 @@ def test_submissions_racing_close_never_crash(tiny_path):
     assert "OTHER {}" in run.stdout, run.stdout
 
 
-@pytest.mark.xfail(
-    reason="Embedder._submit tokenizes on the caller's thread while close() frees the model on the "
-    "worker thread (embedder.py _tokens_of / _on_close): the same use after free as LLM had",
-    strict=False,  # a race: it crashed in every try, but it is not certain to
-)
 def test_embed_racing_close_never_crashes(tiny_path):
     script = textwrap.dedent(
         f"""
