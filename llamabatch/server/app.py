@@ -66,6 +66,17 @@ def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(_dumps(obj), status_code=status, headers=headers, media_type="application/json")
 
 
+def _chunk(
+    kind: str, rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
+) -> bytes:
+    """One streamed chunk of a completion (``kind``: its OpenAI object type) with one choice;
+    ``usage`` is null on every chunk but the last when the client asked for it."""
+    obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        obj["usage"] = None
+    return _sse(obj)
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + _dumps(obj) + b"\n\n"
 
@@ -446,16 +457,7 @@ class OpenAIServer:
         n_prompt = n_completion = cached = 0
 
         def chunk(choice: dict[str, Any]) -> bytes:
-            obj = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                obj["usage"] = None
-            return _sse(obj)
+            return _chunk("text_completion", rid, created, self.model_name, choice, include_usage)
 
         async for p, delta in gen:
             index = p * n + delta.index
@@ -574,16 +576,7 @@ class OpenAIServer:
         n_prompt = n_completion = cached = 0
 
         def chunk(choice: dict[str, Any]) -> bytes:
-            obj = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                obj["usage"] = None
-            return _sse(obj)
+            return _chunk("chat.completion.chunk", rid, created, self.model_name, choice, include_usage)
 
         async for _, delta in gen:
             index = delta.index
