@@ -180,16 +180,12 @@ class EngineCore:
         for request in aborts:
             if request.done:
                 continue
-            try:
-                slot = self.running.index(request)
-            except ValueError:
-                try:
-                    self.waiting.remove(request)
-                except ValueError:
-                    continue  # not submitted here (yet)
-                self._end(request, "cancelled")
-            else:
+            slot = self._slot_of(request)
+            if slot >= 0:
                 self._finish(slot, "cancelled")
+            elif request in self.waiting:
+                self.waiting.remove(request)
+                self._end(request, "cancelled")
 
     def _admit(self) -> None:
         """Admit waiting requests into idle slots, first come first served, while they fit.
