@@ -6,6 +6,11 @@ core tests stay within about a minute on 2 cores).
 
 Tests marked ``slow`` (minutes: the 1,000-mutant GGUF fuzz run, the 135M model) are skipped
 unless pytest runs with ``--runslow``.
+
+Subprocesses the tests start (``python -m llamabatch``, ``python -c``) must import the
+installed package, not the source tree they run in (which holds no compiled extensions
+after a plain ``pip install .``): ``PYTHONSAFEPATH`` keeps the current directory off their
+``sys.path``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
