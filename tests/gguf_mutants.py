@@ -1328,7 +1328,8 @@ class _Child:
         self.stderr = self.stderr_path.open("wb")
         env = dict(os.environ)
         here = str(Path(__file__).resolve().parent)
-        env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+        # (no empty entry: it would put the current directory, maybe an unbuilt source tree, first)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
         env["PYTHONFAULTHANDLER"] = "1"
         env["GGML_NO_BACKTRACE"] = "1"  # ggml would attach gdb to print a backtrace on abort
         self.proc = subprocess.Popen(
