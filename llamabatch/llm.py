@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -125,8 +126,6 @@ class LLM(EngineHost, Worker):
     def _enqueue(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
         """Queue requests (all or none). ``QueueFull`` beyond ``max_queue``, unless
         ``block``, which waits for room (not on the engine thread: it would wait forever)."""
-        import time
-
         if block and self.on_worker_thread:
             block = False
         deadline = None if timeout is None else time.monotonic() + timeout
