@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -48,10 +49,16 @@ def tiny() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A 2-node simulated cluster (2 CPUs per node), connected; torn down with all its processes."""
+def cluster(tmp_path_factory):
+    """A 2-node simulated cluster (2 CPUs per node), connected; torn down with all its processes.
+
+    Ray's workers put the driver's working directory first on ``sys.path``: the cluster runs
+    from an empty directory, so they import the installed llamabatch, never a source tree
+    without its compiled extensions (as in CI's fresh clone)."""
     from ray.cluster_utils import Cluster
 
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-cwd"))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         c.add_node(num_cpus=2)
@@ -64,6 +71,7 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        os.chdir(cwd)
 
 
 def _prompts(n: int) -> list[str]:
