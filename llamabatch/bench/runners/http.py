@@ -127,7 +127,7 @@ class HTTPRunner:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        break
+                        continue  # read the stream to its end: its generators then finish here
                     now = time.perf_counter()
                     chunk = json.loads(data)
                     if chunk.get("error"):
