@@ -121,6 +121,11 @@ class LLM(EngineHost, Worker):
         with self._using_resources():
             return EngineHost.detokenize(self, tokens)
 
+    def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
+        """``PromptTooLong`` when ``text`` cannot fit the context, before tokenizing it."""
+        with self._using_resources():
+            EngineHost.check_prompt_bytes(self, text, max_tokens)
+
     # -- requests (any thread) ------------------------------------------------------------
 
     def _enqueue(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
@@ -231,7 +236,7 @@ class LLM(EngineHost, Worker):
     async def astream(self, prompt: Prompt, params: Params = None) -> AsyncIterator[Delta]:
         """Async iterator of deltas (``.index`` tells ``n > 1`` completions apart);
         cancelling the consuming task cancels the request."""
-        requests, aqueue = self._submit_async(prompt, params, streaming=True)
+        requests, aqueue = await self._submit_async(prompt, params, streaming=True)
         try:
             ends = 0
             while ends < len(requests):
@@ -246,7 +251,7 @@ class LLM(EngineHost, Worker):
     async def agenerate(self, prompt: Prompt, params: Params = None) -> RequestOutput:
         """Await one prompt's ``RequestOutput`` (all ``n`` completions); cancelling the
         awaiting task cancels the request."""
-        requests, aqueue = self._submit_async(prompt, params, streaming=False)
+        requests, aqueue = await self._submit_async(prompt, params, streaming=False)
         try:
             ends = 0
             while ends < len(requests):  # only the completions' ends arrive
@@ -255,14 +260,20 @@ class LLM(EngineHost, Worker):
             self._cancel_unfinished(requests)
         return request_output(requests)
 
-    def _submit_async(self, prompt: Prompt, params: Params, streaming: bool) -> tuple[list[Request], Any]:
-        """Submit a prompt whose deltas go to an asyncio queue of the running loop."""
+    async def _submit_async(
+        self, prompt: Prompt, params: Params, streaming: bool
+    ) -> tuple[list[Request], Any]:
+        """Submit a prompt whose deltas go to an asyncio queue of the running loop. The
+        prompt is tokenized and its samplers (grammars) built in a worker thread, so a heavy
+        prompt or grammar does not stall the event loop."""
         with self._cond:
             self._raise_if_closed()
         channel = Channel()
         aqueue: asyncio.Queue[Any] = asyncio.Queue()
         channel.listen_from(asyncio.get_running_loop(), aqueue)
-        requests = self._make_requests(prompt, params, channel=channel, streaming=streaming)
+        requests = await asyncio.to_thread(
+            self._make_requests, prompt, params, channel=channel, streaming=streaming
+        )
         self._enqueue(requests)
         return requests, aqueue
 

@@ -35,6 +35,22 @@ Prompt = str | Sequence[int]
 _DEFAULT_PARAMS = SamplingParams()
 
 
+#: ``tokenizer.ggml.model`` of vocabularies whose tokens together cover every input byte
+#: (SentencePiece, byte-level BPE): n tokens cover at most n times the longest token's bytes
+_BYTE_COVERING_TOKENIZERS = frozenset({"llama", "gpt2"})
+
+
+def prompt_bytes_bound(model: Model, n_tokens: int) -> int | None:
+    """The most UTF-8 bytes ``n_tokens`` tokens of ``model`` can stand for (see
+    ``EngineHost.max_prompt_bytes``), or ``None`` when the tokenizer may drop input bytes."""
+    if model.meta("tokenizer.ggml.model") not in _BYTE_COVERING_TOKENIZERS:
+        return None
+    longest = 4  # an unknown character (up to 4 bytes) may become one unknown-token id
+    for token in range(model.n_vocab):
+        longest = max(longest, len(model.token_to_piece(token, special=True)))
+    return n_tokens * longest
+
+
 class EngineOptions(TypedDict, total=False):
     """The keyword options of ``LLM`` and ``LLMEngine`` (documented on ``EngineHost``)."""
 
@@ -193,10 +209,44 @@ class EngineHost:
 
     # -- prompts to requests ----------------------------------------------------------------
 
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The longest text (UTF-8 bytes) whose tokens could fit one request's context,
+        ``n_ctx_seq`` times the longest token's bytes; a longer text prompt is refused with
+        ``PromptTooLong`` before it is tokenized (tokenizing a long run without whitespace
+        costs time quadratic in its length). ``None`` for vocabularies that may drop input
+        bytes (WordPiece, Unigram), where no such bound holds. Computed once, on first use."""
+        bound = self.__dict__.get("_max_prompt_bytes", False)
+        if bound is False:
+            bound = prompt_bytes_bound(self.model, self.n_ctx_seq)
+            self.__dict__["_max_prompt_bytes"] = bound
+        return bound
+
+    def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
+        """Raise ``PromptTooLong`` when ``text`` cannot fit the context whatever the
+        tokenizer makes of it (see :attr:`max_prompt_bytes`), leaving ``max_tokens``."""
+        bound = self.max_prompt_bytes
+        room = self.n_ctx_seq - max_tokens
+        if bound is None or room < 1:
+            return  # no bound, or the token count check refuses it anyway
+        per_token = bound // self.n_ctx_seq
+        limit = per_token * room
+        if len(text) * 4 <= limit:  # 4: the most UTF-8 bytes one character takes
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLong(
+                f"the prompt is {size} bytes of UTF-8: more than {room} tokens of at most {per_token} "
+                f"bytes each, so it cannot fit the per-request context of {self.n_ctx_seq} tokens "
+                f"(max_tokens {max_tokens}); refused before tokenizing"
+            )
+
     def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> tuple[list[int], str | None]:
         """``(token ids, prompt text or None)``; raises for a bad or over-long prompt."""
         normalized = normalize_prompt(prompt)
         if isinstance(normalized, str):
+            if not params.truncate:
+                self.check_prompt_bytes(normalized, params.max_tokens)
             tokens = self.model.tokenize(normalized, add_special=True, parse_special=True)
             if not tokens:
                 raise ValueError("the prompt tokenizes to nothing")

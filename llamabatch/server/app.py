@@ -4,6 +4,10 @@ Built on llamabatch's public API only: ``LLM.astream``/``agenerate`` and
 ``apply_chat_template``, ``Embedder.aembed``, ``SamplingParams`` and
 ``llamabatch.metrics``. Every request runs on the event loop; the engines' own threads do
 the work, so one process serves many clients with one batched forward pass per tick.
+Nothing heavier than parsing a bounded body runs on the loop: tokenizing, rendering chat
+templates and building samplers (grammars) happen in worker threads (``asyncio.to_thread``;
+``astream``/``agenerate``/``aembed`` do it themselves), and the HTTP edge (Host, Content-Type,
+body size and time) is checked first, by ``limits.EdgeGuard``.
 
 A client that goes away cancels its generation: each request races its work against the
 ASGI ``http.disconnect`` message, and cancelling the task that awaits ``astream`` cancels the
@@ -21,13 +25,17 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from llamabatch import LLM, Embedder, EngineClosed, PromptTooLong, QueueFull, SamplingParams
-from llamabatch.chat_template import chat_prompt_tokens
+from llamabatch.chat_template import special_token_text
+from llamabatch.llm_engine import prompt_bytes_bound
 from llamabatch.metrics import PrometheusListener
+from llamabatch.server.limits import EdgeGuard, ServerLimits, parse_json
 from llamabatch.server.protocol import (
     APIError,
     Body,
@@ -42,6 +50,7 @@ from llamabatch.server.protocol import (
     new_id,
     now,
     param_of_error,
+    request_field,
     sampling_params,
     usage,
 )
@@ -52,6 +61,8 @@ __all__ = ["create_app"]
 
 #: seconds a client is asked to wait after a 503 for a full queue
 RETRY_AFTER_S = 1
+#: bodies up to this size are parsed on the event loop; bigger ones in a worker thread
+_INLINE_PARSE_BYTES = 64 * 1024
 
 
 class ClientGone(Exception):
@@ -250,6 +261,8 @@ class OpenAIServer:
                 metrics.attach(embedder, self.embedding_model_name)
         self.metrics = metrics
         self.token_text = TokenText(llm.model) if llm is not None else None
+        #: the embedder's text bound in bytes (``prompt_bytes_bound``), computed on first use
+        self._embedding_bytes: int | bool | None = False
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -276,8 +289,16 @@ class OpenAIServer:
                 return _json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
             except EngineClosed as exc:
                 return _json_response(APIError(503, str(exc), type="server_error").body(), 503)
-            except (ValueError, TypeError) as exc:
-                return _json_response(bad_request(str(exc), param=param_of_error(str(exc))).body(), 400)
+            except (ValueError, TypeError) as exc:  # a grammar llama.cpp refused at submit, ...
+                param = param_of_error(str(exc))
+                body = getattr(request.state, "body", None)
+                if body is not None:
+                    param = request_field(body, param)
+                return _json_response(bad_request(str(exc), param=param).body(), 400)
+            except RecursionError:  # a request nested too deeply for some check: its fault
+                logger.warning("llamabatch server: %s: a request nested too deeply", request.url.path)
+                error = bad_request("the request is nested too deeply")
+                return _json_response(error.body(), 400)
             except Exception as exc:
                 logger.exception("llamabatch server: %s failed", request.url.path)
                 return _json_response(
@@ -302,12 +323,60 @@ class OpenAIServer:
 
     @staticmethod
     async def _body(request: Request, endpoint: str) -> Body:
+        """The request's JSON body (size and time bounded by ``EdgeGuard``), parsed strictly
+        (``limits.parse_json``: 400 for bad JSON, NaN/Infinity, deep nesting)."""
         raw = await request.body()
+        if len(raw) <= _INLINE_PARSE_BYTES:
+            data = parse_json(raw)
+        else:
+            data = await asyncio.to_thread(parse_json, raw)
+        body = request.state.body = Body(data, endpoint)
+        return body
+
+    @staticmethod
+    def _check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:
+        """400 for a request whose completions could never wait in the queue together
+        (a 503 would tell the client to retry what can never succeed)."""
+        if n > llm.max_queue:
+            raise bad_request(
+                f"'n' is {n}, more completions than the server queues at once (--max-queue {llm.max_queue})",
+                param="n",
+            )
+        if n_prompts * n > llm.max_queue:
+            raise bad_request(
+                f"{n_prompts} prompts x n={n} make {n_prompts * n} completions, more than the server "
+                f"queues at once (--max-queue {llm.max_queue}); send fewer prompts per request",
+                param="prompt",
+            )
+
+    @staticmethod
+    def _prompt_fits(llm: LLM, text: str, param: str) -> None:
+        """400 ``context_length_exceeded`` for text too long for any tokenization to fit."""
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-        return Body(data, endpoint)
+            llm.check_prompt_bytes(text)
+        except PromptTooLong as exc:
+            raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
+
+    def _tokenize_prompts(self, llm: LLM, prompts: Sequence[Any]) -> list[list[int]]:
+        """Each prompt as token ids (a worker thread runs this: tokenizing is CPU work)."""
+        token_prompts = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self._prompt_fits(llm, prompt, "prompt")
+                prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
+            elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
+                raise bad_request(
+                    f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt"
+                )
+            token_prompts.append(prompt)
+        return token_prompts
+
+    def _chat_tokens(self, llm: LLM, text: str) -> list[int]:
+        """A rendered chat prompt's token ids, as ``chat_prompt_tokens`` makes them (special
+        tokens parsed, no doubled BOS), through ``LLM.tokenize`` (a worker thread runs this)."""
+        self._prompt_fits(llm, text, "messages")
+        bos = special_token_text(llm.model, llm.model.bos)
+        return llm.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
     def _need_llm(self) -> LLM:
         if self.llm is None:
@@ -380,23 +449,18 @@ class OpenAIServer:
         body = await self._body(request, "/v1/completions")
         llm = self._need_llm()
         prompts = completion_prompts(body)
-        token_prompts = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
-            elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
-                raise bad_request(
-                    f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt"
-                )
-            token_prompts.append(prompt)
+        self._check_queue_room(llm, len(prompts), 1)
+        token_prompts = await asyncio.to_thread(self._tokenize_prompts, llm, prompts)
         logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
-        params = sampling_params(
+        params = await asyncio.to_thread(
+            sampling_params,
             body,
             chat=False,
             prompt_tokens=max(map(len, token_prompts)),
             n_ctx_seq=llm.n_ctx_seq,
             logprobs=logprobs,
         )
+        self._check_queue_room(llm, len(prompts), params.n)
         echo = body.get("echo", "bool", False)
         if body.get("suffix", "str"):
             raise bad_request("'suffix' is not supported", param="suffix")
@@ -405,8 +469,11 @@ class OpenAIServer:
             raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
         stream, include_usage = self._stream_options(body)
         body.warn_unknown()
+        detokenize = llm.model.detokenize
         texts = (
-            [p if isinstance(p, str) else llm.model.detokenize(p, unparse_special=True) for p in prompts]
+            await asyncio.to_thread(
+                lambda: [p if isinstance(p, str) else detokenize(p, unparse_special=True) for p in prompts]
+            )
             if echo
             else None
         )
@@ -513,28 +580,36 @@ class OpenAIServer:
             tools = None
         elif tool_choice not in (None, "auto"):
             raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
-        try:
-            text = llm.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=self.chat_template,
-                add_generation_prompt=body.get("add_generation_prompt", "bool", True),
-                chat_template_kwargs=body.get("chat_template_kwargs", "dict"),
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        tokens = chat_prompt_tokens(llm.model, text)
+        add_generation_prompt = body.get("add_generation_prompt", "bool", True)
+        template_kwargs = body.get("chat_template_kwargs", "dict")
+
+        def render() -> list[int]:  # in a worker thread: Jinja and the tokenizer are CPU work
+            try:
+                text = llm.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=template_kwargs,
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc), param="messages") from None
+            return self._chat_tokens(llm, text)
+
+        tokens = await asyncio.to_thread(render)
         want_logprobs = body.get("logprobs", "bool", False)
         top = body.get("top_logprobs", "int", minimum=0, maximum=20)
         if top is not None and not want_logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        params = sampling_params(
+        params = await asyncio.to_thread(
+            sampling_params,
             body,
             chat=True,
             prompt_tokens=len(tokens),
             n_ctx_seq=llm.n_ctx_seq,
             logprobs=(top or 0) if want_logprobs else None,
         )
+        self._check_queue_room(llm, 1, params.n)
         stream, include_usage = self._stream_options(body)
         body.warn_unknown()
         if stream:
@@ -662,7 +737,7 @@ class OpenAIServer:
             raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
         body.warn_unknown()
         try:
-            n_tokens = sum(len(embedder.tokenize(t)) for t in texts)
+            n_tokens = await asyncio.to_thread(self._count_embedding_tokens, embedder, texts)
             vectors = await until_disconnect(request.receive, embedder.aembed(texts))
         except PromptTooLong as exc:
             raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
@@ -679,6 +754,22 @@ class OpenAIServer:
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
             }
         )
+
+    def _count_embedding_tokens(self, embedder: Embedder, texts: Sequence[str]) -> int:
+        """The tokens of ``texts`` (a worker thread runs this); a text too long for any
+        tokenization to fit the embedder's limit is refused first."""
+        if self._embedding_bytes is False:
+            self._embedding_bytes = prompt_bytes_bound(embedder.model, embedder.max_tokens)
+        bound = None if getattr(embedder, "truncate", False) else self._embedding_bytes
+        for i, text in enumerate(texts):
+            if bound is not None and len(text) * 4 > bound and len(text.encode("utf-8", "replace")) > bound:
+                raise bad_request(
+                    f"'input[{i}]' is {len(text.encode('utf-8', 'replace'))} bytes, more than "
+                    f"{embedder.max_tokens} tokens of this vocabulary can hold ({bound})",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        return sum(len(embedder.tokenize(t)) for t in texts)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request, "/tokenize")
@@ -697,27 +788,36 @@ class OpenAIServer:
         else:
             assert self.embedder is not None
             model, max_len = self.embedder.model, self.embedder.max_tokens
-        if messages is not None:
-            llm = self._need_llm()
-            try:
-                rendered = llm.apply_chat_template(
-                    messages,
-                    chat_template=self.chat_template,
-                    add_generation_prompt=body.get("add_generation_prompt", "bool", True),
-                )
-            except ValueError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            tokens = chat_prompt_tokens(model, rendered)
-        else:
-            tokens = model.tokenize(text, add_special=add_special, parse_special=True)
+        add_generation_prompt = body.get("add_generation_prompt", "bool", True)
+        llm = self._need_llm() if messages is not None else self.llm
         body.warn_unknown()
-        out: list[Any] = tokens
-        if with_pieces:
-            out = [
+
+        def run() -> list[Any]:  # in a worker thread: rendering and tokenizing are CPU work
+            if messages is not None:
+                assert llm is not None
+                try:
+                    rendered = llm.apply_chat_template(
+                        messages,
+                        chat_template=self.chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                    )
+                except ValueError as exc:
+                    raise bad_request(str(exc), param="messages") from None
+                tokens = self._chat_tokens(llm, rendered)
+            elif llm is not None:
+                self._prompt_fits(llm, text, "prompt")
+                tokens = llm.tokenize(text, add_special=add_special, parse_special=True)
+            else:
+                tokens = model.tokenize(text, add_special=add_special, parse_special=True)
+            if not with_pieces:
+                return tokens
+            return [
                 {"id": t, "piece": model.token_to_piece(t, special=True).decode("utf-8", "replace")}
                 for t in tokens
             ]
-        return _json_response({"tokens": out, "count": len(tokens), "max_model_len": max_len})
+
+        out = await asyncio.to_thread(run)
+        return _json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._body(request, "/detokenize")
@@ -726,8 +826,8 @@ class OpenAIServer:
             raise bad_request("'tokens' must be an array of token ids", param="tokens")
         body.warn_unknown()
         model = self.llm.model if self.llm is not None else self.embedder.model  # type: ignore[union-attr]
-        try:
-            text = model.detokenize(tokens, unparse_special=True)  # special tokens as text
+        try:  # special tokens as text, in a worker thread
+            text = await asyncio.to_thread(model.detokenize, tokens, unparse_special=True)
         except ValueError as exc:
             raise bad_request(str(exc), param="tokens") from None
         return _json_response({"prompt": text, "content": text})
@@ -742,6 +842,8 @@ def create_app(
     api_key: str | None = None,
     metrics: PrometheusListener | None = None,
     chat_template: str | None = None,
+    limits: ServerLimits | None = None,
+    cors_origins: Sequence[str] | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
 
@@ -757,6 +859,11 @@ def create_app(
             attached to both engines).
         chat_template: a Jinja chat template (or llama.cpp built-in name) replacing the
             GGUF's.
+        limits: the HTTP edge's limits (``ServerLimits``: body size, body time, allowed
+            ``Host`` names); default: ``ServerLimits()`` (16 MiB, 60 s, IP literals and
+            localhost names).
+        cors_origins: origins browsers may call the server from (``["*"]``: any); default
+            none, and no CORS headers are sent.
     """
     server = OpenAIServer(
         llm,
@@ -791,6 +898,16 @@ def create_app(
         )
         return _json_response(error.body(), exc.status_code, dict(exc.headers or {}))
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = [Middleware(EdgeGuard, limits=limits if limits is not None else ServerLimits())]
+    if cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.server = server
     return app

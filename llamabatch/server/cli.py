@@ -81,6 +81,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default info",
     )
     parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    h = parser.add_argument_group("HTTP limits (see README: Running it safely)")
+    h.add_argument(
+        "--max-body-mb",
+        type=_positive_float,
+        default=16.0,
+        help="largest request body in MiB; bigger ones get 413 (default 16)",
+    )
+    h.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds a client may take to send a request's headers, and its body (default 60)",
+    )
+    h.add_argument(
+        "--timeout-keep-alive", type=int, default=5, help="seconds an idle kept-alive connection stays open"
+    )
+    h.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections (and requests in flight) before new requests get 503 (default 1024)",
+    )
+    h.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=[],
+        metavar="NAMES",
+        help="comma-separated Host names served besides IP addresses and localhost ('*': any; "
+        "'.example.com': a domain and its subdomains); other Hosts get 400 (closes DNS rebinding)",
+    )
+    h.add_argument(
+        "--cors-origins",
+        type=_names,
+        default=[],
+        metavar="ORIGINS",
+        help="comma-separated origins web pages may call from ('*': any); default none (no CORS)",
+    )
+    h.add_argument(
+        "--forwarded-allow-ips",
+        type=_names,
+        default=[],
+        metavar="IPS",
+        help="comma-separated proxy addresses whose X-Forwarded-For/-Proto are trusted; default none",
+    )
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return number
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -131,6 +186,8 @@ def main(args: argparse.Namespace) -> int:
             embedding_model_name=args.embedding_model_name,
             api_key=args.api_key,
             chat_template=_chat_template(args.chat_template),
+            limits=_limits(args),
+            cors_origins=args.cors_origins,
         )
     except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
         print(f"llamabatch serve: error: {exc}", file=sys.stderr)
@@ -149,12 +206,39 @@ def main(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=not args.no_access_log,
             timeout_graceful_shutdown=5,
+            **_http_options(args),
         )
     finally:
         for engine in (llm, embedder):
             if engine is not None:
                 engine.close()
     return 0
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    """The app's ``ServerLimits`` from the flags; ``--host``, when a name, is allowed too."""
+    from llamabatch.server.limits import ServerLimits
+
+    return ServerLimits(
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        timeout=args.timeout,
+        allowed_hosts=(*args.allowed_hosts, args.host),
+    )
+
+
+def _http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's options for the HTTP edge: the request head's deadline (``--timeout``; a
+    protocol class of ours, uvicorn has none), keep-alive, the connection cap, and proxy
+    headers trusted only from ``--forwarded-allow-ips`` (uvicorn trusts 127.0.0.1 by default)."""
+    from llamabatch.server.limits import deadline_protocol
+
+    return {
+        "http": deadline_protocol("auto", args.timeout),
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "limit_concurrency": args.max_connections,
+        "proxy_headers": bool(args.forwarded_allow_ips),
+        "forwarded_allow_ips": args.forwarded_allow_ips or None,
+    }
 
 
 def _llm_options(args: argparse.Namespace) -> dict[str, Any]:

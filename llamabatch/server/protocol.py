@@ -33,6 +33,12 @@ _PARAM_FIELDS = {
 #: vLLM clamps log-probabilities that JSON cannot carry (-inf) to this.
 LOGPROB_FLOOR = -9999.0
 
+#: the most messages one chat request may hold (rendering them is CPU work per message)
+MAX_MESSAGES = 4096
+
+#: request fields a grammar can come from: a grammar error names the one the request used
+_GRAMMAR_FIELDS = ("grammar", "response_format", "json_schema")
+
 
 class APIError(Exception):
     """An error answered with OpenAI's error JSON: ``{"error": {message, type, param, code}}``."""
@@ -225,9 +231,20 @@ def sampling_params(
             param = max_field
         elif param == "logprobs":
             param = "top_logprobs" if chat else "logprobs"
-        elif param in _PARAM_FIELDS:
-            param = next((n for n in _PARAM_FIELDS[param] if n in body), param)
+        else:
+            param = request_field(body, param)
         raise bad_request(str(exc), param=param) from None
+
+
+def request_field(body: Body, param: str | None) -> str | None:
+    """The request field a ``SamplingParams`` field ``param`` came from: ``repeat_last_n``
+    for ``penalty_last_n``, and ``response_format`` or ``json_schema`` for ``grammar`` (both
+    become a grammar) when the request sent those."""
+    if param in _PARAM_FIELDS:
+        return next((n for n in _PARAM_FIELDS[param] if n in body), param)
+    if param in _GRAMMAR_FIELDS and param not in body:
+        return next((n for n in _GRAMMAR_FIELDS if n in body), param)
+    return param
 
 
 def _stop(body: Body) -> tuple[str, ...]:
@@ -296,6 +313,10 @@ def chat_messages(body: Body) -> list[dict[str, Any]]:
     body.read.add("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(
+            f"'messages' holds {len(messages)} messages; the limit is {MAX_MESSAGES}", param="messages"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"'messages[{i}]' must be an object", param="messages")
