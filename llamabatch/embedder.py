@@ -144,6 +144,12 @@ def _as_texts(texts: Any) -> tuple[bool, list[str]]:
         raise TypeError(f"texts must be a str or a sequence of str, got {type(texts).__name__}") from None
 
 
+def _cancel_submitted(submit: asyncio.Future[Any]) -> None:
+    """Cancel the job an abandoned ``aembed`` submitted (its texts are then not packed)."""
+    if not submit.cancelled() and submit.exception() is None:
+        submit.result().future.cancel()
+
+
 def _show_progress(show_progress_bar: bool | None) -> bool:
     """sentence-transformers' default: a bar when its logger (here ``llamabatch``) is at
     INFO or DEBUG."""
@@ -534,15 +540,20 @@ class Embedder(Worker):
     ) -> Any:
         """``embed`` for asyncio: the texts join the shared packs; the event loop keeps running.
 
-        Tokenization happens at the call, on the loop's thread. Cancelling the awaiting task
-        drops the call's texts that were not packed yet.
+        Tokenization happens in a worker thread, so long texts do not stall the event loop.
+        Cancelling the awaiting task drops the call's texts that were not packed yet.
         """
         single, items = _as_texts(texts)
         mode = self.normalize if normalize is None else _normalize_mode(normalize)
         out = self._new_rows(len(items))
         bar = _ProgressBar(len(items)) if _show_progress(show_progress_bar) else None
         try:
-            job = self._submit(items, 0, out, bar, new_call=True)
+            submit = asyncio.ensure_future(asyncio.to_thread(self._submit, items, 0, out, bar, True))
+            try:
+                job = await asyncio.shield(submit)
+            except asyncio.CancelledError:  # the texts are (being) queued: drop them
+                submit.add_done_callback(_cancel_submitted)
+                raise
             await asyncio.wrap_future(job.future)
         finally:
             if bar is not None:
