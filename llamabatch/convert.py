@@ -2,7 +2,9 @@
 
 The output is a GGUF that llama.cpp loads as architecture ``bert``: a non-causal encoder whose
 pooled output (mean, CLS or last token, as the sentence-transformers pooling config says) is the
-sentence embedding. Only the facts of the format are shared with llama.cpp (key names, tensor
+sentence embedding; or, for a cross-encoder (``BertForSequenceClassification``, sentence-transformers'
+``CrossEncoder`` layout), a reranker: rank pooling over its classification head
+(:mod:`llamabatch.convert_head`). Only the facts of the format are shared with llama.cpp (key names, tensor
 names, the WordPiece convention below); the code is this project's own.
 
 WordPiece in llama.cpp: its WPM tokenizer splits text into words, prefixes each word with the
@@ -27,6 +29,17 @@ from typing import Any
 
 import numpy as np
 
+from llamabatch.convert_head import (
+    ACTIVATION_KEY,
+    DTYPES,
+    HEAD_TENSORS,
+    ClassifierHead,
+    head_shapes,
+    read_head,
+    resolve_dtype,
+)
+from llamabatch.convert_vocab import _read_vocab, _Vocab
+
 __all__ = [
     "CONVERTER_VERSION",
     "BertConfig",
@@ -36,19 +49,12 @@ __all__ = [
 ]
 
 #: Bumped whenever the bytes :func:`convert_bert` writes change; part of the cache key.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
-_DTYPES = ("f16", "bf16", "f32")
-_PHANTOM_SPACE = "\u2581"
-_CONTINUATION = "##"
-
-# GGUF token types (gguf.TokenType); plain ints so this module imports without gguf.
-_TOKEN_NORMAL = 1
-_TOKEN_CONTROL = 3
-_TOKEN_UNUSED = 5
+_DTYPES = DTYPES
 
 # GGUF pooling types (gguf.PoolingType / enum llama_pooling_type).
-_POOLING_IDS = {"mean": 1, "cls": 2, "last": 3}
+_POOLING_IDS = {"mean": 1, "cls": 2, "last": 3, "rank": 4}
 # sentence-transformers Pooling config flags, and which GGUF pooling each maps to (None: unsupported).
 _ST_POOLING_FLAGS = {
     "pooling_mode_mean_tokens": "mean",
@@ -93,8 +99,11 @@ _LAYER_TENSORS = {
     "output.LayerNorm": "layer_output_norm",
 }
 _LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)$")
-# Tensors of heads sentence embeddings do not use.
+# Tensors of heads sentence embeddings do not use (a cross-encoder's pooler and classifier
+# are kept: HEAD_TENSORS).
 _IGNORED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
+# q8_0 quantizes the matrices of the layers and the head; the lookup tables stay f16.
+_Q8_PREFIXES = ("blk.", "cls.")
 # Kept in float32 whatever ``dtype`` says: llama.cpp adds a row of it to the f32 activations.
 _ALWAYS_F32 = {"token_types.weight"}
 
@@ -117,17 +126,6 @@ class BertConfig:
     base_model: str | None
 
 
-@dataclass(frozen=True)
-class _Vocab:
-    pieces: list[str]
-    types: list[int]
-    cls_id: int
-    sep_id: int
-    unk_id: int
-    pad_id: int | None
-    mask_id: int | None
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -135,7 +133,7 @@ def convert_bert(
     model_dir: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     *,
-    dtype: str = "f16",
+    dtype: str = "auto",
     name: str | None = None,
 ) -> Path:
     """Convert a BERT-family model directory to a GGUF file that llama.cpp loads as ``bert``.
@@ -145,9 +143,18 @@ def convert_bert(
     ``tokenizer.json``) and optionally ``modules.json`` + ``1_Pooling/config.json``, whose pooling
     mode (mean, CLS or last token) becomes the GGUF's ``bert.pooling_type`` (mean when absent).
 
-    ``dtype`` is ``"f16"`` (2-D weights in float16), ``"bf16"`` (bfloat16: fastest on CPUs
-    with AVX512-BF16, within 1e-4 cosine of f32) or ``"f32"``; 1-D tensors (norms, biases)
-    are always float32. ``name`` is the GGUF's ``general.name`` (default: the directory's name, or
+    A ``BertForSequenceClassification`` checkpoint (a cross-encoder) keeps its pooler and
+    classifier as llama.cpp's ``cls`` / ``cls.output`` tensors, its labels as
+    ``bert.classifier.output_labels`` and ``bert.pooling_type`` rank: a reranker for
+    :class:`llamabatch.Reranker`.
+
+    ``dtype`` is ``"auto"`` (default: f32 for encoders up to 350M parameters, whose matrix
+    products are compute-bound and run fastest in f32 on CPUs without native f16 / bf16
+    arithmetic; f16 above; see :func:`llamabatch.convert_head.auto_dtype`), ``"f32"``,
+    ``"f16"`` (2-D weights in float16), ``"bf16"`` (bfloat16: fast on CPUs with AVX512-BF16,
+    within 1e-4 cosine of f32) or ``"q8_0"`` (the layers' matrices in 8-bit blocks, the lookup
+    tables in f16: a quarter of f32's size); 1-D tensors (norms, biases) are always float32.
+    ``name`` is the GGUF's ``general.name`` (default: the directory's name, or
     its parent's when the directory is called ``model``). The file is written to a temporary
     name beside ``out_path`` and renamed into place, so ``out_path`` never holds a partial file.
     Returns ``Path(out_path)``.
@@ -155,15 +162,15 @@ def convert_bert(
     Raises ``FileNotFoundError`` for a missing directory or required file and ``ValueError``
     naming what is unsupported (a non-BERT ``model_type``, max pooling, a Dense module, ...).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    resolve_dtype(dtype, 0)  # a bad value fails before any file is read
     model_dir = _check_model_dir(model_dir)
     out_path = Path(out_path)
 
     config = _read_config(model_dir)
-    pooling = _read_pooling(model_dir)
+    head, found = _read_tensors(model_dir, config)
+    pooling = "rank" if head is not None else _read_pooling(model_dir)
     vocab = _read_vocab(model_dir, config.vocab_size)
-    tensors = dict(_convert_tensors(model_dir, config, dtype))
+    dtype = resolve_dtype(dtype, sum(int(a.size) for a in found.values()))
 
     try:
         import gguf
@@ -177,12 +184,12 @@ def convert_bert(
     try:
         writer = gguf.GGUFWriter(tmp, "bert")
         _write_metadata(writer, gguf, config, pooling, vocab, dtype, name or _model_name(model_dir))
-        for tensor_name, array in tensors.items():
-            if dtype == "bf16" and array.ndim == 2 and tensor_name not in _ALWAYS_F32:
-                bf16 = gguf.quants.quantize(array.astype(np.float32), gguf.GGMLQuantizationType.BF16)
-                writer.add_tensor(tensor_name, bf16, raw_dtype=gguf.GGMLQuantizationType.BF16)
-            else:
-                writer.add_tensor(tensor_name, array)
+        if head is not None:
+            writer.add_array("bert.classifier.output_labels", head.labels)
+            if head.activation is not None:
+                writer.add_string(ACTIVATION_KEY, head.activation)
+        for tensor_name, array in found.items():
+            _add_tensor(writer, gguf, tensor_name, array, dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -205,7 +212,7 @@ def default_cache_dir() -> Path:
 
 def cached_conversion(
     model_dir: str | os.PathLike[str],
-    dtype: str = "f16",
+    dtype: str = "auto",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
@@ -216,10 +223,11 @@ def cached_conversion(
     ``cache_dir`` (default :func:`default_cache_dir`) and is written atomically, so concurrent
     callers (test sessions, benchmarks) at worst convert twice and never see a partial file.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    resolve_dtype(dtype, 0)
     model_dir = _check_model_dir(model_dir)
     _read_config(model_dir)  # fail early, with the converter's errors, before hashing
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, _count_params(model_dir))
     digest = hashlib.sha256(f"llamabatch-convert-bert v{CONVERTER_VERSION} {dtype}\n".encode())
     for path in _input_files(model_dir):
         digest.update(f"{path.relative_to(model_dir).as_posix()}\n".encode())
@@ -363,118 +371,6 @@ def _read_pooling(model_dir: Path) -> str:
     return pooling
 
 
-def _special_token_strings(model_dir: Path) -> dict[str, str]:
-    names = {
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]",
-        "unk_token": "[UNK]",
-        "pad_token": "[PAD]",
-        "mask_token": "[MASK]",
-    }
-    for fname in ("tokenizer_config.json", "special_tokens_map.json"):  # the latter wins
-        path = model_dir / fname
-        if not path.is_file():
-            continue
-        raw = _load_json(path)
-        for key in names:
-            value = raw.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str) and value:
-                names[key] = value
-    return names
-
-
-def _vocab_tokens(model_dir: Path) -> tuple[list[str], set[str]]:
-    """Tokens in id order, and the strings ``tokenizer.json`` marks as special added tokens."""
-    special: set[str] = set()
-    tok_json = model_dir / "tokenizer.json"
-    tok_raw = _load_json(tok_json) if tok_json.is_file() else None
-    if tok_raw is not None:
-        for added in tok_raw.get("added_tokens", []):
-            if added.get("special"):
-                special.add(added["content"])
-    vocab_txt = model_dir / "vocab.txt"
-    if vocab_txt.is_file():
-        text = vocab_txt.read_text(encoding="utf-8")
-        tokens = text.split("\n")
-        if tokens and tokens[-1] == "":
-            tokens.pop()
-        return [t.rstrip("\r") for t in tokens], special
-    if tok_raw is not None:
-        model = tok_raw.get("model", {})
-        if model.get("type") != "WordPiece":
-            raise ValueError(
-                f"unsupported tokenizer model {model.get('type')!r}: only WordPiece is supported"
-            )
-        by_id = {int(i): t for t, i in model.get("vocab", {}).items()}
-        for added in tok_raw.get("added_tokens", []):
-            by_id.setdefault(int(added["id"]), added["content"])
-        if sorted(by_id) != list(range(len(by_id))):
-            raise ValueError(f"{str(tok_json)!r}: vocabulary ids are not contiguous from 0")
-        return [by_id[i] for i in range(len(by_id))], special
-    raise FileNotFoundError(
-        f"vocabulary not found: neither vocab.txt nor tokenizer.json in {str(model_dir)!r}"
-    )
-
-
-def _read_vocab(model_dir: Path, n_vocab: int) -> _Vocab:
-    tokens, special = _vocab_tokens(model_dir)
-    if len(tokens) > n_vocab:
-        raise ValueError(f"vocabulary has {len(tokens)} tokens but config.json vocab_size is {n_vocab}")
-    names = _special_token_strings(model_dir)
-    special |= set(names.values())
-    index = {tok: i for i, tok in enumerate(tokens)}
-
-    def find(key: str, required: bool) -> int | None:
-        tok = names[key]
-        if tok in index:
-            return index[tok]
-        if required:
-            raise ValueError(f"special token {key} {tok!r} is not in the vocabulary")
-        return None
-
-    pieces: list[str] = []
-    types: list[int] = []
-    for tok in tokens:
-        if tok in special:
-            pieces.append(tok)
-            types.append(_TOKEN_CONTROL)
-        elif len(tok) > 2 and tok.startswith("[") and tok.endswith("]"):
-            # reserved entries such as [unused17]: the pre-tokenizer splits brackets off, so they
-            # can never be produced from text; keep them verbatim and out of the way
-            pieces.append(tok)
-            types.append(_TOKEN_UNUSED)
-        elif tok.startswith(_CONTINUATION) and len(tok) > len(_CONTINUATION):
-            pieces.append(tok[len(_CONTINUATION) :])
-            types.append(_TOKEN_NORMAL)
-        else:
-            pieces.append(_PHANTOM_SPACE + tok)
-            types.append(_TOKEN_NORMAL)
-    # an embedding table larger than the vocabulary (padding rows): fill with unreachable names
-    for i in range(len(tokens), n_vocab):
-        pieces.append(f"[PAD{i}]")
-        types.append(_TOKEN_UNUSED)
-    if len(set(pieces)) != len(pieces):
-        seen: set[str] = set()
-        dups = [p for p in pieces if p in seen or seen.add(p)]  # type: ignore[func-returns-value]
-        raise ValueError(f"vocabulary pieces collide after the WordPiece mapping: {dups[:5]}")
-
-    cls_id = find("cls_token", True)
-    sep_id = find("sep_token", True)
-    unk_id = find("unk_token", True)
-    assert cls_id is not None and sep_id is not None and unk_id is not None
-    return _Vocab(
-        pieces=pieces,
-        types=types,
-        cls_id=cls_id,
-        sep_id=sep_id,
-        unk_id=unk_id,
-        pad_id=find("pad_token", False),
-        mask_id=find("mask_token", False),
-    )
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -546,9 +442,11 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, array
 
 
-def _gguf_name(hf_name: str) -> str | None:
-    """The GGUF tensor name for a Hugging Face BERT tensor name, None for an unused head."""
-    name = hf_name.removeprefix("bert.")
+def _gguf_name(name: str, head: ClassifierHead | None) -> str | None:
+    """The GGUF tensor name for a Hugging Face BERT tensor name (``bert.`` prefix dropped),
+    None for an unused head."""
+    if head is not None and name in HEAD_TENSORS:
+        return HEAD_TENSORS[name]
     if name.startswith(_IGNORED_PREFIXES):
         return None
     name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
@@ -560,10 +458,10 @@ def _gguf_name(hf_name: str) -> str | None:
         kind = {"gamma": "weight", "beta": "bias"}.get(kind, kind)
         if module in _LAYER_TENSORS:
             return f"blk.{int(layer)}.{_LAYER_TENSORS[module]}.{kind}"
-    raise ValueError(f"unsupported tensor {hf_name!r}: not part of a plain BERT encoder")
+    raise ValueError(f"unsupported tensor {name!r}: not part of a plain BERT encoder")
 
 
-def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: BertConfig, head: ClassifierHead | None) -> dict[str, tuple[int, ...]]:
     """GGUF name -> numpy (row-major) shape, for every tensor the GGUF must hold."""
     d, ff = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
@@ -584,36 +482,73 @@ def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
         for norm in ("attn_output_norm", "layer_output_norm"):
             shapes[f"blk.{i}.{norm}.weight"] = (d,)
             shapes[f"blk.{i}.{norm}.bias"] = (d,)
+    if head is not None:
+        shapes.update(head_shapes(d, len(head.labels)))
     return shapes
 
 
-def _convert_tensors(model_dir: Path, cfg: BertConfig, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
-    expected = _expected_shapes(cfg)
-    found: dict[str, np.ndarray] = {}
+def _read_tensors(model_dir: Path, cfg: BertConfig) -> tuple[ClassifierHead | None, dict[str, np.ndarray]]:
+    """The classification head (None for a plain encoder) and every GGUF tensor, by GGUF name
+    in a conventional order (embeddings, layer by layer, head), as read (memory-mapped)."""
+    arrays: dict[str, np.ndarray] = {}
     for path in _weight_files(model_dir):
         for hf_name, array in _iter_safetensors(path):
-            name = _gguf_name(hf_name)
-            if name is None:
-                continue
-            if name not in expected:
-                raise ValueError(f"unsupported tensor {hf_name!r}: layer index beyond num_hidden_layers")
-            if name in found:
+            name = hf_name.removeprefix("bert.")
+            if name in arrays:
                 raise ValueError(f"tensor {hf_name!r} appears twice")
-            if tuple(array.shape) != expected[name]:
-                raise ValueError(
-                    f"tensor {hf_name!r} has shape {tuple(array.shape)}, config.json implies {expected[name]}"
-                )
-            found[name] = array
+            arrays[name] = array
+    raw = _load_json(model_dir / "config.json")
+    head = read_head(raw, set(arrays))
+    expected = _expected_shapes(cfg, head)
+    found: dict[str, np.ndarray] = {}
+    for hf_name, array in arrays.items():
+        name = _gguf_name(hf_name, head)
+        if name is None:
+            continue
+        if name not in expected:
+            raise ValueError(f"unsupported tensor {hf_name!r}: layer index beyond num_hidden_layers")
+        if name in found:
+            raise ValueError(f"tensor {hf_name!r} appears twice")
+        if tuple(array.shape) != expected[name]:
+            raise ValueError(
+                f"tensor {hf_name!r} has shape {tuple(array.shape)}, config.json implies {expected[name]}"
+            )
+        found[name] = array
     missing = [n for n in expected if n not in found]
     if missing:
         raise ValueError(f"model weights lack {len(missing)} BERT tensors, e.g. {missing[:3]}")
-    for name in expected:  # a stable, conventional order: embeddings, then layer by layer
-        array = found[name]
-        if dtype in ("f16", "bf16") and array.ndim == 2 and name not in _ALWAYS_F32:
-            # bf16 tensors are converted from float32 when written
-            yield name, np.ascontiguousarray(array, dtype=np.float16 if dtype == "f16" else np.float32)
-        else:
-            yield name, np.ascontiguousarray(array, dtype=np.float32)
+    return head, {name: found[name] for name in expected}
+
+
+def _count_params(model_dir: Path) -> int:
+    """The parameters of the checkpoint (from the safetensors headers only)."""
+    total = 0
+    for path in _weight_files(model_dir):
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or header_len > 100_000_000:
+                raise ValueError(f"{str(path)!r} is not a safetensors file")
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name != "__metadata__" and info.get("dtype") in _SAFETENSORS_DTYPES:
+                total += int(np.prod(info["shape"], dtype=np.int64))
+    return total
+
+
+def _add_tensor(writer: Any, gguf: Any, name: str, array: np.ndarray, dtype: str) -> None:
+    """Write one tensor in ``dtype`` (1-D tensors and ``token_types`` stay float32)."""
+    if array.ndim != 2 or name in _ALWAYS_F32 or dtype == "f32":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        return
+    if dtype == "q8_0" and name.startswith(_Q8_PREFIXES) and array.shape[1] % 32 == 0:
+        qtype = gguf.GGMLQuantizationType.Q8_0
+    elif dtype == "bf16":
+        qtype = gguf.GGMLQuantizationType.BF16
+    else:  # f16, and q8_0's lookup tables
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
+        return
+    data = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+    writer.add_tensor(name, data, raw_dtype=qtype)
 
 
 # --------------------------------------------------------------------------- metadata
@@ -634,7 +569,11 @@ def _write_metadata(
     if cfg.base_model:
         writer.add_base_model_count(1)
         writer.add_base_model_name(0, cfg.base_model)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+    file_type = {
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }
     writer.add_file_type(int(file_type.get(dtype, gguf.LlamaFileType.ALL_F32)))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

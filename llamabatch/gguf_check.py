@@ -1013,6 +1013,17 @@ class _Checker:
                 p + "layer_output_norm.weight": ((n_embd,), True),
                 p + "layer_output_norm.bias": ((n_embd,), True),
             }
+        # -- a reranker's classification head (issue 25): llama.cpp's rank pooling asserts that
+        # the pooler (cls) is there when any head is; the classifier (cls.output) is optional.
+        if any(name.startswith("cls.") for name in self.tensor_map):
+            labels = self.kv.get(self.k("classifier.output_labels"))
+            n_cls = labels.count if labels is not None and labels.count else 1
+            out |= {
+                "cls.weight": ((n_embd, n_embd), True),
+                "cls.bias": ((n_embd,), True),
+                "cls.output.weight": ((n_embd, n_cls), False),
+                "cls.output.bias": ((n_cls,), False),
+            }
         return out
 
     def check_tensors(self, expected: dict[str, tuple[tuple[int, ...], bool]]) -> None:

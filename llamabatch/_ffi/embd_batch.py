@@ -1,0 +1,77 @@
+"""``EmbdBatch``: a preallocated ``llama_batch`` that carries input embeddings, not token ids.
+
+llama.cpp computes a batch either from token ids (``batch.token``) or from input vectors
+(``batch.embd``: ``n_tokens * n_embd`` floats, ``batch.token`` NULL), which its graphs take
+in place of the token-embedding lookup. The reranker uses it to give a BERT cross-encoder's
+second segment its own token-type row (:mod:`llamabatch.reranker`).
+
+The arrays are allocated once (cffi owns them) and reused; ``address`` is what
+``Context.encode_address`` / ``decode_address`` take.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamabatch._ffi import ffi
+
+__all__ = ["EmbdBatch"]
+
+
+class EmbdBatch:
+    """One ``llama_batch`` of up to ``capacity`` input vectors of ``n_embd`` floats; every
+    entry belongs to one sequence and is an output."""
+
+    def __init__(self, capacity: int, n_embd: int) -> None:
+        if capacity < 1 or n_embd < 1:
+            raise ValueError("capacity and n_embd must be >= 1")
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self._struct = ffi.new("llama_batch *")
+        self._embd = ffi.new("float[]", capacity * n_embd)
+        self._pos = ffi.new("int32_t[]", capacity)
+        self._n_seq_id = ffi.new("int32_t[]", capacity)
+        self._seq_storage = ffi.new("int32_t[]", capacity)
+        self._seq_id = ffi.new("int32_t *[]", capacity + 1)
+        self._logits = ffi.new("int8_t[]", capacity)
+        for i in range(capacity):
+            self._seq_id[i] = self._seq_storage + i
+        self._seq_id[capacity] = ffi.NULL
+        b = self._struct
+        b.n_tokens = 0
+        b.token = ffi.NULL
+        b.embd = self._embd
+        b.pos = self._pos
+        b.n_seq_id = self._n_seq_id
+        b.seq_id = self._seq_id
+        b.logits = self._logits
+        # numpy views over the C arrays (written in place)
+        self.embd = np.frombuffer(ffi.buffer(self._embd), dtype=np.float32).reshape(capacity, n_embd)
+        self.pos = np.frombuffer(ffi.buffer(self._pos), dtype=np.int32)
+        self.seq = np.frombuffer(ffi.buffer(self._seq_storage), dtype=np.int32)
+        np.frombuffer(ffi.buffer(self._n_seq_id), dtype=np.int32)[:] = 1
+        np.frombuffer(ffi.buffer(self._logits), dtype=np.int8)[:] = 1
+
+    @property
+    def address(self) -> int:
+        """The address of the ``llama_batch`` struct."""
+        return int(ffi.cast("uintptr_t", self._struct))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._struct.n_tokens)
+
+    def clear(self) -> None:
+        """Empty the batch."""
+        self._struct.n_tokens = 0
+
+    def add(self, vectors: np.ndarray, seq_id: int) -> None:
+        """Append one sequence: ``vectors`` ``(n, n_embd)`` at positions ``0..n-1``."""
+        n = int(vectors.shape[0])
+        start = self.n_tokens
+        if start + n > self.capacity:
+            raise ValueError(f"batch is full (capacity {self.capacity})")
+        self.embd[start : start + n] = vectors
+        self.pos[start : start + n] = np.arange(n, dtype=np.int32)
+        self.seq[start : start + n] = seq_id
+        self._struct.n_tokens = start + n

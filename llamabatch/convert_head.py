@@ -1,0 +1,164 @@
+"""What a cross-encoder (reranker) adds to a BERT conversion, and the converter's weight types.
+
+A ``BertForSequenceClassification`` (the layout of sentence-transformers' ``CrossEncoder``,
+e.g. the ms-marco MiniLM rerankers) is a BERT encoder plus a head on the ``[CLS]`` token:
+``pooler.dense`` + tanh, then ``classifier`` (one row per label). llama.cpp's rank pooling
+computes exactly that from the tensors ``cls`` (the pooler) and ``cls.output`` (the
+classifier); the number of labels comes from ``<arch>.classifier.output_labels``. These facts
+are the GGUF format's (shared with llama.cpp's own converter); the code is this project's.
+
+The activation sentence-transformers applies to the logits (``CrossEncoder``'s
+``activation_fn``: stored in ``config.json``) is recorded under :data:`ACTIVATION_KEY`, so
+:class:`llamabatch.Reranker` applies the same one by default.
+
+Weight types (``dtype``): ``"auto"`` picks by model size (see :func:`resolve_dtype`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ACTIVATION_KEY",
+    "DTYPES",
+    "HEAD_TENSORS",
+    "ClassifierHead",
+    "auto_dtype",
+    "cpu_flags",
+    "head_shapes",
+    "read_head",
+    "resolve_dtype",
+]
+
+#: ``dtype`` values the converter takes (``auto``: :func:`resolve_dtype`).
+DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+
+#: Encoders up to this many parameters get f32 weights from ``dtype="auto"``.
+AUTO_F32_MAX_PARAMS = 350_000_000
+
+#: The GGUF key (this project's) holding the activation sentence-transformers applies.
+ACTIVATION_KEY = "llamabatch.reranker.activation_fn"
+
+#: Hugging Face head tensors (after dropping ``bert.``) -> GGUF names (llama.cpp's ``cls``).
+HEAD_TENSORS = {
+    "pooler.dense.weight": "cls.weight",
+    "pooler.dense.bias": "cls.bias",
+    "classifier.weight": "cls.output.weight",
+    "classifier.bias": "cls.output.bias",
+}
+
+# sentence-transformers' recorded activation (a torch class path) -> our name
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax", "Tanh": "tanh"}
+
+#: CPU features that decide which weight type runs fastest (names as /proc/cpuinfo spells them).
+CPU_FEATURES = ("avx2", "f16c", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence-classification head: its labels (one per output) and recorded activation."""
+
+    labels: list[str]
+    activation: str | None
+
+
+def read_head(raw_config: dict[str, Any], tensor_names: set[str]) -> ClassifierHead | None:
+    """The head of a ``*ForSequenceClassification`` checkpoint, or None for a plain encoder.
+
+    ``tensor_names`` are the checkpoint's tensor names with any ``bert.`` prefix removed.
+    Raises ``ValueError`` for a classifier without the pooler llama.cpp's rank pooling needs.
+    """
+    archs = [str(a) for a in raw_config.get("architectures") or []]
+    has_classifier = "classifier.weight" in tensor_names
+    if not has_classifier:
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(
+                f"config.json names {archs} but the weights hold no classifier.weight: "
+                "the classification head is missing"
+            )
+        return None
+    missing = [n for n in HEAD_TENSORS if n not in tensor_names]
+    if missing:
+        raise ValueError(
+            f"the classification head lacks {missing}: llama.cpp's rank pooling applies the pooler "
+            "(dense + tanh) then the classifier, so both are needed"
+        )
+    labels = _labels(raw_config)
+    return ClassifierHead(labels=labels, activation=_activation(raw_config, len(labels)))
+
+
+def _labels(raw: dict[str, Any]) -> list[str]:
+    id2label = raw.get("id2label")
+    n = raw.get("num_labels")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            items = sorted((int(k), str(v)) for k, v in id2label.items())
+        except ValueError:
+            raise ValueError(f"config.json: id2label keys must be integers, got {list(id2label)}") from None
+        if [k for k, _ in items] != list(range(len(items))):
+            raise ValueError(f"config.json: id2label ids must be 0..n-1, got {[k for k, _ in items]}")
+        return [v for _, v in items]
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return [f"LABEL_{i}" for i in range(n)]
+    return ["LABEL_0"]
+
+
+def _activation(raw: dict[str, Any], n_labels: int) -> str | None:
+    """The activation sentence-transformers recorded (v4+: ``sentence_transformers.activation_fn``;
+    earlier: ``sbert_ce_default_activation_function``), or None when none is recorded."""
+    st = raw.get("sentence_transformers")
+    path = st.get("activation_fn") if isinstance(st, dict) else None
+    path = path or raw.get("sbert_ce_default_activation_function")
+    if not isinstance(path, str) or not path:
+        return None
+    name = _ACTIVATIONS.get(path.rsplit(".", 1)[-1])
+    if name is None:
+        raise ValueError(
+            f"config.json records the activation {path!r}; supported: "
+            f"{sorted('torch.nn.' + k for k in _ACTIVATIONS)}"
+        )
+    return name
+
+
+def head_shapes(hidden_size: int, n_labels: int) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> numpy shape of the head tensors."""
+    return {
+        "cls.weight": (hidden_size, hidden_size),
+        "cls.bias": (hidden_size,),
+        "cls.output.weight": (n_labels, hidden_size),
+        "cls.output.bias": (n_labels,),
+    }
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> dict[str, bool]:
+    """Which of :data:`CPU_FEATURES` this CPU has (all False where /proc/cpuinfo is unreadable)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return dict.fromkeys(CPU_FEATURES, False)
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    flags = set(match.group(1).split()) if match else set()
+    return {name: name in flags for name in CPU_FEATURES}
+
+
+def auto_dtype(n_params: int) -> str:
+    """The weight type ``dtype="auto"`` gives a model of ``n_params`` parameters.
+
+    Encoders embed packs of hundreds of tokens, so their matrix products are compute-bound:
+    bytes per weight matter little, arithmetic does. ggml's f32 kernels run at full speed on
+    every x86 CPU, while f16 / bf16 weights must be converted on CPUs without native f16 /
+    bf16 arithmetic (measured on an AVX2-only EPYC with all-MiniLM-L6-v2: f32 100 texts/s,
+    bf16 61, f16 57). So models up to :data:`AUTO_F32_MAX_PARAMS` (BERT-large size, 1.4 GB
+    in f32) get f32; larger ones f16, where memory starts to matter.
+    """
+    return "f32" if n_params <= AUTO_F32_MAX_PARAMS else "f16"
+
+
+def resolve_dtype(dtype: str, n_params: int) -> str:
+    """``dtype`` itself, or :func:`auto_dtype`'s choice for ``"auto"``; ValueError if unknown."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return auto_dtype(n_params) if dtype == "auto" else dtype

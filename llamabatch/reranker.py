@@ -1,0 +1,487 @@
+"""``Reranker``: a cross-encoder scoring (query, document) pairs, on the embedding core.
+
+The pairs of all callers are packed into shared ``llama_encode`` calls exactly as
+:class:`~llamabatch.Embedder` packs texts (one FIFO, token-budget packs, halving on memory
+exhaustion, one worker thread owning the context): ``Reranker`` drives a private ``Embedder``
+with rank pooling whose inputs are pairs. Two things differ from an embedding:
+
+- each pair is built as the model's own tokenizer builds it (``[CLS] q [SEP] d [SEP]`` for
+  BERT), with Hugging Face's ``longest_first`` truncation (:mod:`llamabatch.reranker_inputs`);
+- the document segment gets its own token type: the packs carry input vectors
+  (``llama_batch.embd``) instead of token ids, because llama.cpp's BERT graph adds only the
+  first token-type row. The scores are then transformers' ``AutoModelForSequenceClassification``
+  logits (checked to 1e-3 by the tests), not llama-server's.
+
+The API follows sentence-transformers' ``CrossEncoder``: ``predict(pairs)`` and
+``rank(query, documents)``, with its activation rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from llamabatch._ffi.embd_batch import EmbdBatch
+from llamabatch.convert_head import ACTIVATION_KEY
+from llamabatch.embedder import Embedder, _show_progress
+from llamabatch.errors import EngineClosed, PromptTooLong
+from llamabatch.gguf_check import tensor_names
+from llamabatch.params import check_positive_int
+from llamabatch.reranker_inputs import InputTable, truncate_pair
+from llamabatch.telemetry import EmbedderStats, Listener
+
+__all__ = ["ACTIVATIONS", "Reranker"]
+
+#: Activations by name (``activation_fn=``); a callable on a numpy array works too.
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "identity": lambda x: x,
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "tanh": np.tanh,
+    "softmax": lambda x: _softmax(x),
+}
+
+#: an activation: a name of ``ACTIVATIONS``, a callable, or None (the default)
+Activation = str | Callable[[np.ndarray], np.ndarray] | None
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    if x.ndim < 2:
+        return x
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr (pairs), advanced by the worker thread; ``close`` on the caller's."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._lock = threading.Lock()
+        self._bar: Any = tqdm(total=total, desc="Reranking", unit="pair", file=sys.stderr)
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.update(n)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+
+class _PairEncoder(Embedder):
+    """An ``Embedder`` with rank pooling whose inputs are (query, document) pairs, decoded from
+    input vectors. Its "tokens" are ``(n, 2)`` int32 arrays: token id, token type."""
+
+    _kind = "reranker"
+
+    def __init__(self, model_path: str | os.PathLike[str], **kwargs: Any) -> None:
+        self.truncate_pairs = True
+        self.max_length = 0
+        Embedder.__init__(self, model_path, pooling="rank", normalize="none", truncate=False, **kwargs)
+        try:
+            self.table = InputTable(self.model.path)
+            if self.table.n_embd != self.n_embd:
+                raise ValueError(
+                    f"token_embd.weight rows have {self.table.n_embd} values, the model {self.n_embd}"
+                )
+            self._embd_batch = EmbdBatch(self.capacity, self.n_embd)
+            self._prefix, self._mid, self._suffix_ids = self._pair_layout()
+        except BaseException:
+            self.close()
+            raise
+        self.max_length = self.max_tokens
+
+    def _pair_layout(self) -> tuple[list[int], list[int], list[int]]:
+        """The special tokens around and between the two segments, as the tokenizer puts them."""
+        plain = self.model.tokenize("a", add_special=False)
+        full = self.model.tokenize("a", add_special=True)
+        n = len(plain)
+        for start in range(len(full) - n + 1):
+            if full[start : start + n] == plain:
+                prefix, suffix = full[:start], full[start + n :]
+                break
+        else:  # pragma: no cover - a tokenizer that changes the text when adding specials
+            raise ValueError(f"{self.model.path.name}: cannot tell the tokenizer's special tokens apart")
+        if self.meta_tokenizer() == "bert" or not suffix:
+            return prefix, suffix, suffix  # [CLS] q [SEP] d [SEP]
+        return prefix, suffix + suffix, suffix  # <s> q </s></s> d </s>
+
+    def meta_tokenizer(self) -> str:
+        return self.model.meta("tokenizer.ggml.model") or ""
+
+    def pair_tokens(self, index: int, pair: Any) -> np.ndarray:
+        """The ``(n, 2)`` ids and types of pair ``index`` (truncated or refused when too long)."""
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"pairs[{index}] must be a (query, document) pair of strings, got {pair!r:.80}")
+        query, document = pair
+        if not isinstance(query, str) or not isinstance(document, str):
+            raise TypeError(
+                f"pairs[{index}] must hold two strings, "
+                f"got ({type(query).__name__}, {type(document).__name__})"
+            )
+        q = self.model.tokenize(query, add_special=False) if query else []
+        d = self.model.tokenize(document, add_special=False) if document else []
+        n_special = len(self._prefix) + len(self._mid) + (len(self._suffix_ids) if document else 0)
+        total = n_special + len(q) + len(d)
+        if total > self.max_length:
+            if not self.truncate_pairs:
+                error = PromptTooLong(
+                    f"pair {index} has {total} tokens, more than the {self.max_length} one pair may have; "
+                    "pass truncate=True to cut it (longest segment first)"
+                )
+                error.index = index  # type: ignore[attr-defined]
+                error.n_tokens = total  # type: ignore[attr-defined]
+                error.limit = self.max_length  # type: ignore[attr-defined]
+                raise error
+            nq, nd = truncate_pair(len(q), len(d), max(self.max_length - n_special, 0))
+            q, d = q[:nq], d[:nd]
+        first = self._prefix + q + self._mid
+        # an empty document is no second segment (transformers' tokenizers drop a pair of "")
+        second = d + self._suffix_ids if document else []
+        out = np.zeros((len(first) + len(second), 2), dtype=np.int32)
+        out[:, 0] = first + second
+        if self.table.n_types > 1:
+            out[len(first) :, 1] = 1
+        return out
+
+    def _tokens_of(self, index: int, text: Any) -> np.ndarray:
+        return self.pair_tokens(index, text)
+
+    def _decode(self, part: list[Any]) -> int:
+        batch = self._embd_batch
+        batch.clear()
+        for seq_id, seq in enumerate(part):
+            batch.add(self.table.vectors(seq.tokens[:, 0], seq.tokens[:, 1]), seq_id)
+        if self.context.has_memory:
+            self.context.memory_clear(False)
+        return self._forward(batch.address)
+
+
+class Reranker:
+    """A cross-encoder reranker from one GGUF (e.g. made by ``llamabatch convert`` from a
+    ``BertForSequenceClassification`` / sentence-transformers ``CrossEncoder`` directory).
+
+    Args:
+        model_path: the ``.gguf`` file; it must hold a classification head (tensors ``cls``
+            and ``cls.output``), or ``ValueError`` says it is not a reranker.
+        max_length: the most tokens of one pair, special tokens included (default and upper
+            bound: the model's ``n_ctx_train`` and ``n_batch``), as ``CrossEncoder``'s.
+        truncate: cut over-long pairs, longest segment first, as Hugging Face's tokenizers and
+            ``CrossEncoder`` do (default); ``False`` raises ``PromptTooLong`` instead.
+        activation_fn: applied to the logits: ``"sigmoid"``, ``"identity"``, ``"tanh"``,
+            ``"softmax"`` or a callable on a numpy array. Default, as sentence-transformers':
+            the activation the converted model recorded (its ``config.json``), else sigmoid for
+            a one-label model and identity for more.
+        n_batch, n_seq_max, n_threads, flash_attn, n_gpu_layers, load_mode, validate: as
+            :class:`~llamabatch.Embedder` (packing capacity in tokens, pairs per pack, ...).
+
+    Thread-safe: ``predict`` / ``rank`` from many threads (and ``apredict`` / ``arank`` from
+    asyncio) share the packs.
+
+    Raises:
+        ValueError: a bad parameter, or a model without a classification head.
+        FileNotFoundError, ModelLoadError, ContextError: as ``Embedder``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        max_length: int | None = None,
+        truncate: bool = True,
+        activation_fn: Activation = None,
+        n_batch: int = 512,
+        n_seq_max: int = 64,
+        n_threads: int | None = None,
+        flash_attn: bool | str | None = "auto",
+        n_gpu_layers: int = 0,
+        load_mode: str = "mmap",
+        validate: bool = True,
+    ) -> None:
+        if not isinstance(truncate, bool):
+            raise ValueError(f"truncate must be True or False, got {truncate!r}")
+        check_positive_int("max_length", max_length, allow_none=True)
+        self._check_activation(activation_fn)
+        names = set(tensor_names(model_path))
+        if "cls.weight" not in names:
+            head = "only cls.output (no pooler, cls)" if "cls.output.weight" in names else "none"
+            raise ValueError(
+                f"{os.fspath(model_path)!r} is not a reranker: rank pooling needs a classification head "
+                f"(tensors cls and cls.output), and its head is {head}; convert a cross-encoder "
+                "(BertForSequenceClassification) with `llamabatch convert`, or use Embedder for embeddings"
+            )
+        self._engine = _PairEncoder(
+            model_path,
+            n_batch=n_batch,
+            n_seq_max=n_seq_max,
+            n_threads=n_threads,
+            flash_attn=flash_attn,
+            n_gpu_layers=n_gpu_layers,
+            load_mode=load_mode,
+            validate=validate,
+        )
+        engine = self._engine
+        if max_length is not None:
+            if max_length > engine.max_tokens:
+                engine.close()
+                raise ValueError(
+                    f"max_length ({max_length}) exceeds the {engine.max_tokens} tokens one pair may have "
+                    f"here (the model's n_ctx_train {engine.model.n_ctx_train}, n_batch {n_batch})"
+                )
+            engine.max_length = max_length
+        engine.truncate_pairs = truncate
+        self.model = engine.model
+        #: outputs of the head (CrossEncoder's ``num_labels``)
+        self.num_labels: int = engine.n_out
+        self.max_length: int = engine.max_length
+        self.truncate = truncate
+        recorded = self.model.meta(ACTIVATION_KEY)
+        default = recorded if recorded in ACTIVATIONS else ("sigmoid" if self.num_labels == 1 else "identity")
+        #: the activation ``predict`` applies unless told otherwise
+        self.activation_fn: Activation = activation_fn if activation_fn is not None else default
+
+    @staticmethod
+    def _check_activation(activation_fn: Activation) -> None:
+        if activation_fn is None or callable(activation_fn):
+            return
+        if not isinstance(activation_fn, str) or activation_fn not in ACTIVATIONS:
+            raise ValueError(
+                f"activation_fn must be one of {sorted(ACTIVATIONS)} or a callable, got {activation_fn!r}"
+            )
+
+    def _activate(self, logits: np.ndarray, activation_fn: Activation, apply_softmax: bool) -> np.ndarray:
+        self._check_activation(activation_fn)
+        fn = self.activation_fn if activation_fn is None else activation_fn
+        scores = ACTIVATIONS[fn](logits) if isinstance(fn, str) else fn(logits)
+        scores = np.asarray(scores, dtype=np.float32)
+        if apply_softmax and scores.ndim == 2:
+            scores = _softmax(scores).astype(np.float32)
+        return scores
+
+    # -- scoring --------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_pairs(sentences: Any) -> tuple[bool, list[Any]]:
+        if isinstance(sentences, (str, bytes)):
+            raise TypeError("predict takes (query, document) pairs, not a string")
+        if (
+            isinstance(sentences, tuple)
+            and len(sentences) == 2
+            and all(isinstance(s, str) for s in sentences)
+        ):
+            return True, [sentences]
+        try:
+            items = list(sentences)
+        except TypeError:
+            raise TypeError(
+                f"pairs must be a sequence of (query, document), got {type(sentences).__name__}"
+            ) from None
+        if len(items) == 2 and all(isinstance(s, str) for s in items):
+            return True, [tuple(items)]  # CrossEncoder takes one pair as a 2-list too
+        return False, items
+
+    def _logits(self, pairs: list[Any], chunk: int, show: bool) -> np.ndarray:
+        """Queue ``pairs`` in jobs of ``chunk``, wait for them all: ``(n, num_labels)`` logits."""
+        engine = self._engine
+        if engine.on_worker_thread:
+            raise RuntimeError("a Reranker cannot be called from its own worker thread (a listener)")
+        if engine._closing:
+            raise EngineClosed("the reranker is closed")
+        out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
+        bar = _ProgressBar(len(pairs)) if show else None
+        jobs: list[Any] = []
+        try:
+            for start in range(0, len(pairs), chunk):
+                jobs.append(engine._submit(pairs[start : start + chunk], start, out, bar, new_call=not jobs))
+            for job in jobs:
+                job.future.result()
+        except BaseException:
+            for job in jobs:
+                job.future.cancel()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
+
+    def _shape(self, logits: np.ndarray, single: bool, activation_fn: Activation, apply_softmax: bool) -> Any:
+        scores = self._activate(logits, activation_fn, apply_softmax)
+        if self.num_labels == 1:
+            scores = scores[:, 0]
+        return scores[0] if single else scores
+
+    def predict(
+        self,
+        sentences: tuple[str, str] | Sequence[tuple[str, str]] | Iterable[Sequence[str]],
+        *,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        activation_fn: Activation = None,
+        apply_softmax: bool = False,
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+    ) -> Any:
+        """Score (query, document) pairs: float32 ``(n,)`` (``(n, num_labels)`` for a
+        multi-label head) in input order, or one score for a single pair (``CrossEncoder.predict``).
+
+        Args:
+            sentences: pairs of strings (tuples or 2-lists), or one pair.
+            batch_size: pairs tokenized and queued at a time (> 0); any value gives the same
+                scores: the worker packs by tokens.
+            show_progress_bar: a tqdm bar on stderr advancing per pair (default: when the
+                ``llamabatch`` logger is at INFO or DEBUG).
+            activation_fn: this call's activation (default: the Reranker's).
+            apply_softmax: softmax over the labels of a multi-label head (after the activation).
+            convert_to_numpy, convert_to_tensor: torch output (needs torch), as CrossEncoder.
+
+        Raises:
+            TypeError: not pairs of strings (the message names the index).
+            PromptTooLong: an over-long pair with ``truncate=False``.
+            EngineClosed, DecodeError: as ``Embedder.embed``.
+        """
+        check_positive_int("batch_size", batch_size)
+        single, pairs = self._as_pairs(sentences)
+        logits = self._logits(pairs, batch_size, _show_progress(show_progress_bar))
+        scores = self._shape(logits, single, activation_fn, apply_softmax)
+        if convert_to_tensor or not convert_to_numpy:
+            try:
+                import torch
+            except ImportError:
+                raise ImportError("convert_to_tensor / convert_to_numpy=False need torch") from None
+            tensor = torch.as_tensor(np.asarray(scores))
+            return tensor if convert_to_tensor or single else list(tensor)
+        return scores
+
+    async def apredict(
+        self,
+        sentences: tuple[str, str] | Sequence[tuple[str, str]],
+        *,
+        activation_fn: Activation = None,
+        apply_softmax: bool = False,
+    ) -> Any:
+        """``predict`` for asyncio: the pairs join the shared packs; the loop keeps running.
+        Cancelling the awaiting task drops the pairs not packed yet."""
+        single, pairs = self._as_pairs(sentences)
+        out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
+        job = self._engine._submit(pairs, 0, out, None, new_call=True)
+        try:
+            await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.future.cancel()
+            raise
+        return self._shape(out, single, activation_fn, apply_softmax)
+
+    def _ranked(
+        self, scores: np.ndarray, documents: list[str], top_k: int | None, return_documents: bool
+    ) -> list[dict[str, Any]]:
+        order = sorted(range(len(documents)), key=lambda i: float(scores[i]), reverse=True)
+        if top_k is not None:
+            order = order[:top_k]
+        results: list[dict[str, Any]] = []
+        for i in order:
+            item: dict[str, Any] = {"corpus_id": i, "score": float(scores[i])}
+            if return_documents:
+                item["text"] = documents[i]
+            results.append(item)
+        return results
+
+    def _rank_pairs(self, query: Any, documents: Any, top_k: int | None) -> tuple[list[str], list[Any]]:
+        if self.num_labels != 1:
+            raise ValueError(f"rank needs a one-label reranker; this head has {self.num_labels} labels")
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if isinstance(documents, (str, bytes)):
+            raise TypeError("documents must be a sequence of strings, not a single string")
+        docs = list(documents)
+        check_positive_int("top_k", top_k, allow_none=True)
+        return docs, [(query, d) for d in docs]
+
+    def rank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_k: int | None = None,
+        return_documents: bool = False,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        activation_fn: Activation = None,
+    ) -> list[dict[str, Any]]:
+        """Score ``documents`` against ``query`` and sort them, best first (``CrossEncoder.rank``):
+        ``[{"corpus_id": i, "score": s, "text": doc?}, ...]``, at most ``top_k`` of them; equal
+        scores keep the documents' order."""
+        docs, pairs = self._rank_pairs(query, documents, top_k)
+        scores = self.predict(
+            pairs, batch_size=batch_size, show_progress_bar=show_progress_bar, activation_fn=activation_fn
+        )
+        return self._ranked(np.atleast_1d(scores), docs, top_k, return_documents)
+
+    async def arank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_k: int | None = None,
+        return_documents: bool = False,
+        activation_fn: Activation = None,
+    ) -> list[dict[str, Any]]:
+        """``rank`` for asyncio."""
+        docs, pairs = self._rank_pairs(query, documents, top_k)
+        if not pairs:
+            return []
+        scores = await self.apredict(pairs, activation_fn=activation_fn)
+        return self._ranked(np.atleast_1d(scores), docs, top_k, return_documents)
+
+    # -- the rest -------------------------------------------------------------------------
+
+    def tokenize(self, query: str, document: str) -> tuple[list[int], list[int]]:
+        """The token ids and token types of the pair, as ``predict`` computes it (truncated
+        or refused as the Reranker is set)."""
+        with self._engine._using_resources():
+            tokens = self._engine.pair_tokens(0, (query, document))
+        return tokens[:, 0].tolist(), tokens[:, 1].tolist()
+
+    def stats(self) -> EmbedderStats:
+        """Running totals (packs, pairs as ``sequences``, tokens, ...), as ``Embedder.stats``."""
+        return self._engine.stats()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(EmbedPackEvent)`` after every pack (on the worker thread)."""
+        self._engine.add_listener(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``."""
+        self._engine.remove_listener(listener)
+
+    @property
+    def closed(self) -> bool:
+        return self._engine.closed
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens of one pair (``max_length``)."""
+        return self.max_length
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker and free the model; pending calls end with ``EngineClosed``. Idempotent."""
+        self._engine.close(timeout)
+
+    def __enter__(self) -> Reranker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"labels={self.num_labels} max_length={self.max_length}"
+        return f"<llamabatch.Reranker {self.model.path.name} {state}>"
