@@ -37,6 +37,7 @@ __all__ = [
     "render_chat",
     "render_jinja",
     "special_token_text",
+    "tool_call_arguments",
 ]
 
 
@@ -176,8 +177,11 @@ def render_jinja(
     """
     compiled = _compile(template)
     variables: dict[str, Any] = dict(chat_template_kwargs or {})
+    normalized = normalize_messages(messages)
+    if any(m.get("tool_calls") for m in normalized):
+        normalized = tool_call_arguments(normalized, as_object=_wants_object_arguments(template))
     variables.update(
-        messages=normalize_messages(messages),
+        messages=normalized,
         tools=list(tools) if tools is not None else None,
         documents=list(documents) if documents is not None else None,
         add_generation_prompt=bool(add_generation_prompt),
@@ -188,6 +192,68 @@ def render_jinja(
         return compiled.render(**variables)
     except _TemplateRaised as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+# -- tool calls in the conversation -------------------------------------------------------------
+
+_PROBE_ARGUMENTS = {"probe_key": "probe_value"}
+_PROBE = (
+    {"role": "user", "content": "u"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": _PROBE_ARGUMENTS}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "abcdefghi", "content": "r"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "u"},
+)
+
+
+@lru_cache(maxsize=32)
+def _wants_object_arguments(template: str) -> bool:
+    """Whether ``template`` renders tool-call arguments given as an object (most do, with
+    ``tojson``, as transformers expects) rather than as OpenAI's JSON string (DeepSeek R1
+    concatenates them). Found by rendering a probe conversation, as llama.cpp does."""
+    try:
+        text = _compile(template).render(messages=[dict(m) for m in _PROBE], add_generation_prompt=False)
+    except Exception:  # the template cannot take an object there
+        return False
+    return any(json.dumps(_PROBE_ARGUMENTS, separators=sep) in text for sep in ((", ", ": "), (",", ":")))
+
+
+def tool_call_arguments(messages: list[dict[str, Any]], *, as_object: bool) -> list[dict[str, Any]]:
+    """``messages`` with every assistant tool call's ``function.arguments`` as an object
+    (``as_object``) or as a JSON string, whichever the template renders; OpenAI clients send
+    strings. Arguments that are not a JSON object are left as they are."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(message)
+            continue
+        if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+            raise ValueError(f"messages[{i}].tool_calls must be a list of tool calls")
+        converted = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise ValueError(f"messages[{i}].tool_calls[{j}] must have a function with a name")
+            arguments = function.get("arguments")
+            if as_object and isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except json.JSONDecodeError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    arguments = parsed
+            elif not as_object and isinstance(arguments, Mapping):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            converted.append({**call, "function": {**function, "arguments": arguments}})
+        out.append({**message, "tool_calls": converted})
+    return out
 
 
 # -- models ------------------------------------------------------------------------------------

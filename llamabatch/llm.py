@@ -10,6 +10,7 @@ channels. The core itself is the one ``LLMEngine`` drives on the caller's thread
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from llamabatch.chat_template import chat_prompt_tokens, render_chat
+from llamabatch.chat_template import render_chat
 from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.inputs import as_prompt_list
 from llamabatch.kv_cache import PinnedPrefix
@@ -26,6 +27,7 @@ from llamabatch.llm_engine import EngineHost, EngineOptions, Prompt
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
 from llamabatch.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
+from llamabatch.toolcalls.host import ChatOptions, chat_request
 from llamabatch.worker import Worker
 
 Params = SamplingParams | Mapping[str, Any] | None
@@ -40,7 +42,16 @@ class LLM(EngineHost, Worker):
 
     _kind = "LLM"
 
-    def __init__(self, model_path: str | os.PathLike[str], **options: Unpack[EngineOptions]) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        tool_call_parser: str = "auto",
+        reasoning_format: str = "auto",
+        **options: Unpack[EngineOptions],
+    ) -> None:
+        # chat(): the tool-call format ("auto": from the chat template) and <think> splitting
+        self._chat_options = ChatOptions(tool_call_parser, reasoning_format)
         Worker.__init__(self, "llamabatch-engine")
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
@@ -288,6 +299,8 @@ class LLM(EngineHost, Worker):
         params: Params = None,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -296,25 +309,39 @@ class LLM(EngineHost, Worker):
         """Chat completions of one conversation (a list of messages) or of many (a list of
         such lists), formatted with the GGUF's chat template (or ``chat_template``: a Jinja
         template, or a llama.cpp built-in name such as ``"chatml"``). Returns one
-        ``RequestOutput`` per conversation, as ``generate`` does."""
+        ``RequestOutput`` per conversation, as ``generate`` does.
+
+        Answers are split as the OpenAI API does: ``CompletionOutput.reasoning`` holds a
+        ``<think>`` block, ``.tool_calls`` the calls of ``tools`` (``ToolCall``: id, name,
+        JSON arguments), ``.text`` the content. ``tool_choice``: "auto" (default with tools),
+        "none", "required" or ``{"type": "function", "function": {"name": ...}}`` (the last
+        two force a call with a grammar from the tools' schemas). Conversations may hold
+        assistant ``tool_calls`` and ``tool`` messages."""
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
         with self._using_resources():
-            prompts = [
-                chat_prompt_tokens(
-                    self.model,
-                    self.apply_chat_template(
-                        conversation,  # type: ignore[arg-type]
-                        tools=tools,
-                        chat_template=chat_template,
-                        add_generation_prompt=add_generation_prompt,
-                        chat_template_kwargs=chat_template_kwargs,
-                    ),
+            prepared = [
+                chat_request(
+                    self,
+                    self._chat_options,
+                    conversation,  # type: ignore[arg-type]
+                    params,
+                    tools=tools,
+                    tool_choice=tool_choice,
+                    parallel_tool_calls=parallel_tool_calls,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
                 for conversation in conversations
             ]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        shared = prepared[0][1].params if prepared else params  # the same for every conversation
+        results = self.generate([tokens for tokens, _ in prepared], shared, use_tqdm=use_tqdm)
+        return [
+            dataclasses.replace(result, outputs=[setup.finish_output(out) for out in result.outputs])
+            for result, (_, setup) in zip(results, prepared, strict=True)
+        ]
 
     def apply_chat_template(
         self,

@@ -6,7 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call read from a chat answer (``LLM.chat(..., tools=...)``): its ``id``,
+    the function's ``name`` and its ``arguments`` as a JSON string, as OpenAI's."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict[str, object]:
+        """OpenAI's shape, for an assistant message's ``tool_calls``."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -40,7 +55,10 @@ class CompletionOutput:
 
     ``finish_reason`` is ``"stop"`` (end-of-generation token or a stop string),
     ``"length"`` (``max_tokens`` or the sequence's context is full), ``"cancelled"`` or
-    ``"error"`` (then ``error`` says why). ``logprobs``, when asked for, holds one dict
+    ``"error"`` (then ``error`` says why), or, for a chat answer that ends in tool calls,
+    ``"tool_calls"``. ``tool_calls`` are the calls read from a chat answer (its ``text`` is then
+    the content before them) and ``reasoning`` its ``<think>`` block, when the model thinks.
+    ``logprobs``, when asked for, holds one dict
     per generated token mapping token id to log-probability (the sampled token and the N
     most likely ones).
     """
@@ -56,6 +74,8 @@ class CompletionOutput:
     index: int = 0
     error: str | None = None
     stop_reason: str | int | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,23 @@ def _strings(name: str, value: object) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: lazy-grammar trigger words: at most this many, each at most this long (tool calls)
+MAX_TRIGGERS, MAX_TRIGGER_LEN = 16, 256
+
+
+def _grammar_triggers(value: object) -> tuple[str, ...]:
+    words = _strings("grammar_triggers", value)
+    _check(len(words) <= MAX_TRIGGERS, "grammar_triggers", f"takes at most {MAX_TRIGGERS} words", value)
+    for word in words:
+        _check(
+            0 < len(word.removeprefix("^")) <= MAX_TRIGGER_LEN,
+            "grammar_triggers",
+            f"words must be 1 to {MAX_TRIGGER_LEN} characters (besides a leading ^)",
+            word,
+        )
+    return words
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping parameters of one generation request.
@@ -164,6 +181,11 @@ class SamplingParams:
     n: int = 1
     truncate: bool = False
     skip_special_tokens: bool = True
+    # -- tool calls (llamabatch.toolcalls): a lazy grammar --------------------------------
+    #: with ``grammar`` (or a schema): the grammar stays off until one of these words appears
+    #: in the output, then applies from that word on (llama.cpp's lazy grammar). A word
+    #: starting with ``^`` only counts at the start of the output (after whitespace).
+    grammar_triggers: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         put = self._put
@@ -214,12 +236,15 @@ class SamplingParams:
         put("n", _int_field("n", self.n, 1, INT32_MAX))
         put("truncate", _bool_field("truncate", self.truncate))
         put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
+        put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
         if self.json_schema is not None or self.response_format is not None:
             from llamabatch.structured import resolve_grammar
 
             put("_effective_grammar", resolve_grammar(self.grammar, self.json_schema, self.response_format))
         else:
             put("_effective_grammar", self.grammar)
+        if self.grammar_triggers and self.effective_grammar is None:  # tool calls
+            _check(False, "grammar_triggers", "needs a grammar (or json_schema)", self.grammar_triggers)
 
     def _put(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # frozen: store the normalised value

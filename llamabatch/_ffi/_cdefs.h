@@ -181,6 +181,7 @@ struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
 struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root);
+struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root, const char ** trigger_patterns, size_t num_trigger_patterns, const llama_token * trigger_tokens, size_t num_trigger_tokens);
 struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
                                                     float penalty_freq, float penalty_present);
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias, const llama_logit_bias * logit_bias);

@@ -9,6 +9,29 @@ from llamabatch._ffi.model import Model
 from llamabatch.params import SamplingParams
 
 _sample = lib.llama_sampler_sample
+#: characters std::regex (ECMAScript) gives a meaning; escaped in trigger words
+_REGEX_SPECIAL = frozenset(".^$|()*+?[]{}\\")
+
+
+def trigger_pattern(word: str) -> str:
+    """The std::regex of a lazy-grammar trigger word: the word literally, anywhere; a leading
+    ``^`` anchors it at the start of the output (after whitespace). The grammar applies from
+    the word on (the first capture group). Only escaped literals reach ``std::regex``: an
+    invalid pattern would throw a C++ exception through the C API."""
+    anchored = word.startswith("^")
+    literal = "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in word.removeprefix("^"))
+    return f"^\\s*({literal})" if anchored else f"({literal})"
+
+
+def _grammar_sampler(model: Model, params: SamplingParams):
+    grammar = params.effective_grammar.encode()
+    if not params.grammar_triggers:
+        return lib.llama_sampler_init_grammar(model.vocab, grammar, b"root")
+    patterns = [ffi.new("char[]", trigger_pattern(w).encode()) for w in params.grammar_triggers]
+    array = ffi.new("const char *[]", patterns)
+    return lib.llama_sampler_init_grammar_lazy_patterns(
+        model.vocab, grammar, b"root", array, len(patterns), ffi.NULL, 0
+    )
 
 
 class SamplerChain:
@@ -47,7 +70,7 @@ class SamplerChain:
                 )
             )
         if params.effective_grammar is not None:  # grammar, or json_schema / response_format's
-            grammar = lib.llama_sampler_init_grammar(model.vocab, params.effective_grammar.encode(), b"root")
+            grammar = _grammar_sampler(model, params)
             if grammar == ffi.NULL:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)

@@ -1,0 +1,70 @@
+"""The chat path shared by ``LLM.chat`` and ``LLMEngine.add_request``: a conversation rendered
+with its tools, and the ``ChatSetup`` that samples and reads its answers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llamabatch.chat_template import chat_prompt_tokens, render_chat
+from llamabatch.params import SamplingParams
+from llamabatch.toolcalls import check_tool_call_parser
+from llamabatch.toolcalls.chat import ChatSetup, prepare_chat
+from llamabatch.toolcalls.reasoning import check_reasoning_format
+
+__all__ = ["ChatOptions", "chat_request", "is_conversation"]
+
+
+class ChatOptions:
+    """An engine's chat defaults: ``tool_call_parser`` ("auto": from the chat template, a
+    format name, or "none") and ``reasoning_format`` ("auto" or "none")."""
+
+    def __init__(self, tool_call_parser: str = "auto", reasoning_format: str = "auto") -> None:
+        self.tool_call_parser = check_tool_call_parser(tool_call_parser)
+        self.reasoning_format = check_reasoning_format(reasoning_format)
+
+
+def is_conversation(prompt: object) -> bool:
+    """Whether ``prompt`` is a list of chat messages (mappings), not text or token ids."""
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, (str, bytes))
+        and len(prompt) > 0
+        and isinstance(prompt[0], Mapping)
+    )
+
+
+def chat_request(
+    host: Any,
+    options: ChatOptions,
+    conversation: Sequence[Mapping[str, Any]],
+    params: SamplingParams | Mapping[str, Any] | None,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: object = None,
+    parallel_tool_calls: bool = True,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[int], ChatSetup]:
+    """The prompt tokens of ``conversation`` for ``host``'s model (an ``LLM`` or ``LLMEngine``;
+    the caller keeps the model alive) and the request's ``ChatSetup``."""
+    text = render_chat(
+        host.model,
+        conversation,
+        tools=tools,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    setup = prepare_chat(
+        SamplingParams.coerce(params),
+        template=chat_template if chat_template is not None else host.model.chat_template,
+        prompt=text,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        tool_call_parser=options.tool_call_parser,
+        reasoning_format=options.reasoning_format,
+    )
+    return chat_prompt_tokens(host.model, text), setup
