@@ -20,6 +20,7 @@ from llamabatch.llm_engine import LLMEngine
 from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, Usage
 from llamabatch.params import SamplingParams
 from llamabatch.request import RequestHandle
+from llamabatch.reranker import Reranker
 from llamabatch.telemetry import EmbedderStats, EmbedPackEvent, GenerationStats, RequestEvent, TickEvent
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "RequestEvent",
     "RequestHandle",
     "RequestOutput",
+    "Reranker",
     "SamplingParams",
     "StepOutput",
     "TickEvent",

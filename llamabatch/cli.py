@@ -210,23 +210,25 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
     p.add_argument(
         "--dtype",
-        choices=("f16", "bf16", "f32"),
-        default="f16",
-        help="type of the 2-D weights (1-D tensors are always f32); default f16 "
-        "(bf16 is fastest on CPUs with AVX512-BF16)",
+        choices=("auto", "f32", "f16", "bf16", "q8_0"),
+        default="auto",
+        help="type of the 2-D weights (1-D tensors are always f32); default auto: f32 up to 350M "
+        "parameters (fastest on CPUs without native f16/bf16 arithmetic), f16 above; q8_0: 8-bit "
+        "layer matrices (a quarter of f32's size)",
     )
     p.add_argument("--name", default=None, help="general.name of the GGUF (default: from the directory)")
 
 
 def _convert(args: argparse.Namespace) -> int:
     """``llamabatch convert``: write a GGUF from a BERT-family model directory."""
-    from llamabatch.convert import convert_bert
+    from llamabatch.convert import chosen_dtype, convert_bert
 
     start = time.perf_counter()
     out = convert_bert(args.model_dir, args.out, dtype=args.dtype, name=args.name)
     elapsed = time.perf_counter() - start
     size_mib = out.stat().st_size / (1 << 20)
-    print(f"wrote {out} ({args.dtype}, {size_mib:.1f} MiB) in {elapsed:.2f} s")
+    dtype = chosen_dtype(args.model_dir, args.dtype)
+    print(f"wrote {out} ({dtype}, {size_mib:.1f} MiB) in {elapsed:.2f} s")
     return 0
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "CONVERTER_VERSION",
     "BertConfig",
     "cached_conversion",
+    "chosen_dtype",
     "convert_bert",
     "default_cache_dir",
 ]
@@ -201,6 +202,13 @@ def convert_bert(
     return out_path
 
 
+def chosen_dtype(model_dir: str | os.PathLike[str], dtype: str = "auto") -> str:
+    """The weight type :func:`convert_bert` writes for ``model_dir`` given ``dtype``
+    (``"auto"`` resolved by the checkpoint's parameter count)."""
+    resolve_dtype(dtype, 0)
+    return resolve_dtype(dtype, _count_params(_check_model_dir(model_dir))) if dtype == "auto" else dtype
+
+
 def default_cache_dir() -> Path:
     """The directory :func:`cached_conversion` uses: ``$LLAMABATCH_CACHE_DIR`` or
     ``~/.cache/llamabatch/models``."""
@@ -226,8 +234,7 @@ def cached_conversion(
     resolve_dtype(dtype, 0)
     model_dir = _check_model_dir(model_dir)
     _read_config(model_dir)  # fail early, with the converter's errors, before hashing
-    if dtype == "auto":
-        dtype = resolve_dtype(dtype, _count_params(model_dir))
+    dtype = chosen_dtype(model_dir, dtype)
     digest = hashlib.sha256(f"llamabatch-convert-bert v{CONVERTER_VERSION} {dtype}\n".encode())
     for path in _input_files(model_dir):
         digest.update(f"{path.relative_to(model_dir).as_posix()}\n".encode())

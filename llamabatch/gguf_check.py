@@ -1016,7 +1016,7 @@ class _Checker:
         # -- a reranker's classification head (issue 25): llama.cpp's rank pooling asserts that
         # the pooler (cls) is there when any head is; the classifier (cls.output) is optional.
         if any(name.startswith("cls.") for name in self.tensor_map):
-            labels = self.kv.get(self.k("classifier.output_labels"))
+            labels = self.kv.get(self.k("{arch}.classifier.output_labels"))
             n_cls = labels.count if labels is not None and labels.count else 1
             out |= {
                 "cls.weight": ((n_embd, n_embd), True),

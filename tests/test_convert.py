@@ -43,7 +43,7 @@ def sentences() -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="session", params=["f16", "bf16", "f32"])
+@pytest.fixture(scope="session", params=["f16", "bf16", "f32", "q8_0"])
 def minilm_gguf(request: pytest.FixtureRequest, model_dir: Path) -> Path:
     """The converted GGUF (cached across sessions under $LLAMABATCH_CACHE_DIR)."""
     return cached_conversion(model_dir, dtype=request.param)
@@ -123,6 +123,26 @@ def test_gguf_metadata(minilm_gguf: Path) -> None:
         if len(t.shape) == 1:
             assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
     assert tensors["token_types.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_q8_0_quantizes_the_layer_matrices_only(model_dir: Path) -> None:
+    reader = gguf.GGUFReader(cached_conversion(model_dir, dtype="q8_0"))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.5.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.F16  # lookup tables stay f16
+
+
+def test_auto_dtype_is_f32_for_a_small_encoder(model_dir: Path, tmp_path: Path) -> None:
+    from llamabatch.convert import chosen_dtype
+    from llamabatch.convert_head import auto_dtype
+
+    assert chosen_dtype(model_dir) == "f32"  # all-MiniLM-L6-v2: 22.7M parameters
+    assert auto_dtype(110_000_000) == "f32" and auto_dtype(560_000_000) == "f16"
+    out = convert_bert(model_dir, tmp_path / "auto.gguf")  # the default
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    assert cached_conversion(model_dir, cache_dir=tmp_path / "c").name.split("-")[-2] == "f32"
 
 
 def test_cached_conversion_reuses_the_file(model_dir: Path, tmp_path: Path) -> None:
@@ -205,7 +225,7 @@ def test_cls_pooling_is_written(model_dir: Path, tmp_path: Path) -> None:
 
 def test_bad_dtype(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dtype"):
-        convert_bert(model_dir, tmp_path / "out.gguf", dtype="q8_0")
+        convert_bert(model_dir, tmp_path / "out.gguf", dtype="q4_0")
 
 
 # --------------------------------------------------------------------------- CLI
