@@ -92,7 +92,7 @@ def test_a_classifier_without_pooler_is_refused(tmp_path: Path) -> None:
 
 
 def test_tokens_and_types_match_the_hf_tokenizer(reranker: Reranker) -> None:
-    for pair, ids, types in zip(ALL_PAIRS, REFERENCE["input_ids"], REFERENCE["token_type_ids"]):
+    for pair, ids, types in zip(ALL_PAIRS, REFERENCE["input_ids"], REFERENCE["token_type_ids"], strict=True):
         assert reranker.tokenize(*pair) == (ids, types), pair
 
 
@@ -144,7 +144,7 @@ def test_over_long_pairs_truncate_or_raise(gguf_path: Path, reranker: Reranker) 
     )
     with Reranker(gguf_path, truncate=False) as strict:
         assert strict.predict(PAIRS[:2]).shape == (2,)
-        with pytest.raises(PromptTooLong, match="pair 1 has .* tokens, more than the 64") as info:
+        with pytest.raises(PromptTooLong, match=r"pair 1 has .* tokens, more than the 64") as info:
             strict.predict([PAIRS[0], LONG_PAIRS[0]])
         assert info.value.index == 1  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="max_length"):
