@@ -369,11 +369,11 @@ class Reranker:
         activation_fn: Activation = None,
         apply_softmax: bool = False,
     ) -> Any:
-        """``predict`` for asyncio: the pairs join the shared packs; the loop keeps running.
-        Cancelling the awaiting task drops the pairs not packed yet."""
+        """``predict`` for asyncio: the pairs are tokenized in a worker thread (not on the loop)
+        and join the shared packs. Cancelling the awaiting task drops the pairs not packed yet."""
         single, pairs = self._as_pairs(sentences)
         out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
-        job = self._engine._submit(pairs, 0, out, None, new_call=True)
+        job = await asyncio.to_thread(self._engine._submit, pairs, 0, out, None, True)
         try:
             await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
