@@ -35,6 +35,7 @@ from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._core.strategies import DecodeMaximal, get_strategy
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
+from llamabatch._ffi.sampler import NoTokenAllowed
 from llamabatch.errors import QueueFull
 from llamabatch.kv_cache import KVCache
 from llamabatch.outputs import FinishReason
@@ -420,10 +421,15 @@ class EngineCore:
                 continue
             if request.fast_greedy:
                 token = greedy[row]
-            elif len(request.output_tokens) < request.params.min_tokens:
-                token = self._sample_without_stops(request, idx)
             else:
-                token = request.sampler.sample(self.context, idx)
+                try:
+                    if len(request.output_tokens) < request.params.min_tokens:
+                        token = self._sample_without_stops(request, idx)
+                    else:
+                        token = request.sampler.sample(self.context, idx)
+                except NoTokenAllowed as exc:  # a grammar at a dead end: end this request only
+                    self._finish(slot, "error", error=str(exc))
+                    continue
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
             self._on_token(slot, request, token, now)

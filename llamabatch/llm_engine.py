@@ -302,7 +302,7 @@ class EngineHost:
                     if params.seed is None or i == 0
                     else replace(params, seed=(params.seed + i) % 2**32)
                 )
-                request.sampler = SamplerChain(self.model, seeded)
+                request.sampler = SamplerChain(self.model, seeded, n_ctx=self.n_ctx_seq)
             requests.append(request)
         return requests
 

@@ -32,6 +32,17 @@ LOGIT_BIAS_MAX = 1e30
 GREEDY_TEMPERATURE = 1e-5
 #: llama.cpp reads seed 0xFFFFFFFF as "pick a random seed", so it is not a reproducible seed.
 SEED_LIMIT = 2**32 - 1
+#: Caps on what sizes an allocation (llama.cpp zero-fills a ``penalty_last_n``-entry ring
+#: buffer per completion; the window is further clamped to the request's context).
+PENALTY_LAST_N_MAX = 1 << 20
+#: completions of one prompt (OpenAI's and the server's cap)
+N_MAX = 128
+#: stop strings per request, and the length of each (characters)
+STOP_MAX, STOP_LEN_MAX = 64, 1024
+#: ``stop_token_ids`` entries
+STOP_TOKEN_IDS_MAX = 1024
+#: ``logit_bias`` entries (more than any vocabulary has tokens)
+LOGIT_BIAS_ENTRIES_MAX = 1 << 18
 
 
 # Iterables that are not sequences of items here (bytes iterate as ints).
@@ -208,12 +219,32 @@ class SamplingParams:
             put(name, _float_field(name, getattr(self, name), -2.0, 2.0))
         put(
             "penalty_last_n",
-            _int_field("penalty_last_n", self.penalty_last_n, -1, INT32_MAX, " (-1 = whole context)"),
+            _int_field(
+                "penalty_last_n",
+                self.penalty_last_n,
+                -1,
+                PENALTY_LAST_N_MAX,
+                " (-1 = whole context; the window is also clamped to the context)",
+            ),
         )
         if self.seed is not None:
             put("seed", _int_field("seed", self.seed, 0, SEED_LIMIT - 1, " or None (2**32-1 means random)"))
         put("stop", _strings("stop", self.stop))
+        _check(len(self.stop) <= STOP_MAX, "stop", f"takes at most {STOP_MAX} strings", len(self.stop))
+        for i, text in enumerate(self.stop):
+            _check(
+                len(text) <= STOP_LEN_MAX,
+                f"stop[{i}]",
+                f"must be at most {STOP_LEN_MAX} characters",
+                len(text),
+            )
         put("stop_token_ids", self._token_ids("stop_token_ids", self.stop_token_ids))
+        _check(
+            len(self.stop_token_ids) <= STOP_TOKEN_IDS_MAX,
+            "stop_token_ids",
+            f"takes at most {STOP_TOKEN_IDS_MAX} ids",
+            len(self.stop_token_ids),
+        )
         put("min_tokens", _int_field("min_tokens", self.min_tokens, 0, INT32_MAX))
         _check(
             self.min_tokens <= self.max_tokens,
@@ -231,9 +262,12 @@ class SamplingParams:
                 self.grammar,
             )
             put("grammar", check_text("SamplingParams.grammar", self.grammar))
+            from llamabatch.grammar_check import check_grammar
+
+            check_grammar(self.grammar, what="SamplingParams.grammar")
         if self.logprobs is not None:
             put("logprobs", _int_field("logprobs", self.logprobs, 0, 100, " or None"))
-        put("n", _int_field("n", self.n, 1, INT32_MAX))
+        put("n", _int_field("n", self.n, 1, N_MAX))
         put("truncate", _bool_field("truncate", self.truncate))
         put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
         put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
@@ -276,6 +310,12 @@ class SamplingParams:
         if value is None:
             return {}
         _check(isinstance(value, Mapping), "logit_bias", "must be a mapping {token id: bias}", value)
+        _check(
+            len(value) <= LOGIT_BIAS_ENTRIES_MAX,  # type: ignore[arg-type]
+            "logit_bias",
+            f"takes at most {LOGIT_BIAS_ENTRIES_MAX} entries",
+            len(value),  # type: ignore[arg-type]
+        )
         out: dict[int, float] = {}
         for token, bias in value.items():  # type: ignore[union-attr]
             number = as_int(token)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from collections.abc import Mapping
 from functools import lru_cache
@@ -22,7 +23,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from llamabatch.grammar_check import GrammarLimits, check_grammar, get_grammar_limits
+
 __all__ = [
+    "check_schema",
     "json_object_grammar",
     "json_schema_grammar",
     "resolve_grammar",
@@ -43,11 +47,236 @@ def _grammar_module() -> ModuleType:
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
+            if callable(getattr(module, "_build_repetition", None)):
+                module._build_repetition = _build_repetition  # this private copy only
             return module
     raise ImportError(
         "structured output needs llama_cpp/llama_grammar.py from the llama-cpp-python package, "
         "which was not found"
     )
+
+
+def _build_repetition(
+    item_rule: str,
+    min_items: int,
+    max_items: int | None,
+    separator_rule: str | None = None,
+    item_rule_is_literal: bool = False,
+) -> str:
+    """The converter's repetition, written with GBNF's ``{m,n}``.
+
+    The converter spells ``x{0,n}`` as ``n`` nested groups ``(x (x (x ...)?)?)?``: llama.cpp's
+    parser recurses once per group, so a ``maxLength`` of 50,000 overflowed its stack.
+    llama.cpp expands ``{m,n}`` itself into a chain of rules that does not nest (and
+    ``check_grammar`` bounds ``m`` and ``n``). Same language, same call signature."""
+    del item_rule_is_literal  # a quoted literal repeats as a whole under {m,n} too
+    if separator_rule is None:
+        if max_items is None:
+            return (
+                f"{item_rule}*"
+                if min_items == 0
+                else f"{item_rule}+"
+                if min_items == 1
+                else (f"{item_rule}{{{min_items},}}")
+            )
+        if max_items == 0:
+            return ""
+        if min_items == 0 and max_items == 1:
+            return f"{item_rule}?"
+        if min_items == max_items:
+            return f"{item_rule}{{{min_items}}}"
+        return f"{item_rule}{{{min_items},{max_items}}}"
+    more = f"({separator_rule} {item_rule})"
+    if max_items is None:
+        if min_items == 0:
+            return f"({item_rule} {more}*)?"
+        return f"{item_rule} {more}{{{min_items - 1},}}"
+    if max_items == 0:
+        return ""
+    if min_items == 0:
+        return f"({item_rule} {more}{{0,{max_items - 1}}})?"
+    return f"{item_rule} {more}{{{min_items - 1},{max_items - 1}}}"
+
+
+# -- schema validation ---------------------------------------------------------------------
+
+_TYPES = frozenset(("string", "number", "integer", "boolean", "object", "array", "null"))
+#: counts: non-negative ints, at most ``GrammarLimits.max_repetition`` (they become ``{m,n}``)
+_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_COUNT_PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
+_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+#: keywords whose value is a schema, a mapping of names to schemas, or a list of schemas
+_SCHEMA_KEYS = frozenset(
+    ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames")
+)
+_SCHEMA_MAP_KEYS = frozenset(("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"))
+_SCHEMA_LIST_KEYS = frozenset(("anyOf", "oneOf", "allOf", "prefixItems"))
+# {m}, {m,}, {m,n} quantifiers of a regular expression
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def check_schema(schema: Any, *, what: str = "json_schema", limits: GrammarLimits | None = None) -> None:
+    """Validate a JSON schema (parsed) before it is turned into a grammar.
+
+    Walks it without recursion and refuses, with a ``ValueError`` naming ``what``, the path
+    and the limit: more than ``max_schema_nodes`` values or nesting deeper than
+    ``max_schema_depth``; NaN or infinite numbers (not JSON); length, item and property
+    counts that are not non-negative ints, exceed ``max_repetition`` or have min > max; a
+    ``pattern`` that is not a valid regular expression anchored with ``^...$`` or has a
+    quantifier above ``max_repetition``; numeric bounds that are not numbers; a ``type``
+    that is not a JSON type; an empty ``enum``; any ``$ref`` but a local ``#/...`` one that
+    resolves inside the schema (a remote one would make the converter fetch a URL)."""
+    limits = limits if limits is not None else get_grammar_limits()
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{what} must be a JSON schema object (a dict), got {type(schema).__name__}")
+    # (value, path, depth, kind): kind is "schema", "map" (names -> schemas), "list" (schemas), "value"
+    stack: list[tuple[Any, str, int, str]] = [(schema, "$", 1, "schema")]
+    nodes = 0
+    while stack:
+        node, path, depth, kind = stack.pop()
+        nodes += 1
+        if nodes > limits.max_schema_nodes:
+            raise ValueError(
+                f"{what}: the schema has more than {limits.max_schema_nodes} values "
+                "(GrammarLimits.max_schema_nodes)"
+            )
+        if depth > limits.max_schema_depth:
+            raise ValueError(
+                f"{what}: the schema nests deeper than {limits.max_schema_depth} levels at {path} "
+                "(GrammarLimits.max_schema_depth)"
+            )
+        if isinstance(node, Mapping):
+            if kind == "schema":
+                _check_keywords(node, path, schema, what, limits)
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"{what}: keys must be strings, got {key!r} at {path}")
+                child = "value"
+                if kind == "schema":
+                    if key in _SCHEMA_KEYS:
+                        child = "list" if isinstance(value, list) else "schema"
+                        if isinstance(value, bool) and key == "additionalProperties":
+                            child = "value"
+                    elif key in _SCHEMA_MAP_KEYS:
+                        child = "map"
+                    elif key in _SCHEMA_LIST_KEYS:
+                        child = "list"
+                elif kind == "map":
+                    child = "schema"
+                stack.append((value, f"{path}.{key}", depth + 1, child))
+        elif isinstance(node, (list, tuple)):
+            if kind == "schema":
+                raise ValueError(f"{what}: {path} must be a schema object, got a list")
+            for i, value in enumerate(node):
+                stack.append((value, f"{path}[{i}]", depth + 1, "schema" if kind == "list" else "value"))
+        elif kind in ("schema", "map", "list"):
+            raise ValueError(
+                f"{what}: {path} must be a schema object, got {type(node).__name__} {node!r:.40}"
+            )
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise ValueError(
+                    f"{what}: {node!r} at {path} is not a JSON number (NaN and Infinity are refused)"
+                )
+        elif node is not None and not isinstance(node, (str, int, bool)):
+            raise ValueError(f"{what}: {path} holds a {type(node).__name__}, which is not JSON")
+
+
+def _check_keywords(node: Mapping[str, Any], path: str, root: Any, what: str, limits: GrammarLimits) -> None:
+    def bad(key: str, message: str) -> ValueError:
+        return ValueError(f"{what}: {key} at {path} {message}, got {node[key]!r:.60}")
+
+    kind = node.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        if not kinds or not all(isinstance(k, str) and k in _TYPES for k in kinds):
+            raise bad("type", f"must be one of {', '.join(sorted(_TYPES))} (or a non-empty list of them)")
+    for key in _COUNT_KEYS:
+        if key in node:
+            value = node[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(key, "must be a non-negative integer")
+            if value > limits.max_repetition:
+                raise ValueError(
+                    f"{what}: {key} {value} at {path} exceeds the limit of {limits.max_repetition} "
+                    "(GrammarLimits.max_repetition)"
+                )
+    for low, high in _COUNT_PAIRS:
+        if low in node and high in node and node[low] > node[high]:
+            raise ValueError(f"{what}: {low} {node[low]} is above {high} {node[high]} at {path}")
+    for key in _NUMBER_KEYS:
+        if key in node:
+            value = node[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(key, "must be a finite number")
+    if "pattern" in node:
+        _check_pattern(node["pattern"], path, what, limits)
+    if "format" in node and not isinstance(node["format"], str):
+        raise bad("format", "must be a string")
+    if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+        raise bad("enum", "must be a non-empty list")
+    if "required" in node and (
+        not isinstance(node["required"], list) or not all(isinstance(k, str) for k in node["required"])
+    ):
+        raise bad("required", "must be a list of property names")
+    for key in _SCHEMA_LIST_KEYS:
+        if key in node and (not isinstance(node[key], list) or (key != "prefixItems" and not node[key])):
+            raise bad(key, "must be a non-empty list of schemas")
+    for key in _SCHEMA_MAP_KEYS:
+        if key in node and not isinstance(node[key], Mapping):
+            raise bad(key, "must be an object")
+    if "$ref" in node:
+        _check_ref(node["$ref"], path, root, what)
+
+
+def _check_pattern(pattern: Any, path: str, what: str, limits: GrammarLimits) -> None:
+    if not isinstance(pattern, str):
+        raise ValueError(f"{what}: pattern at {path} must be a string, got {pattern!r:.60}")
+    if not (pattern.startswith("^") and pattern.endswith("$")) or len(pattern) < 2:
+        raise ValueError(f"{what}: pattern at {path} must start with ^ and end with $ (the whole string)")
+    depth = deepest = 0
+    escaped = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > limits.max_nesting:
+        raise ValueError(
+            f"{what}: pattern at {path} nests {deepest} groups, above the limit of {limits.max_nesting} "
+            "(GrammarLimits.max_nesting)"
+        )
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise ValueError(f"{what}: pattern at {path} is not a valid regular expression: {exc}") from None
+    for match in _QUANTIFIER.finditer(pattern):
+        for digits in match.groups():
+            if digits and (len(digits) > 9 or int(digits) > limits.max_repetition):
+                raise ValueError(
+                    f"{what}: the quantifier {match.group(0)} in pattern at {path} exceeds the limit of "
+                    f"{limits.max_repetition} (GrammarLimits.max_repetition)"
+                )
+
+
+def _check_ref(ref: Any, path: str, root: Any, what: str) -> None:
+    """Only local references (``#/...``) that resolve: the converter would fetch a remote
+    ``https://`` one when assertions are off (``python -O``)."""
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        raise ValueError(
+            f"{what}: $ref {ref!r:.80} at {path} is refused: only local references ('#/...') are "
+            "allowed, remote schemas are never fetched"
+        )
+    target = root
+    for part in ref[2:].split("/"):
+        if not isinstance(target, Mapping) or part not in target:
+            raise ValueError(f"{what}: $ref {ref!r:.80} at {path} does not resolve inside the schema")
+        target = target[part]
 
 
 def json_object_grammar() -> str:
@@ -60,20 +289,41 @@ def json_schema_grammar(schema: Mapping[str, Any] | str, *, what: str = "json_sc
 
     Raises ``ValueError`` (naming ``what``) for a schema that is not a JSON object or that the
     converter cannot handle (e.g. a remote ``$ref``)."""
+    limits = get_grammar_limits()
     if isinstance(schema, str):
+        size = len(schema.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise ValueError(
+                f"{what}: the schema is {size} bytes, above the limit of {limits.max_bytes} "
+                "(GrammarLimits.max_bytes)"
+            )
         try:
-            parsed = json.loads(schema)
-        except json.JSONDecodeError as exc:
+            parsed = json.loads(schema, parse_constant=_refuse_constant)
+        except ValueError as exc:  # JSONDecodeError, or NaN / Infinity
             raise ValueError(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"{what}: the schema nests too deeply") from None
     else:
         parsed = schema
     if not isinstance(parsed, Mapping):
         raise ValueError(f"{what} must be a JSON schema object (a dict), got {type(parsed).__name__}")
+    check_schema(parsed, what=what, limits=limits)
     try:
-        text = json.dumps(parsed)
+        text = json.dumps(parsed, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what} is not JSON-serialisable: {exc}") from None
-    return _convert(text, what)
+    if len(text) > limits.max_bytes:
+        raise ValueError(
+            f"{what}: the schema is {len(text)} bytes as JSON, above the limit of {limits.max_bytes} "
+            "(GrammarLimits.max_bytes)"
+        )
+    grammar = _convert(text, what)
+    check_grammar(grammar, what=f"{what} (the grammar made from it)", limits=limits)
+    return grammar
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 # The converter's string character rule lets raw control characters (U+0000..U+001F) into

@@ -83,8 +83,10 @@ def test_n_over_max_queue_raises_at_once(tiny_path):
     with _small(tiny_path, max_queue=4) as llm:
         with pytest.raises(QueueFull, match="n=5"):
             llm.generate("x", SamplingParams(n=5))
-        with pytest.raises(QueueFull, match="n=100000"):
-            llm.submit("x", SamplingParams(n=100_000, temperature=1.0))  # no sampler is built
+        with pytest.raises(QueueFull, match="n=128"):
+            llm.submit("x", SamplingParams(n=128, temperature=1.0))  # no sampler is built
+    with pytest.raises(ValueError, match=r"SamplingParams\.n must be an int in \[1, 128\]"):
+        SamplingParams(n=100_000)  # capped in validation (issue 26)
 
 
 def test_empty_plan_falls_back_and_says_so_once(tiny_path, caplog):

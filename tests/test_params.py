@@ -22,7 +22,7 @@ import pytest
 
 from llamabatch import testing
 from llamabatch.inputs import as_prompt_list, check_token_ids, is_single_prompt, normalize_prompt
-from llamabatch.params import INT32_MAX, SamplingParams, check_bool, check_positive_int
+from llamabatch.params import INT32_MAX, PENALTY_LAST_N_MAX, SamplingParams, check_bool, check_positive_int
 
 # --------------------------------------------------------------------------- SamplingParams
 
@@ -86,8 +86,10 @@ def test_wrong_types_are_refused(field: str, value: object) -> None:
 
 
 def test_int32_limits_are_accepted() -> None:
-    p = SamplingParams(top_k=INT32_MAX, penalty_last_n=INT32_MAX, max_tokens=INT32_MAX, seed=2**32 - 2)
-    assert p.top_k == INT32_MAX and p.penalty_last_n == INT32_MAX and p.seed == 2**32 - 2
+    p = SamplingParams(
+        top_k=INT32_MAX, penalty_last_n=PENALTY_LAST_N_MAX, max_tokens=INT32_MAX, seed=2**32 - 2
+    )
+    assert p.top_k == INT32_MAX and p.penalty_last_n == PENALTY_LAST_N_MAX and p.seed == 2**32 - 2
     assert SamplingParams(penalty_last_n=-1, top_k=0, temperature=0).greedy
 
 

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import math
 import random
+
+import numpy as np
 
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.params import SamplingParams
 
 _sample = lib.llama_sampler_sample
+_apply = lib.llama_sampler_apply
+_accept = lib.llama_sampler_accept
+#: the layout of ``llama_token_data``, for filling candidates from numpy
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+#: ``penalty_last_n`` when no context size is given: llama.cpp's default context
+_DEFAULT_PENALTY_CTX = 4096
+
+
+class NoTokenAllowed(RuntimeError):
+    """A grammar request reached a state where its grammar (with the other constraints:
+    ``min_tokens``, ``logit_bias`` bans, the vocabulary) admits no token. llama.cpp would throw
+    a C++ exception out of sampling and end the process; the engine ends the request instead."""
+
+
 #: characters std::regex (ECMAScript) gives a meaning; escaped in trigger words
 _REGEX_SPECIAL = frozenset(".^$|()*+?[]{}\\")
 
@@ -34,6 +51,13 @@ def _grammar_sampler(model: Model, params: SamplingParams):
     )
 
 
+def penalty_window(penalty_last_n: int, n_ctx: int | None) -> int:
+    """The penalty window llama.cpp gets: ``-1`` is the whole context (llama.cpp itself reads
+    -1 as 0, i.e. off), and no window is longer than the context."""
+    limit = n_ctx if n_ctx is not None and n_ctx > 0 else _DEFAULT_PENALTY_CTX
+    return limit if penalty_last_n < 0 else min(penalty_last_n, limit)
+
+
 class SamplerChain:
     """One request's sampler chain; it keeps its own state (penalty window, grammar, RNG).
 
@@ -41,8 +65,11 @@ class SamplerChain:
     greedy, or top-k, typical, top-p, min-p, temperature and a seeded draw.
     """
 
-    def __init__(self, model: Model, params: SamplingParams) -> None:
+    def __init__(self, model: Model, params: SamplingParams, *, n_ctx: int | None = None) -> None:
+        """``n_ctx``: the request's context size, which bounds the penalty window
+        (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096."""
         self._ptr = ffi.NULL
+        self._cur = None  # candidates buffer, for grammar requests (see ``sample``)
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -63,7 +90,7 @@ class SamplerChain:
             self._add(
                 lib.llama_sampler_init_penalties(
                     n_vocab,
-                    params.penalty_last_n,
+                    penalty_window(params.penalty_last_n, n_ctx),
                     params.repeat_penalty,
                     params.frequency_penalty,
                     params.presence_penalty,
@@ -74,6 +101,7 @@ class SamplerChain:
             if grammar == ffi.NULL:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)
+            self._guard(n_vocab)
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
         else:
@@ -99,10 +127,41 @@ class SamplerChain:
             raise ValueError("the sampler chain is closed")
         return self._ptr
 
+    def _guard(self, n_vocab: int) -> None:
+        """Sample grammar requests in two steps (see ``sample``): the candidates buffer."""
+        self._cur = ffi.new("llama_token_data[]", n_vocab)
+        self._cur_np = np.frombuffer(ffi.buffer(self._cur), dtype=_TOKEN_DATA)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._cur_p = ffi.new("llama_token_data_array *")
+
     def sample(self, context, idx: int) -> int:
         """Sample from the logits at batch index ``idx`` of ``context``'s last decode; the
-        chosen token is accepted into the chain's state."""
-        return _sample(self._ptr, context._ptr, idx)
+        chosen token is accepted into the chain's state.
+
+        With a grammar, the chain is applied and the choice accepted in two steps, and
+        ``NoTokenAllowed`` is raised when the grammar left no candidate (every logit -inf):
+        accepting a token the grammar refuses throws a C++ exception that ends the process."""
+        if self._cur is None:
+            return _sample(self._ptr, context._ptr, idx)
+        cur = self._cur_np
+        cur["id"] = self._ids
+        cur["logit"] = context.logits_view(idx)
+        cur["p"] = 0.0
+        cur_p = self._cur_p
+        cur_p.data = self._cur
+        cur_p.size = len(cur)
+        cur_p.selected = -1
+        cur_p.sorted = False
+        _apply(self._ptr, cur_p)
+        selected = cur_p.selected
+        if not 0 <= selected < cur_p.size or not math.isfinite(cur_p.data[selected].logit):
+            raise NoTokenAllowed(
+                "the grammar admits no token here (with this vocabulary, min_tokens, stop tokens and "
+                "logit_bias): generation cannot go on"
+            )
+        token = cur_p.data[selected].id
+        _accept(self._ptr, token)
+        return token
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
