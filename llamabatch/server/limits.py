@@ -33,6 +33,7 @@ __all__ = [
     "deadline_protocol",
     "host_allowed",
     "parse_json",
+    "read_json",
 ]
 
 #: the default request body limit, in MiB: far more text than any context holds (a 128k-token
@@ -42,6 +43,8 @@ DEFAULT_MAX_BODY_MB = 16.0
 DEFAULT_TIMEOUT_S = 60.0
 #: the deepest nesting of arrays and objects a request body may have
 MAX_JSON_DEPTH = 128
+#: bodies up to this size are parsed on the event loop; bigger ones in a worker thread
+_INLINE_PARSE_BYTES = 64 * 1024
 #: names that always mean this machine (``*.localhost`` resolves to loopback in browsers)
 LOCAL_NAMES = ("localhost",)
 
@@ -263,6 +266,15 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if json_depth(data) > max_depth:
         raise bad_request(f"the request body is nested deeper than {max_depth} levels")
     return data
+
+
+async def read_json(request: Any) -> Any:
+    """A Starlette request's body (bounded by :class:`EdgeGuard`) through :func:`parse_json`;
+    a big body is parsed in a worker thread."""
+    raw = await request.body()
+    if len(raw) <= _INLINE_PARSE_BYTES:
+        return parse_json(raw)
+    return await asyncio.to_thread(parse_json, raw)
 
 
 # -- the request head's deadline (uvicorn) ----------------------------------------------------

@@ -1,0 +1,90 @@
+"""A request's CPU work before it reaches an engine, and the checks that bound it.
+
+The endpoints in ``app.py`` run these in worker threads (``asyncio.to_thread``): tokenizing,
+and the byte bound that refuses a text before tokenizing it when no tokenization of it could
+fit the context (tokenizing a long run without whitespace costs time quadratic in its length).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from llamabatch import LLM, Embedder, PromptTooLong
+from llamabatch.chat_template import special_token_text
+from llamabatch.llm_engine import prompt_bytes_bound
+from llamabatch.server.protocol import bad_request
+
+__all__ = ["chat_tokens", "check_queue_room", "count_embedding_tokens", "prompt_fits", "tokenize_prompts"]
+
+
+def check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:
+    """400 for a request whose completions could never wait in the queue together (a 503
+    would tell the client to retry what can never succeed)."""
+    if n > llm.max_queue:
+        raise bad_request(
+            f"'n' is {n}, more completions than the server queues at once (--max-queue {llm.max_queue})",
+            param="n",
+        )
+    if n_prompts * n > llm.max_queue:
+        raise bad_request(
+            f"{n_prompts} prompts x n={n} make {n_prompts * n} completions, more than the server "
+            f"queues at once (--max-queue {llm.max_queue}); send fewer prompts per request",
+            param="prompt",
+        )
+
+
+def prompt_fits(llm: LLM, text: str, param: str) -> None:
+    """400 ``context_length_exceeded`` for text too long for any tokenization to fit."""
+    try:
+        llm.check_prompt_bytes(text)
+    except PromptTooLong as exc:
+        raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
+
+
+def tokenize_prompts(llm: LLM, prompts: Sequence[Any]) -> list[list[int]]:
+    """Each completions prompt (text or token ids) as token ids."""
+    token_prompts = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            prompt_fits(llm, prompt, "prompt")
+            prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
+        elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
+            raise bad_request(f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt")
+        token_prompts.append(prompt)
+    return token_prompts
+
+
+def chat_tokens(llm: LLM, text: str) -> list[int]:
+    """A rendered chat prompt's token ids, as ``chat_prompt_tokens`` makes them (special
+    tokens parsed, no doubled BOS), through ``LLM.tokenize`` (which keeps the model alive)."""
+    prompt_fits(llm, text, "messages")
+    bos = special_token_text(llm.model, llm.model.bos)
+    return llm.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+
+
+_EMBEDDING_BOUNDS: weakref.WeakKeyDictionary[Embedder, int | None] = weakref.WeakKeyDictionary()
+
+
+def _embedding_bound(embedder: Embedder) -> int | None:
+    if embedder not in _EMBEDDING_BOUNDS:
+        _EMBEDDING_BOUNDS[embedder] = prompt_bytes_bound(embedder.model, embedder.max_tokens)
+    return _EMBEDDING_BOUNDS[embedder]
+
+
+def count_embedding_tokens(embedder: Embedder, texts: Sequence[str]) -> int:
+    """The tokens of ``texts``; a text too long for any tokenization to fit the embedder's
+    limit is refused first (unless the embedder truncates)."""
+    bound = None if getattr(embedder, "truncate", False) else _embedding_bound(embedder)
+    for i, text in enumerate(texts):
+        if bound is not None and len(text) * 4 > bound:
+            size = len(text.encode("utf-8", "replace"))
+            if size > bound:
+                raise bad_request(
+                    f"'input[{i}]' is {size} bytes, more than {embedder.max_tokens} tokens of this "
+                    f"vocabulary can hold ({bound} bytes)",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+    return sum(len(embedder.tokenize(t)) for t in texts)

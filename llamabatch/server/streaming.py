@@ -1,0 +1,218 @@
+"""The server's response plumbing: JSON and Server-Sent Events, and tying a request's work to
+its client (a disconnect cancels the work: ``until_disconnect``, ``EventStream``).
+
+Split from ``app.py`` (which imports these names back); no endpoint logic here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams
+from llamabatch.server.protocol import APIError, bad_request, param_of_error, request_field
+
+logger = logging.getLogger("llamabatch.server")
+
+__all__ = ["ClientGone", "EventStream", "error_response", "until_disconnect"]
+
+#: seconds a client is asked to wait after a 503 for a full queue
+RETRY_AFTER_S = 1
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def _chunk(
+    kind: str, rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
+) -> bytes:
+    """One streamed chunk of a completion (``kind``: its OpenAI object type) with one choice;
+    ``usage`` is null on every chunk but the last when the client asked for it."""
+    obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        obj["usage"] = None
+    return _sse(obj)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStream:
+    """An ASGI response sending Server-Sent Events from ``events``; a client disconnect
+    cancels the iteration (and with it the generation)."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as exc:  # after the headers: the error becomes the last event
+                if isinstance(exc, (QueueFull, EngineClosed)):
+                    error = APIError(503, str(exc), type="server_error")
+                elif isinstance(exc, (ValueError, TypeError)):
+                    error = bad_request(str(exc), param=param_of_error(str(exc)))
+                else:
+                    logger.exception("llamabatch server: a stream failed")
+                    error = APIError(500, f"internal error: {exc}", type="server_error")
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": _sse(error.body()) + _DONE_EVENT,
+                        "more_body": True,
+                    }
+                )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(receive, pump())
+        except ClientGone:
+            pass
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+async def _generate(
+    llm: LLM, prompts: Sequence[Any], params: SamplingParams
+) -> AsyncIterator[tuple[int, Any]]:
+    """``(prompt index, Delta)`` of every prompt's generation, as they come."""
+    if len(prompts) == 1:
+        stream = llm.astream(prompts[0], params)
+        try:
+            async for delta in stream:
+                yield 0, delta
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, prompt: Any) -> None:
+        stream = llm.astream(prompt, params)
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+            queue.put_nowait((i, done))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _primed(gen: AsyncIterator[Any], receive: Any) -> AsyncIterator[Any]:
+    """``gen`` with its first item already awaited, so submit errors (a full queue, a bad
+    parameter) become HTTP errors before the stream's headers are sent."""
+    try:
+        first = await until_disconnect(receive, anext(gen))
+    except BaseException:
+        await gen.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chain() -> AsyncIterator[Any]:
+        try:
+            yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    return chain()
+
+
+def error_response(request: Request, exc: Exception) -> Response:
+    """The answer to an endpoint that raised ``exc``: OpenAI's error JSON with its status.
+    A 500 (with the traceback logged) only for what no request should be able to cause."""
+    if isinstance(exc, APIError):
+        return _json_response(exc.body(), exc.status, exc.headers)
+    if isinstance(exc, (ClientGone, ClientDisconnect)):
+        return Response(status_code=499)  # nobody is listening
+    if isinstance(exc, PromptTooLong):
+        return _json_response(bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400)
+    if isinstance(exc, QueueFull):  # waiting helps: a 503 with Retry-After
+        error = APIError(
+            503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full"
+        )
+        return _json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineClosed):
+        return _json_response(APIError(503, str(exc), type="server_error").body(), 503)
+    if isinstance(exc, (ValueError, TypeError)):  # a grammar llama.cpp refused at submit, ...
+        param = param_of_error(str(exc))
+        body = getattr(request.state, "body", None)
+        if body is not None:
+            param = request_field(body, param)
+        return _json_response(bad_request(str(exc), param=param).body(), 400)
+    if isinstance(exc, RecursionError):  # a request nested too deeply for some check: its fault
+        logger.warning("llamabatch server: %s: a request nested too deeply", request.url.path)
+        return _json_response(bad_request("the request is nested too deeply").body(), 400)
+    logger.error("llamabatch server: %s failed", request.url.path, exc_info=exc)
+    return _json_response(APIError(500, f"internal error: {exc}", type="server_error").body(), 500)
