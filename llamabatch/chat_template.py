@@ -189,7 +189,15 @@ def render_jinja(
         eos_token=eos_token,
     )
     try:
-        return compiled.render(**variables)
+        try:
+            return compiled.render(**variables)
+        except TypeError:
+            # An assistant turn with only tool calls has content None (OpenAI's shape); some
+            # templates (Qwen 3) test it as a string: give them "" as llama.cpp does.
+            if not any(m.get("content") is None for m in normalized):
+                raise
+            variables["messages"] = [{**m, "content": m.get("content") or ""} for m in normalized]
+            return compiled.render(**variables)
     except _TemplateRaised as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 
@@ -218,7 +226,10 @@ def _wants_object_arguments(template: str) -> bool:
     ``tojson``, as transformers expects) rather than as OpenAI's JSON string (DeepSeek R1
     concatenates them). Found by rendering a probe conversation, as llama.cpp does."""
     try:
-        text = _compile(template).render(messages=[dict(m) for m in _PROBE], add_generation_prompt=False)
+        probe = [dict(m) for m in _PROBE]
+        text = _compile(template).render(
+            messages=probe, tools=None, add_generation_prompt=False, bos_token="", eos_token=""
+        )
     except Exception:  # the template cannot take an object there
         return False
     return any(json.dumps(_PROBE_ARGUMENTS, separators=sep) in text for sep in ((", ", ": "), (",", ":")))

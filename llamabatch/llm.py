@@ -58,6 +58,11 @@ class LLM(EngineHost, Worker):
         EngineHost.__init__(self, model_path, **options)
         self._start()
 
+    @property
+    def chat_options(self) -> ChatOptions:
+        """``chat()``'s defaults: ``tool_call_parser`` and ``reasoning_format``."""
+        return self._chat_options
+
     # -- the engine thread (Worker hooks) -------------------------------------------------
 
     def _has_work(self) -> bool:

@@ -34,10 +34,14 @@ def trigger_pattern(word: str) -> str:
     """The std::regex of a lazy-grammar trigger word: the word literally, anywhere; a leading
     ``^`` anchors it at the start of the output (after whitespace). The grammar applies from
     the word on (the first capture group). Only escaped literals reach ``std::regex``: an
-    invalid pattern would throw a C++ exception through the C API."""
+    invalid pattern would throw a C++ exception through the C API.
+
+    The word must end the text so far (``$``): llama.cpp replays the triggering token into
+    the grammar, and a token running past the word with text the grammar rejects throws a
+    C++ exception (an abort). So the grammar wakes only when a token ends with the word."""
     anchored = word.startswith("^")
     literal = "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in word.removeprefix("^"))
-    return f"^\\s*({literal})" if anchored else f"({literal})"
+    return f"^\\s*({literal})$" if anchored else f"({literal})$"
 
 
 def _grammar_sampler(model: Model, params: SamplingParams):

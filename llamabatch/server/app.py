@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -27,15 +26,15 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llamabatch import LLM, Embedder, EngineClosed, PromptTooLong, QueueFull, SamplingParams
-from llamabatch.chat_template import special_token_text
-from llamabatch.llm_engine import prompt_bytes_bound
+from llamabatch import LLM, Embedder, PromptTooLong, SamplingParams
 from llamabatch.metrics import PrometheusListener
-from llamabatch.server.limits import EdgeGuard, ServerLimits, parse_json
+from llamabatch.server import prepare
+from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
+from llamabatch.server.limits import EdgeGuard, ServerLimits, read_json
 from llamabatch.server.protocol import (
     APIError,
     Body,
@@ -49,183 +48,26 @@ from llamabatch.server.protocol import (
     finish_reason,
     new_id,
     now,
-    param_of_error,
-    request_field,
     sampling_params,
     usage,
 )
+from llamabatch.server.rerank import Reranker, rerank_endpoint  # /v1/rerank (issue 25)
+from llamabatch.server.streaming import (
+    _DONE_EVENT,
+    EventStream,
+    _chunk,
+    _generate,
+    _json_response,
+    _primed,
+    _sse,
+    error_response,
+    until_disconnect,
+)
+from llamabatch.toolcalls.chat import ChatSetup
 
 logger = logging.getLogger("llamabatch.server")
 
 __all__ = ["create_app"]
-
-#: seconds a client is asked to wait after a 503 for a full queue
-RETRY_AFTER_S = 1
-#: bodies up to this size are parsed on the event loop; bigger ones in a worker thread
-_INLINE_PARSE_BYTES = 64 * 1024
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_dumps(obj), status_code=status, headers=headers, media_type="application/json")
-
-
-def _chunk(
-    kind: str, rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
-) -> bytes:
-    """One streamed chunk of a completion (``kind``: its OpenAI object type) with one choice;
-    ``usage`` is null on every chunk but the last when the client asked for it."""
-    obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
-    if include_usage:
-        obj["usage"] = None
-    return _sse(obj)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _dumps(obj) + b"\n\n"
-
-
-_DONE_EVENT = b"data: [DONE]\n\n"
-
-
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[Any]) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        watcher.cancel()
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-class EventStream:
-    """An ASGI response sending Server-Sent Events from ``events``; a client disconnect
-    cancels the iteration (and with it the generation)."""
-
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
-        self.events = events
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"),
-                ],
-            }
-        )
-
-        async def pump() -> None:
-            try:
-                async for chunk in self.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except Exception as exc:  # after the headers: the error becomes the last event
-                if isinstance(exc, (QueueFull, EngineClosed)):
-                    error = APIError(503, str(exc), type="server_error")
-                elif isinstance(exc, (ValueError, TypeError)):
-                    error = bad_request(str(exc), param=param_of_error(str(exc)))
-                else:
-                    logger.exception("llamabatch server: a stream failed")
-                    error = APIError(500, f"internal error: {exc}", type="server_error")
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": _sse(error.body()) + _DONE_EVENT,
-                        "more_body": True,
-                    }
-                )
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnect(receive, pump())
-        except ClientGone:
-            pass
-        finally:
-            await self.events.aclose()  # type: ignore[attr-defined]
-
-
-async def _generate(
-    llm: LLM, prompts: Sequence[Any], params: SamplingParams
-) -> AsyncIterator[tuple[int, Any]]:
-    """``(prompt index, Delta)`` of every prompt's generation, as they come."""
-    if len(prompts) == 1:
-        stream = llm.astream(prompts[0], params)
-        try:
-            async for delta in stream:
-                yield 0, delta
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, prompt: Any) -> None:
-        stream = llm.astream(prompt, params)
-        try:
-            async for delta in stream:
-                queue.put_nowait((i, delta))
-            queue.put_nowait((i, done))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-
-    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _primed(gen: AsyncIterator[Any], receive: Any) -> AsyncIterator[Any]:
-    """``gen`` with its first item already awaited, so submit errors (a full queue, a bad
-    parameter) become HTTP errors before the stream's headers are sent."""
-    try:
-        first = await until_disconnect(receive, anext(gen))
-    except BaseException:
-        await gen.aclose()  # type: ignore[attr-defined]
-        raise
-
-    async def chain() -> AsyncIterator[Any]:
-        try:
-            yield first
-            async for item in gen:
-                yield item
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-
-    return chain()
 
 
 class OpenAIServer:
@@ -241,11 +83,18 @@ class OpenAIServer:
         api_key: str | None,
         metrics: PrometheusListener | None,
         chat_template: str | None,
+        reranker: Reranker | None = None,
+        rerank_model_name: str | None = None,
     ) -> None:
-        if llm is None and embedder is None:
-            raise ValueError("give an LLM, an Embedder, or both")
+        if llm is None and embedder is None and reranker is None:
+            raise ValueError("give an LLM, an Embedder, or both (and/or a Reranker)")
         self.llm = llm
         self.embedder = embedder
+        # -- rerank (issue 25): /v1/rerank's model
+        self.reranker = reranker
+        self.rerank_model_name = rerank_model_name or (
+            reranker.model.path.stem if reranker is not None else None
+        )
         self.model_name = model_name or (llm.model.path.stem if llm is not None else None)
         self.embedding_model_name = embedding_model_name or (
             embedder.model.path.stem if embedder is not None else None
@@ -259,10 +108,10 @@ class OpenAIServer:
                 metrics.attach(llm, self.model_name)
             if embedder is not None:
                 metrics.attach(embedder, self.embedding_model_name)
+            if reranker is not None:
+                metrics.attach(reranker, self.rerank_model_name)
         self.metrics = metrics
         self.token_text = TokenText(llm.model) if llm is not None else None
-        #: the embedder's text bound in bytes (``prompt_bytes_bound``), computed on first use
-        self._embedding_bytes: int | bool | None = False
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -274,36 +123,8 @@ class OpenAIServer:
                 if auth:
                     self._check_key(request)
                 return await handler(request)
-            except APIError as exc:
-                return _json_response(exc.body(), exc.status, exc.headers)
-            except (ClientGone, ClientDisconnect):
-                return Response(status_code=499)  # nobody is listening
-            except PromptTooLong as exc:
-                return _json_response(
-                    bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400
-                )
-            except QueueFull as exc:
-                error = APIError(
-                    503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full"
-                )
-                return _json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
-            except EngineClosed as exc:
-                return _json_response(APIError(503, str(exc), type="server_error").body(), 503)
-            except (ValueError, TypeError) as exc:  # a grammar llama.cpp refused at submit, ...
-                param = param_of_error(str(exc))
-                body = getattr(request.state, "body", None)
-                if body is not None:
-                    param = request_field(body, param)
-                return _json_response(bad_request(str(exc), param=param).body(), 400)
-            except RecursionError:  # a request nested too deeply for some check: its fault
-                logger.warning("llamabatch server: %s: a request nested too deeply", request.url.path)
-                error = bad_request("the request is nested too deeply")
-                return _json_response(error.body(), 400)
-            except Exception as exc:
-                logger.exception("llamabatch server: %s failed", request.url.path)
-                return _json_response(
-                    APIError(500, f"internal error: {exc}", type="server_error").body(), 500
-                )
+            except Exception as exc:  # each error's status and JSON: streaming.error_response
+                return error_response(request, exc)
 
         return run
 
@@ -325,58 +146,15 @@ class OpenAIServer:
     async def _body(request: Request, endpoint: str) -> Body:
         """The request's JSON body (size and time bounded by ``EdgeGuard``), parsed strictly
         (``limits.parse_json``: 400 for bad JSON, NaN/Infinity, deep nesting)."""
-        raw = await request.body()
-        if len(raw) <= _INLINE_PARSE_BYTES:
-            data = parse_json(raw)
-        else:
-            data = await asyncio.to_thread(parse_json, raw)
-        body = request.state.body = Body(data, endpoint)
+        body = request.state.body = Body(await read_json(request), endpoint)
         return body
 
-    @staticmethod
-    def _check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:
-        """400 for a request whose completions could never wait in the queue together
-        (a 503 would tell the client to retry what can never succeed)."""
-        if n > llm.max_queue:
-            raise bad_request(
-                f"'n' is {n}, more completions than the server queues at once (--max-queue {llm.max_queue})",
-                param="n",
-            )
-        if n_prompts * n > llm.max_queue:
-            raise bad_request(
-                f"{n_prompts} prompts x n={n} make {n_prompts * n} completions, more than the server "
-                f"queues at once (--max-queue {llm.max_queue}); send fewer prompts per request",
-                param="prompt",
-            )
-
-    @staticmethod
-    def _prompt_fits(llm: LLM, text: str, param: str) -> None:
-        """400 ``context_length_exceeded`` for text too long for any tokenization to fit."""
-        try:
-            llm.check_prompt_bytes(text)
-        except PromptTooLong as exc:
-            raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
-
-    def _tokenize_prompts(self, llm: LLM, prompts: Sequence[Any]) -> list[list[int]]:
-        """Each prompt as token ids (a worker thread runs this: tokenizing is CPU work)."""
-        token_prompts = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                self._prompt_fits(llm, prompt, "prompt")
-                prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
-            elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
-                raise bad_request(
-                    f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt"
-                )
-            token_prompts.append(prompt)
-        return token_prompts
-
-    def _chat_tokens(self, llm: LLM, text: str) -> list[int]:
-        """A rendered chat prompt's token ids, as ``chat_prompt_tokens`` makes them (special
-        tokens parsed, no doubled BOS), through ``LLM.tokenize`` (a worker thread runs this)."""
-        self._prompt_fits(llm, text, "messages")
-        bos = special_token_text(llm.model, llm.model.bos)
-        return llm.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+    # the CPU work and its bounds (server/prepare.py); worker threads run the heavy ones
+    _check_queue_room = staticmethod(prepare.check_queue_room)
+    _prompt_fits = staticmethod(prepare.prompt_fits)
+    _tokenize_prompts = staticmethod(prepare.tokenize_prompts)
+    _chat_tokens = staticmethod(prepare.chat_tokens)
+    _count_embedding_tokens = staticmethod(prepare.count_embedding_tokens)
 
     def _need_llm(self) -> LLM:
         if self.llm is None:
@@ -418,7 +196,7 @@ class OpenAIServer:
     # -- endpoints -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        engines = [e for e in (self.llm, self.embedder) if e is not None]
+        engines = [e for e in (self.llm, self.embedder, self.reranker) if e is not None]
         if any(e.closed for e in engines):
             return _json_response({"status": "unavailable"}, 503)
         return _json_response({"status": "ok"})
@@ -434,6 +212,8 @@ class OpenAIServer:
             data.append(self._model_card(self.model_name, self.llm.n_ctx_seq))
         if self.embedder is not None:
             data.append(self._model_card(self.embedding_model_name, self.embedder.max_tokens))
+        if self.reranker is not None:
+            data.append(self._model_card(self.rerank_model_name, self.reranker.max_length))
         return _json_response({"object": "list", "data": data})
 
     def _model_card(self, name: str | None, max_len: int) -> dict[str, Any]:
@@ -573,30 +353,24 @@ class OpenAIServer:
         body = await self._body(request, "/v1/chat/completions")
         llm = self._need_llm()
         messages = chat_messages(body)
-        tools = body.get("tools", "list")
-        tool_choice = body.data.get("tool_choice")
-        body.read.add("tool_choice")
-        if tool_choice == "none":
-            tools = None
-        elif tool_choice not in (None, "auto"):
-            raise bad_request("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
+        tool_request = read_tool_request(body)  # tools, tool_choice: server/chat_tools.py
         add_generation_prompt = body.get("add_generation_prompt", "bool", True)
         template_kwargs = body.get("chat_template_kwargs", "dict")
 
-        def render() -> list[int]:  # in a worker thread: Jinja and the tokenizer are CPU work
+        def render() -> tuple[list[int], str]:  # in a worker thread: Jinja and the tokenizer are CPU work
             try:
                 text = llm.apply_chat_template(
                     messages,
-                    tools=tools,
+                    tools=tool_request.template_tools,
                     chat_template=self.chat_template,
                     add_generation_prompt=add_generation_prompt,
                     chat_template_kwargs=template_kwargs,
                 )
             except ValueError as exc:
                 raise bad_request(str(exc), param="messages") from None
-            return self._chat_tokens(llm, text)
+            return self._chat_tokens(llm, text), text
 
-        tokens = await asyncio.to_thread(render)
+        tokens, prompt_text = await asyncio.to_thread(render)
         want_logprobs = body.get("logprobs", "bool", False)
         top = body.get("top_logprobs", "int", minimum=0, maximum=20)
         if top is not None and not want_logprobs:
@@ -609,16 +383,22 @@ class OpenAIServer:
             n_ctx_seq=llm.n_ctx_seq,
             logprobs=(top or 0) if want_logprobs else None,
         )
+        template = self.chat_template if self.chat_template is not None else llm.model.chat_template
+        setup = await asyncio.to_thread(  # tool-call grammars and the answer's parser
+            setup_chat, params, tool_request, llm.chat_options, template, prompt_text
+        )
+        params = setup.params
         self._check_queue_room(llm, 1, params.n)
         stream, include_usage = self._stream_options(body)
         body.warn_unknown()
         if stream:
             gen = await _primed(_generate(llm, [tokens], params), request.receive)
-            return EventStream(self._chat_events(gen, params, top or 0, include_usage))
+            return EventStream(self._chat_events(gen, params, top or 0, include_usage, setup))
         (result,) = await until_disconnect(request.receive, self._collect(llm, [tokens], params))
         self._raise_for_errors(result.outputs)
         choices = []
         for out in result.outputs:
+            out = setup.finish_output(out)  # content, reasoning_content, tool_calls
             lp = None
             if want_logprobs and out.logprobs is not None:
                 assert self.token_text is not None
@@ -626,7 +406,7 @@ class OpenAIServer:
             choices.append(
                 {
                     "index": out.index,
-                    "message": {"role": "assistant", "content": out.text},
+                    "message": chat_message(out),
                     "logprobs": lp,
                     "finish_reason": finish_reason(out.finish_reason),
                 }
@@ -644,10 +424,16 @@ class OpenAIServer:
         )
 
     async def _chat_events(
-        self, gen: AsyncIterator[tuple[int, Any]], params: SamplingParams, top: int, include_usage: bool
+        self,
+        gen: AsyncIterator[tuple[int, Any]],
+        params: SamplingParams,
+        top: int,
+        include_usage: bool,
+        setup: ChatSetup,
     ) -> AsyncIterator[bytes]:
         rid, created = new_id("chatcmpl"), now()
         started: set[int] = set()
+        streams: dict[int, ChatStream] = {}  # per choice: reasoning / content / tool calls
         n_prompt = n_completion = cached = 0
 
         def chunk(choice: dict[str, Any]) -> bytes:
@@ -665,15 +451,14 @@ class OpenAIServer:
                         "finish_reason": None,
                     }
                 )
-            if delta.text:
-                yield chunk(
-                    {
-                        "index": index,
-                        "delta": {"content": delta.text},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
+            if index not in streams:
+                streams[index] = ChatStream(setup)
+            split = streams[index]
+            pieces = split.feed(delta.text) if delta.text else []
+            if delta.output is not None and delta.output.finish_reason != "error":
+                pieces += split.finish()
+            for piece in pieces:
+                yield chunk({"index": index, "delta": piece, "logprobs": None, "finish_reason": None})
             out = delta.output
             if out is None:
                 continue
@@ -689,7 +474,7 @@ class OpenAIServer:
                     "index": index,
                     "delta": {},
                     "logprobs": lp,
-                    "finish_reason": finish_reason(out.finish_reason),
+                    "finish_reason": finish_reason(split.finish_reason(out.finish_reason)),
                 }
             )
             n_completion += out.usage.completion_tokens
@@ -755,21 +540,11 @@ class OpenAIServer:
             }
         )
 
-    def _count_embedding_tokens(self, embedder: Embedder, texts: Sequence[str]) -> int:
-        """The tokens of ``texts`` (a worker thread runs this); a text too long for any
-        tokenization to fit the embedder's limit is refused first."""
-        if self._embedding_bytes is False:
-            self._embedding_bytes = prompt_bytes_bound(embedder.model, embedder.max_tokens)
-        bound = None if getattr(embedder, "truncate", False) else self._embedding_bytes
-        for i, text in enumerate(texts):
-            if bound is not None and len(text) * 4 > bound and len(text.encode("utf-8", "replace")) > bound:
-                raise bad_request(
-                    f"'input[{i}]' is {len(text.encode('utf-8', 'replace'))} bytes, more than "
-                    f"{embedder.max_tokens} tokens of this vocabulary can hold ({bound})",
-                    param="input",
-                    code="context_length_exceeded",
-                )
-        return sum(len(embedder.tokenize(t)) for t in texts)
+    async def rerank(self, request: Request) -> Response:
+        """``/v1/rerank`` and ``/rerank`` (issue 25; the logic is in llamabatch.server.rerank)."""
+        body = await self._body(request, "/v1/rerank")
+        answer = await rerank_endpoint(self.reranker, self.rerank_model_name, body, request.receive)
+        return _json_response(answer)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request, "/tokenize")
@@ -785,9 +560,11 @@ class OpenAIServer:
             raise bad_request("give either 'prompt' (or 'content') or 'messages'", param="prompt")
         if self.llm is not None:
             model, max_len = self.llm.model, self.llm.n_ctx_seq
-        else:
-            assert self.embedder is not None
+        elif self.embedder is not None:
             model, max_len = self.embedder.model, self.embedder.max_tokens
+        else:
+            assert self.reranker is not None
+            model, max_len = self.reranker.model, self.reranker.max_length
         add_generation_prompt = body.get("add_generation_prompt", "bool", True)
         llm = self._need_llm() if messages is not None else self.llm
         body.warn_unknown()
@@ -825,7 +602,8 @@ class OpenAIServer:
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise bad_request("'tokens' must be an array of token ids", param="tokens")
         body.warn_unknown()
-        model = self.llm.model if self.llm is not None else self.embedder.model  # type: ignore[union-attr]
+        engine = self.llm or self.embedder or self.reranker
+        model = engine.model  # type: ignore[union-attr]
         try:  # special tokens as text, in a worker thread
             text = await asyncio.to_thread(model.detokenize, tokens, unparse_special=True)
         except ValueError as exc:
@@ -844,6 +622,8 @@ def create_app(
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
     cors_origins: Sequence[str] | None = None,
+    reranker: Reranker | None = None,
+    rerank_model_name: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
 
@@ -864,6 +644,8 @@ def create_app(
             localhost names).
         cors_origins: origins browsers may call the server from (``["*"]``: any); default
             none, and no CORS headers are sent.
+        reranker, rerank_model_name: a ``Reranker`` serving ``/v1/rerank`` and ``/rerank``
+            (llama-server's / Jina's format), and its ``id`` (default: the GGUF file stem).
     """
     server = OpenAIServer(
         llm,
@@ -873,6 +655,8 @@ def create_app(
         api_key=api_key,
         metrics=metrics,
         chat_template=chat_template,
+        reranker=reranker,
+        rerank_model_name=rerank_model_name,
     )
     ep = server.endpoint
     routes = [
@@ -887,6 +671,7 @@ def create_app(
             Route(f"{prefix}/completions", ep(server.completions), methods=["POST"]),
             Route(f"{prefix}/chat/completions", ep(server.chat_completions), methods=["POST"]),
             Route(f"{prefix}/embeddings", ep(server.embeddings), methods=["POST"]),
+            Route(f"{prefix}/rerank", ep(server.rerank), methods=["POST"]),  # issue 25
         ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

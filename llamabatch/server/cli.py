@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llamabatch.toolcalls import TOOL_CALL_PARSERS
+from llamabatch.toolcalls.reasoning import REASONING_FORMATS
+
 __all__ = ["add_arguments", "main"]
 
 DESCRIPTION = (
@@ -33,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--embedding-model", metavar="EMB.gguf", help="a GGUF embedding model for /v1/embeddings"
     )
+    parser.add_argument(  # issue 25
+        "--rerank-model", metavar="RERANKER.gguf", help="a GGUF cross-encoder (reranker) for /v1/rerank"
+    )
+    parser.add_argument("--rerank-model-name", help="the reranker's id (default: the file's stem)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument(
@@ -45,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template",
         help="a Jinja chat template file, or a llama.cpp built-in name (e.g. chatml), instead of the GGUF's",
+    )
+    # tool calls and reasoning (llamabatch.toolcalls)
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="the tool-call format of answers (default auto: from the chat template; none: never parse)",
+    )
+    parser.add_argument(
+        "--reasoning-format",
+        default="auto",
+        choices=REASONING_FORMATS,
+        help="auto: <think> blocks go to reasoning_content; none: they stay in the content",
     )
     g = parser.add_argument_group("generation engine (LLM)")
     g.add_argument(
@@ -161,16 +181,23 @@ def main(args: argparse.Namespace) -> int:
         return 1
     from llamabatch import LLM, Embedder, LlamaBatchError
 
-    if not args.model and not args.embedding_model:
+    if not args.model and not args.embedding_model and not args.rerank_model:
         print(
-            "llamabatch serve: error: give -m MODEL.gguf and/or --embedding-model EMB.gguf", file=sys.stderr
+            "llamabatch serve: error: give -m MODEL.gguf, --embedding-model EMB.gguf and/or "
+            "--rerank-model RERANKER.gguf",
+            file=sys.stderr,
         )
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    llm = embedder = None
+    llm = embedder = reranker = None
     try:
         if args.model:
-            llm = LLM(args.model, **_llm_options(args))
+            llm = LLM(
+                args.model,
+                tool_call_parser=args.tool_call_parser,
+                reasoning_format=args.reasoning_format,
+                **_llm_options(args),
+            )
         if args.embedding_model:
             embedder = Embedder(
                 args.embedding_model,
@@ -179,9 +206,21 @@ def main(args: argparse.Namespace) -> int:
                 n_threads=args.embedding_threads or args.threads,
                 n_gpu_layers=args.n_gpu_layers,
             )
+        if args.rerank_model:  # issue 25
+            from llamabatch.reranker import Reranker
+
+            reranker = Reranker(
+                args.rerank_model,
+                n_batch=args.embedding_batch_size,
+                n_seq_max=args.embedding_n_seq_max,
+                n_threads=args.embedding_threads or args.threads,
+                n_gpu_layers=args.n_gpu_layers,
+            )
         app = create_app(
             llm,
             embedder=embedder,
+            reranker=reranker,
+            rerank_model_name=args.rerank_model_name,
             model_name=args.served_model_name,
             embedding_model_name=args.embedding_model_name,
             api_key=args.api_key,
@@ -191,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
         )
     except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
         print(f"llamabatch serve: error: {exc}", file=sys.stderr)
-        for engine in (llm, embedder):
+        for engine in (llm, embedder, reranker):
             if engine is not None:
                 engine.close()
         return 1
@@ -209,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
             **_http_options(args),
         )
     finally:
-        for engine in (llm, embedder):
+        for engine in (llm, embedder, reranker):
             if engine is not None:
                 engine.close()
     return 0

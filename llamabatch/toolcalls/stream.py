@@ -4,8 +4,8 @@ content and tool calls.
 The same parser serves both: a whole answer is one ``feed`` then ``finish``, a stream is many
 ``feed`` calls, and each step only resolves what can no longer change (text that could still
 begin a marker is held back), so the concatenated stream equals the whole answer's parse.
-Whitespace-only content is held until real content follows; an answer that ends in calls drops
-it (``content`` is then None, as OpenAI's).
+Trailing whitespace of the content is held until more content follows: an answer that ends in
+calls drops it (and ``content`` is then empty: None in OpenAI's message).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class ChatOutputParser:
         self._in_section = False
         self._pending_ws = ""
         self._started = False  # non-whitespace content was emitted
+        self._after_call = False
         self._finished = False
         self.content = ""
         self.reasoning = ""
@@ -91,12 +92,14 @@ class ChatOutputParser:
         return delta
 
     def _emit(self, text: str, delta: ChatDelta) -> None:
-        if not text:
-            return
-        if text.isspace():
+        body = text.rstrip()
+        if not body:
             self._pending_ws += text
             return
-        text, self._pending_ws = self._pending_ws + text, ""
+        if self._after_call:  # whitespace between a call and the content is not content
+            self._pending_ws, self._after_call = "", False
+            body = body.lstrip()
+        text, self._pending_ws = self._pending_ws + body, text[len(text.rstrip()) :]
         self._started = True
         delta.content += text
         self.content += text
@@ -104,6 +107,7 @@ class ChatOutputParser:
     def _add_calls(self, calls: list, delta: ChatDelta) -> None:
         assert self.fmt is not None
         self._pending_ws = ""  # whitespace between content and a call is not content
+        self._after_call = True
         for call in calls:
             if self.tool_calls and not self.parallel:
                 return
