@@ -6,6 +6,8 @@ Installed by ``pip install "llamabatch[ray]"``.
   ``ray.data.Dataset.map_batches``: every actor owns one ``LLM`` or ``Embedder`` and pushes its
   whole batch through it at once (see :mod:`llamabatch.ray.data`). :func:`generate` and
   :func:`embed` are the one-line forms.
+- :class:`Rerank` scores (query, document) rows with a ``Reranker`` the same way
+  (:mod:`llamabatch.ray.reranking`); :func:`rerank` is its one-line form.
 - :func:`serve_app` is a Ray Serve application of llamabatch's HTTP server (see
   :mod:`llamabatch.ray.serve`).
 - :mod:`llamabatch.ray.bench` (``llamabatch ray-bench``) measures Ray's overhead against the
@@ -24,9 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llamabatch.ray.data import Embed, Generate, OnError, RowError, embed, generate
+    from llamabatch.ray.reranking import Rerank, rerank
     from llamabatch.ray.serve import serve_app
 
-__all__ = ["Embed", "Generate", "OnError", "RowError", "embed", "generate", "require_ray", "serve_app"]
+__all__ = [
+    "Embed",
+    "Generate",
+    "OnError",
+    "Rerank",
+    "RowError",
+    "embed",
+    "generate",
+    "require_ray",
+    "rerank",
+    "serve_app",
+]
 
 _DATA_NAMES = frozenset({"Embed", "Generate", "OnError", "RowError", "embed", "generate"})
 
@@ -45,6 +59,11 @@ def __getattr__(name: str) -> Any:
         from llamabatch.ray import data
 
         return getattr(data, name)
+    if name in ("Rerank", "rerank"):
+        require_ray()
+        from llamabatch.ray import reranking
+
+        return getattr(reranking, name)
     if name == "serve_app":  # Ray Serve and its web stack: only for those who serve
         require_ray()
         from llamabatch.ray.serve import serve_app
