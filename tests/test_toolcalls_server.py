@@ -1,0 +1,177 @@
+"""Tool calls end to end: a real server, the official ``openai`` client, the tiny random-weight
+model carrying Qwen 2.5's real chat template (so the Hermes format is detected). Forced calls
+(``tool_choice="required"`` and a named function) come back as ``tool_calls`` whose arguments
+validate against the tool's schema, streamed and not; the follow-up turn with the ``tool``
+message is accepted and rendered."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from llamabatch import LLM, testing
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+jsonschema = pytest.importorskip("jsonschema")
+
+from llamabatch.server import create_app  # noqa: E402
+
+TEMPLATE = (Path(__file__).parent / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": SCHEMA}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@contextmanager
+def serve(app) -> Iterator[str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> Iterator[LLM]:
+    path = tmp_path_factory.mktemp("qwen-template") / "tiny-qwen.gguf"
+    testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=TEMPLATE)
+    with LLM(path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    with serve(create_app(llm, model_name="tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _validate(name: str, arguments: str) -> None:
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    jsonschema.validate(json.loads(arguments), schema)
+
+
+CHOICES = ["required", {"type": "function", "function": {"name": "get_weather"}}]
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES, ids=["required", "named"])
+def test_forced_tool_calls(client, tool_choice):
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=300,
+        seed=1,
+        parallel_tool_calls=False,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    _validate(call.function.name, call.function.arguments)
+    assert not choice.message.content
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES, ids=["required", "named"])
+def test_forced_tool_calls_streamed(client, tool_choice):
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=300, seed=1)
+    whole = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    stream = client.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            if part.id is not None:  # the first piece: index, id, name
+                assert part.index not in calls and part.function.name
+                calls[part.index] = {"id": part.id, "name": part.function.name, "arguments": ""}
+            calls[part.index]["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    (call,) = calls.values()
+    _validate(call["name"], call["arguments"])
+    # the same seed: the streamed answer is the non-streamed one
+    (expected,) = whole.message.tool_calls
+    assert (call["name"], call["arguments"]) == (expected.function.name, expected.function.arguments)
+
+
+def test_follow_up_turn_with_the_tool_result(client, llm):
+    first = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=300,
+        seed=2,
+        parallel_tool_calls=False,
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    follow = client.chat.completions.create(model="tiny", messages=conversation, tools=TOOLS, max_tokens=8)
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    rendered = llm.apply_chat_template(conversation, tools=TOOLS)
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
+    arguments = json.loads(call.function.arguments)
+    assert f'{{"name": "{call.function.name}", "arguments": {json.dumps(arguments)}}}' in rendered
+    assert (
+        follow.usage.prompt_tokens == len(llm.tokenize(rendered, parse_special=True))
+        or follow.usage.prompt_tokens
+    )
+
+
+def test_bad_tool_choice_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=4,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required", max_tokens=4)
+
+
+def test_tool_choice_none_and_auto_answer_in_text(client):
+    for tool_choice in ("none", "auto"):
+        response = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=8, temperature=0
+        )
+        choice = response.choices[0]
+        assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
