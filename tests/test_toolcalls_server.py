@@ -149,10 +149,7 @@ def test_follow_up_turn_with_the_tool_result(client, llm):
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
     arguments = json.loads(call.function.arguments)
     assert f'{{"name": "{call.function.name}", "arguments": {json.dumps(arguments)}}}' in rendered
-    assert (
-        follow.usage.prompt_tokens == len(llm.tokenize(rendered, parse_special=True))
-        or follow.usage.prompt_tokens
-    )
+    assert follow.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in it
 
 
 def test_bad_tool_choice_is_a_400(client):
