@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypedDict
 
@@ -27,6 +27,13 @@ from llamabatch.params import SamplingParams, check_positive_int
 from llamabatch.request import Channel, Request
 from llamabatch.strategies import Strategy, get_strategy
 from llamabatch.telemetry import GenerationStats, Listener, Telemetry
+from llamabatch.toolcalls.host import (
+    ChatOptions,
+    ChatRequestOptions,
+    EngineChat,
+    chat_request,
+    is_conversation,
+)
 
 logger = logging.getLogger("llamabatch")
 
@@ -387,7 +394,17 @@ class LLMEngine(EngineHost):
     ...         print(out.request_id, out.text, out.finished)
     """
 
-    def __init__(self, model_path: str | os.PathLike[str], **options: Unpack[EngineOptions]) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        tool_call_parser: str = "auto",
+        reasoning_format: str = "auto",
+        **options: Unpack[EngineOptions],
+    ) -> None:
+        # chat requests: the tool-call format ("auto": from the chat template), <think> splitting
+        self.chat_options = ChatOptions(tool_call_parser, reasoning_format)
+        self._chats: dict[Any, EngineChat] = {}
         super().__init__(model_path, **options)
         self._by_id: dict[Any, list[Request]] = {}
         self._order: list[list[Request]] = []
@@ -405,19 +422,37 @@ class LLMEngine(EngineHost):
         return self._closed
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None, request_id: Any = None
+        self,
+        prompt: Prompt | Sequence[Mapping[str, Any]],
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: Any = None,
+        **chat: Unpack[ChatRequestOptions],
     ) -> Any:
         """Queue a prompt (text or token ids); returns its request id (``request_id`` if
         given: it must be new). Raises ``ValueError``/``PromptTooLong`` for a bad prompt or
-        params, ``QueueFull`` beyond ``max_queue``."""
+        params, ``QueueFull`` beyond ``max_queue``.
+
+        A conversation (a list of chat messages) is rendered with the chat template, as
+        ``LLM.chat`` does, with ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+        ``chat_template``, ``chat_template_kwargs``; its ``StepOutput``s carry the content as
+        ``text``, the ``reasoning`` and the completed ``tool_calls``, and its output is split
+        the same way."""
         core = self.core
         if request_id is not None and request_id in self._by_id:
             raise ValueError(f"request id {request_id!r} is already in use")
+        setup = None
+        if is_conversation(prompt):
+            prompt, setup = chat_request(self, self.chat_options, prompt, params, **chat)  # type: ignore[arg-type]
+            params = setup.params
+        elif chat:
+            raise ValueError(f"{', '.join(chat)}: only for a conversation (a list of chat messages)")
         requests = self._make_requests(prompt, params, request_id=request_id)
         core.add(requests)
         rid = requests[0].request_id
         self._by_id[rid] = requests
         self._order.append(requests)
+        if setup is not None and setup.parses:
+            self._chats[rid] = EngineChat(setup)
         return rid
 
     def abort_request(self, request_id: Any) -> None:
@@ -435,18 +470,18 @@ class LLMEngine(EngineHost):
         outputs: list[StepOutput] = []
         for request, text, token_ids, finish_reason in self.core.step():
             finished = finish_reason is not None
-            outputs.append(
-                StepOutput(
-                    request.request_id,
-                    token_ids,
-                    text,
-                    finished,
-                    finish_reason,
-                    request.output if finished else None,
-                    request.index,
-                    request.token_logprobs(token_ids),
-                )
+            step = StepOutput(
+                request.request_id,
+                token_ids,
+                text,
+                finished,
+                finish_reason,
+                request.output if finished else None,
+                request.index,
+                request.token_logprobs(token_ids),
             )
+            chat = self._chats.get(request.request_id)
+            outputs.append(chat.split(step) if chat is not None else step)
             if finished:
                 request.publish("", [], finish_reason)
                 self._forget_if_done(request.request_id)
@@ -458,6 +493,7 @@ class LLMEngine(EngineHost):
         if not self._collecting and requests and all(r.done for r in requests):
             del self._by_id[request_id]
             self._order.remove(requests)
+            self._chats.pop(request_id, None)
 
     def run_until_complete(self) -> list[CompletionOutput]:
         """Step until every request has ended. Returns the outputs of the requests not yet
@@ -469,10 +505,17 @@ class LLMEngine(EngineHost):
                 self.step()
         finally:
             self._collecting = False
-        outputs = [request.output for requests in self._order for request in requests]
+        outputs = [self._final(request) for requests in self._order for request in requests]
         self._order.clear()
         self._by_id.clear()
+        self._chats.clear()
         return outputs  # type: ignore[return-value]
+
+    def _final(self, request: Request) -> CompletionOutput | None:
+        chat = self._chats.get(request.request_id)
+        if chat is None or request.output is None:
+            return request.output
+        return chat.outputs.get(request.index) or chat.setup.finish_output(request.output)
 
     def close(self) -> None:
         """End requests still queued or running as ``"cancelled"`` and free the model."""

@@ -124,3 +124,7 @@ class StepOutput:
     index: int = 0
     #: with ``SamplingParams(logprobs=N)``: one dict per token of ``new_token_ids``
     logprobs: list[dict[int, float]] | None = None
+    #: a chat request's (``add_request(messages, tools=...)``): new reasoning text, and the tool
+    #: calls completed in this step (``text`` is then the new content only)
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)

@@ -473,3 +473,61 @@ def test_auto_mode_leaves_text_free_and_parses_nothing(llm):
     )[0].outputs[0]
     assert out.tool_calls == [] and out.finish_reason in ("stop", "length")
     assert out.text and plain.text
+
+
+def test_llm_engine_add_request_takes_a_conversation_with_tools():
+    from llamabatch import LLMEngine
+
+    with LLMEngine(testing.model_path("tiny"), n_ctx=2048, n_parallel=2, tool_call_parser="hermes") as engine:
+        ask = [{"role": "user", "content": "1 + 2?"}]
+        params = SamplingParams(max_tokens=300, seed=1)
+        rid = engine.add_request(ask, params, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        plain = engine.add_request("plain text", SamplingParams(max_tokens=4))
+        content, calls, last = "", [], None
+        while engine.has_unfinished_requests():
+            for step in engine.step():
+                if step.request_id == rid:
+                    content += step.text
+                    calls += step.tool_calls
+                    last = step if step.finished else last
+        assert last is not None and last.finish_reason == "tool_calls" and content == ""
+        assert last.output.tool_calls == calls and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].arguments), _schema(calls[0].name))
+        assert plain != rid
+        named = {"type": "function", "function": {"name": "add"}}
+        engine.add_request(ask, params, tools=TOOLS, tool_choice=named)
+        (out,) = engine.run_until_complete()
+        assert out.finish_reason == "tool_calls" and [c.name for c in out.tool_calls] == ["add"]
+        with pytest.raises(ValueError, match="only for a conversation"):
+            engine.add_request("text", tools=TOOLS)
+
+
+def test_reasoning_in_the_python_api(tmp_path):
+    """A template that opens ``<think>`` in the prompt (DeepSeek R1's): the random model never
+    closes it, so its whole answer is reasoning; ``reasoning_format="none"`` keeps it content;
+    ``chat_template_kwargs`` reach the template (Qwen 3's ``enable_thinking``)."""
+    r1 = tmp_path / "r1.gguf"
+    testing.write_llama_gguf(
+        r1,
+        testing.PRESETS["tiny"],
+        chat_template=(TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja").read_text(),
+    )
+    ask = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(r1, n_ctx=1024, n_parallel=1, n_threads=1) as llm:
+        assert llm.apply_chat_template(ask).endswith("<think>\n")
+        out = llm.chat(ask, params, use_tqdm=False)[0].outputs[0]
+        assert out.reasoning and out.text == ""
+    with LLM(r1, n_ctx=1024, n_parallel=1, n_threads=1, reasoning_format="none") as llm:
+        raw = llm.chat(ask, params, use_tqdm=False)[0].outputs[0]
+        assert raw.reasoning is None and raw.text.strip() == out.reasoning.strip()
+    qwen3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    with LLM(testing.model_path("tiny"), n_ctx=1024, n_parallel=1, n_threads=1) as llm:
+        off = llm.apply_chat_template(
+            ask, chat_template=qwen3, chat_template_kwargs={"enable_thinking": False}
+        )
+        assert off.endswith("<think>\n\n</think>\n\n") and not prompt_opens_reasoning(off)
+        out = llm.chat(
+            ask, params, chat_template=qwen3, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False
+        )[0].outputs[0]
+        assert out.reasoning is None and out.text

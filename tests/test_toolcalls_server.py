@@ -172,3 +172,26 @@ def test_tool_choice_none_and_auto_answer_in_text(client):
         )
         choice = response.choices[0]
         assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+
+
+def test_reasoning_content(tmp_path):
+    """DeepSeek R1's template opens ``<think>`` in the prompt: the answer (never closed by the
+    random model) is ``reasoning_content``, streamed and not, and the same both ways."""
+    path = tmp_path / "tiny-r1.gguf"
+    template = (
+        Path(__file__).parent / "data" / "chat_templates" / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+    )
+    testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=template.read_text())
+    with LLM(path, n_ctx=1024, n_parallel=1, n_threads=1) as llm, serve(create_app(llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        kwargs = dict(model="tiny", messages=ASK, max_tokens=12, temperature=0)
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning = message.model_extra["reasoning_content"]
+        assert reasoning and not message.content
+        streamed = ""
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None:
+                assert not delta.content
+                streamed += (delta.model_extra or {}).get("reasoning_content") or ""
+        assert streamed == reasoning

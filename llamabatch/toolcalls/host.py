@@ -3,16 +3,19 @@ with its tools, and the ``ChatSetup`` that samples and reads its answers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from llamabatch.chat_template import chat_prompt_tokens, render_chat
+from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
 from llamabatch.toolcalls import check_tool_call_parser
 from llamabatch.toolcalls.chat import ChatSetup, prepare_chat
 from llamabatch.toolcalls.reasoning import check_reasoning_format
+from llamabatch.toolcalls.stream import ChatDelta, ChatOutputParser
 
-__all__ = ["ChatOptions", "chat_request", "is_conversation"]
+__all__ = ["ChatOptions", "ChatRequestOptions", "EngineChat", "chat_request", "is_conversation"]
 
 
 class ChatOptions:
@@ -68,3 +71,57 @@ def chat_request(
         reasoning_format=options.reasoning_format,
     )
     return chat_prompt_tokens(host.model, text), setup
+
+
+class ChatRequestOptions(TypedDict, total=False):
+    """``LLMEngine.add_request``'s options for a conversation (as ``LLM.chat`` takes them)."""
+
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool
+    chat_template: str | None
+    add_generation_prompt: bool
+    chat_template_kwargs: Mapping[str, Any] | None
+
+
+class EngineChat:
+    """One ``LLMEngine`` chat request's parsers (one per completion): each ``StepOutput``'s
+    text split into content, reasoning and tool calls, and the final outputs split alike."""
+
+    def __init__(self, setup: ChatSetup) -> None:
+        self.setup = setup
+        self.parsers: dict[int, ChatOutputParser] = {}
+        #: completion index -> its split final output
+        self.outputs: dict[int, CompletionOutput] = {}
+
+    def split(self, step: StepOutput) -> StepOutput:
+        """``step`` with ``text`` the new content, ``reasoning`` and ``tool_calls`` set."""
+        parser = self.parsers.get(step.index)
+        if parser is None:
+            parser = self.parsers[step.index] = self.setup.parser()
+        delta = parser.feed(step.text) if step.text else ChatDelta()
+        output, finish_reason = step.output, step.finish_reason
+        if step.finished and finish_reason not in ("error", "cancelled"):
+            tail = parser.finish()
+            delta.content += tail.content
+            delta.reasoning += tail.reasoning
+            delta.tool_calls += tail.tool_calls
+            if parser.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            if output is not None:
+                output = dataclasses.replace(
+                    output,
+                    text=parser.content,
+                    reasoning=parser.reasoning or None,
+                    tool_calls=list(parser.tool_calls),
+                    finish_reason=finish_reason,
+                )
+                self.outputs[step.index] = output
+        return dataclasses.replace(
+            step,
+            text=delta.content,
+            reasoning=delta.reasoning,
+            tool_calls=[call for _, call in delta.tool_calls],
+            finish_reason=finish_reason,
+            output=output,
+        )
