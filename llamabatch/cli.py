@@ -3,7 +3,7 @@
 Every subcommand is a row of :func:`subcommands`: its name, a one-line help, a function that
 adds its arguments to its parser, and its entry point (parsed arguments in, exit status out).
 ``generate``, ``convert`` and ``embed`` live here; the benchmarks live next to their code in
-:mod:`llamabatch.bench` (``bench``, ``bench-serve``, ``bench-embed``, ``bench-prefix``).
+:mod:`llamabatch.bench` (``bench``, ``bench-serve``, ``bench-embed``, ``bench-rerank``, ``bench-prefix``).
 
 Mistakes print one line and no traceback: argparse's (an unknown option, a bad value) exit
 with status 2, errors found while running (a missing file, a model that does not load, a
@@ -317,6 +317,7 @@ def subcommands() -> list[Subcommand]:
     from llamabatch.bench import embed as bench_embed
     from llamabatch.bench import generate as bench
     from llamabatch.bench import prefix as bench_prefix
+    from llamabatch.bench import rerank as bench_rerank
     from llamabatch.bench import serve as bench_serve
     from llamabatch.bench import soak as bench_soak
     from llamabatch.ray import bench as ray_bench  # loads no Ray until it runs
@@ -354,6 +355,12 @@ def subcommands() -> list[Subcommand]:
             "benchmark embeddings against sentence-transformers and llama-cpp-python",
             bench_embed.add_arguments,
             bench_embed.main,
+        ),
+        (
+            "bench-rerank",
+            "benchmark reranking against sentence-transformers' CrossEncoder.predict",
+            bench_rerank.add_arguments,
+            bench_rerank.main,
         ),
         (
             "bench-prefix",

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from llamabatch.bench import options
+from llamabatch.bench.cpu import cpu_summary
 from llamabatch.bench.report import Column, Report, ratio_columns, ratio_rows
 from llamabatch.bench.runners.embedders import (
     LlamabatchEmbedding,
@@ -194,7 +195,7 @@ def compare(
     """Run llamabatch and the chosen ``contenders`` side by side on ``n`` English sentences.
 
     Args:
-        model: the GGUF (default: all-MiniLM-L6-v2 converted, f16).
+        model: the GGUF (default: all-MiniLM-L6-v2 converted with ``dtype``).
         n: number of texts (``llamabatch.testing.english_sentences``) unless ``texts`` is given.
         contenders: any of :data:`CONTENDERS`.
         n_threads: CPU threads for every contender.
@@ -240,6 +241,7 @@ def compare(
     by_name = {r.name: r for r in results}
     report: dict[str, Any] = {
         "model": str(model),
+        "cpu": cpu_summary(),
         "n_texts": len(texts),
         "n_threads": n_threads,
         "rounds": rounds,
@@ -330,8 +332,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "f16", "bf16", "f32"),
-        help="weight type of the default model's conversion (auto: bf16 on CPUs with AVX512-BF16, else f16)",
+        choices=("auto", "f32", "f16", "bf16", "q8_0"),
+        help="weight type of the default model's conversion (auto: the converter's default, f32 for MiniLM)",
     )
     p.add_argument(
         "--compare",
@@ -421,6 +423,7 @@ def _compare_report(report: dict[str, Any]) -> Report:
     ratios = ratio_rows(rows, subject="llamabatch", key=("workload",), metrics={"texts_per_s": "texts_per_s"})
     settings = {
         "model": Path(report["model"]).name,
+        "cpu": report.get("cpu", cpu_summary()),
         "n_texts": report["n_texts"],
         "n_threads": report["n_threads"],
         "rounds": report["rounds"],
@@ -457,7 +460,13 @@ def main(args: argparse.Namespace) -> int:
             args.model, n=args.n, n_threads=args.threads, rounds=args.rounds, dtype=args.dtype, **grid
         )
         model = Path(args.model).name if args.model else "all-MiniLM-L6-v2"
-        settings = {"model": model, "n_texts": args.n, "n_threads": args.threads, "rounds": args.rounds}
+        settings = {
+            "model": model,
+            "cpu": cpu_summary(),
+            "n_texts": args.n,
+            "n_threads": args.threads,
+            "rounds": args.rounds,
+        }
         sweep_rows = [{"workload": "embed-sweep", "runner": "llamabatch", **r} for r in rows]
         Report(settings, sweep_rows, _SWEEP_COLUMNS).print(as_json=args.json)
         return 0

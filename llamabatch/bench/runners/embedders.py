@@ -38,20 +38,20 @@ def default_st_model() -> Path:
 
 
 def best_dtype() -> str:
-    """The fastest weight type for this CPU: bf16 with AVX512-BF16 (measured ~1.4x f16 with
-    all-MiniLM-L6-v2), f16 elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return "bf16" if "avx512_bf16" in fh.read() else "f16"
-    except OSError:
-        return "f16"
+    """The weight type ``llamabatch convert`` writes by default for all-MiniLM-L6-v2
+    (``--dtype auto``: f32 for an encoder of its size, the fastest on CPUs without native
+    f16 / bf16 arithmetic; see :func:`llamabatch.convert_head.auto_dtype`)."""
+    from llamabatch.convert import chosen_dtype
+
+    return chosen_dtype(default_st_model(), "auto")
 
 
 def default_model(dtype: str = "auto") -> Path:
-    """all-MiniLM-L6-v2 as a GGUF (converted once, then cached); ``"auto"``: ``best_dtype()``."""
+    """all-MiniLM-L6-v2 as a GGUF (converted once, then cached); ``"auto"``: the converter's
+    default output (``best_dtype()``)."""
     from llamabatch.convert import cached_conversion
 
-    return cached_conversion(default_st_model(), dtype=best_dtype() if dtype == "auto" else dtype)
+    return cached_conversion(default_st_model(), dtype=dtype)
 
 
 class LlamabatchEmbedding:
