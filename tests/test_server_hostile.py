@@ -141,6 +141,52 @@ def error_of(response: httpx.Response) -> dict:
     return response.json()["error"]
 
 
+# -- defects 1-3 through the server: grammars and penalties that crashed or exhausted it ---------
+
+_REPRODUCTIONS = {
+    "maxLength": {"prompt": "Hi", "max_tokens": 4, "json_schema": {"type": "string", "maxLength": 50000}},
+    "maxItems": {"prompt": "Hi", "max_tokens": 4, "json_schema": {"type": "array", "maxItems": 100000}},
+    "pattern-repeat": {
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "json_schema": {"type": "string", "pattern": "^a{0,20000}$"},
+    },
+    "nested-groups": {
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000,
+    },
+    "inverted-range": {"prompt": "Hi", "max_tokens": 4, "grammar": "root ::= [b-a]"},
+    "inverted-pattern": {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^[b-a]$"}},
+        },
+    },
+    "repeat_last_n": {"prompt": "Hi", "max_tokens": 4, "repeat_last_n": 2**31 - 1, "n": 4},
+    "remote-ref": {"prompt": "Hi", "max_tokens": 4, "json_schema": {"$ref": "https://127.0.0.1:9/x.json"}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REPRODUCTIONS))
+def test_the_issue_reproductions_get_a_clean_answer(server, name):
+    """Each of issue 26's crashing or exhausting requests gets a 4xx or a correct 200, and the
+    server keeps answering (the grammar and penalty checks are SamplingParams'; here they
+    must hold through HTTP)."""
+    body = _REPRODUCTIONS[name]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    t0 = time.perf_counter()
+    r = post(server, path, json.dumps(body))
+    took = time.perf_counter() - t0
+    assert r.status_code in (200, 400), r.text[:300]
+    if r.status_code == 400:
+        assert error_of(r)["param"] in body, r.text[:300]  # the field the request sent
+    assert took < 30, f"{name} took {took:.1f} s"
+    server.check_alive()
+
+
 # -- defect 5: JSON that fails to parse is a 400, nesting included --------------------------------
 
 
