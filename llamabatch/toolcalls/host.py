@@ -55,7 +55,7 @@ def chat_request(
     text = render_chat(
         host.model,
         conversation,
-        tools=tools,
+        tools=None if tool_choice == "none" else tools,  # "none": the model is not offered them
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         chat_template_kwargs=chat_template_kwargs,
