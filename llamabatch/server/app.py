@@ -641,7 +641,7 @@ def create_app(
             GGUF's.
         limits: the HTTP edge's limits (``ServerLimits``: body size, body time, allowed
             ``Host`` names); default: ``ServerLimits()`` (16 MiB, 60 s, IP literals and
-            localhost names).
+            localhost names; Starlette's ``TestClient`` sends ``Host: testserver``).
         cors_origins: origins browsers may call the server from (``["*"]``: any); default
             none, and no CORS headers are sent.
         reranker, rerank_model_name: a ``Reranker`` serving ``/v1/rerank`` and ``/rerank``
