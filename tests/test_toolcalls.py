@@ -531,3 +531,26 @@ def test_reasoning_in_the_python_api(tmp_path):
             ask, params, chat_template=qwen3, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False
         )[0].outputs[0]
         assert out.reasoning is None and out.text
+
+
+@pytest.mark.parametrize("parser", sorted(FORMATS))
+def test_lazy_triggers_begin_the_grammar(llm, parser):
+    """Every lazy-grammar trigger must begin the section grammar's language: llama.cpp feeds
+    the grammar from the trigger on, and a rejected character aborts the process. The forced
+    (required) answer shows what the grammar starts with."""
+    fmt = get_format(parser)
+    setup = prepare_chat(
+        SamplingParams(max_tokens=300, seed=3),
+        template=None,
+        prompt="",
+        tools=TOOLS,
+        tool_choice="required",
+        tool_call_parser=parser,
+        parallel_tool_calls=False,
+    )
+    text = llm.generate("Call a tool:", setup.params, use_tqdm=False)[0].outputs[0].text
+    words = [w.removeprefix("^") for w in fmt.trigger_words()]
+    optional = {"<|python_tag|>"}  # llama3's grammar may start with it or without it
+    body = text.removeprefix("<|python_tag|>") if parser == "llama3" else text
+    assert words and all(body.startswith(w) for w in words if w not in optional), (words, text[:40])
+    assert get_format(parser).parse_section(text, True).calls

@@ -108,7 +108,9 @@ class ToolFormat:
     start_markers: ClassVar[tuple[str, ...]] = ()
     #: text opening a call section only at the start of an answer (after whitespace)
     leading_markers: ClassVar[tuple[str, ...]] = ()
-    #: calls of one answer: several sections (True) or all in one section (False)
+    #: the leading markers the lazy grammar may wake on: each must begin the section grammar
+    #: exactly (llama.cpp feeds the grammar from the marker, and text it rejects aborts)
+    lazy_leading_markers: ClassVar[tuple[str, ...] | None] = None
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
 
@@ -126,8 +128,10 @@ class ToolFormat:
 
     def trigger_words(self) -> tuple[str, ...]:
         """The lazy grammar's triggers: the start markers, and the leading ones anchored at the
-        start of the answer (``^``, see ``SamplingParams.grammar_triggers``)."""
-        return (*self.start_markers, *("^" + m for m in self.leading_markers))
+        start of the answer (``^``, see ``SamplingParams.grammar_triggers``). Each must begin
+        :meth:`section_grammar`'s language."""
+        leading = self.leading_markers if self.lazy_leading_markers is None else self.lazy_leading_markers
+        return (*self.start_markers, *("^" + m for m in leading))
 
     def new_id(self) -> str:
         """A fresh tool-call id in this family's style."""

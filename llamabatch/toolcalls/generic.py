@@ -22,6 +22,7 @@ class GenericFormat(ToolFormat):
 
     name = "generic"
     leading_markers = ('{"tool_calls"', '{"tool_call"', '{"name"')
+    lazy_leading_markers = ('{"tool_calls"',)  # the grammar writes {"tool_calls": [...]}
 
     def parse_section(self, text: str, final: bool) -> Section | None:
         end = json_value_end(text, 0)

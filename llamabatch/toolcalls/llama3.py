@@ -30,6 +30,7 @@ class Llama3Format(ToolFormat):
     template_markers = (PYTHON_TAG, '"parameters": dictionary of argument name')
     start_markers = (PYTHON_TAG,)
     leading_markers = ('{"name"', '{"type"')
+    lazy_leading_markers = ('{"name"',)  # the grammar writes {"name": ...}
 
     def parse_section(self, text: str, final: bool) -> Section | None:
         pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
