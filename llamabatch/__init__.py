@@ -17,7 +17,7 @@ from llamabatch.errors import (
 )
 from llamabatch.llm import LLM
 from llamabatch.llm_engine import LLMEngine
-from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, Usage
+from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, ToolCall, Usage
 from llamabatch.params import SamplingParams
 from llamabatch.request import RequestHandle
 from llamabatch.reranker import Reranker
@@ -52,6 +52,7 @@ __all__ = [
     "StepOutput",
     "TickEvent",
     "Timings",
+    "ToolCall",
     "Usage",
     "__version__",
 ]

@@ -13,6 +13,11 @@ read its inputs but cannot call arbitrary Python or change them), with ``trim_bl
   (``json.dumps``, without Jinja's HTML escaping);
 * the ``{% generation %}...{% endgeneration %}`` block (rendered as its body).
 
+Assistant turns with ``tool_calls`` reach the template with their ``function.arguments`` in
+the shape it renders (found once per template by rendering a probe): an object for the
+templates that ``tojson`` them (as transformers expects), OpenAI's JSON string for those that
+concatenate it (DeepSeek R1). A template that cannot take ``content: None`` (Qwen 3) gets ``""``.
+
 Only when a template cannot be rendered at all (a syntax error, or Python-only constructs the
 sandbox refuses) does it fall back to llama.cpp's built-in templates, which recognise common
 formats by their markers. A template that rejects the messages on purpose
