@@ -93,11 +93,11 @@ def pairs(n: int) -> list[tuple[str, str]]:
 class _Ours:
     name = "llamabatch"
 
-    def __init__(self, model: Path, n_threads: int) -> None:
+    def __init__(self, model: Path, n_threads: int, settings: dict[str, Any]) -> None:
         from llamabatch import Reranker
 
-        self.reranker = Reranker(model, n_threads=n_threads)
-        self.settings = {"n_threads": n_threads, "n_batch": 512, "n_seq_max": 64}
+        self.reranker = Reranker(model, n_threads=n_threads, **settings)
+        self.settings = {"n_threads": n_threads, "n_batch": 512, "n_seq_max": 64, **settings}
 
     def predict(self, items: list[tuple[str, str]]) -> np.ndarray:
         return np.asarray(self.reranker.predict(items), dtype=np.float32)
@@ -136,11 +136,13 @@ def compare(
     n_threads: int = 2,
     rounds: int = 1,
     dtype: str = "auto",
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Score ``n`` pairs with the Reranker and the chosen ``contenders``, interleaved.
 
     ``model_dir`` is the cross-encoder directory (default :func:`minilm_cross_encoder`);
-    ``model`` its GGUF (default: converted from ``model_dir`` with ``dtype``, cached).
+    ``model`` its GGUF (default: converted from ``model_dir`` with ``dtype``, cached);
+    ``settings`` extra :class:`~llamabatch.Reranker` keyword arguments (``n_batch``, ...).
     Returns ``{"model", "cpu", "n_pairs", "n_threads", "rounds", "results", "ratios",
     "max_abs_diff_vs_sentence_transformers"?, "skipped"?}``.
     """
@@ -153,7 +155,7 @@ def compare(
         model_dir = Path(model_dir) if model_dir is not None else minilm_cross_encoder()
     gguf = Path(model) if model is not None else cached_conversion(model_dir, dtype=dtype)  # type: ignore[arg-type]
     items = pairs(n)
-    runners: list[Any] = [_Ours(gguf, n_threads)]
+    runners: list[Any] = [_Ours(gguf, n_threads, dict(settings or {}))]
     skipped: dict[str, str] = {}
     try:
         for name in contenders:
@@ -171,7 +173,7 @@ def compare(
                 t0 = time.perf_counter()
                 scores[runner.name] = runner.predict(items)
                 rates[runner.name].append(len(items) / (time.perf_counter() - t0))
-        settings = {r.name: r.settings for r in runners}
+        used = {r.name: r.settings for r in runners}
     finally:
         for runner in runners:
             runner.close()
@@ -181,7 +183,7 @@ def compare(
             "pairs_per_s": round(max(r), 2),
             "pairs_per_s_median": round(statistics.median(r), 2),
             "rounds": len(r),
-            "settings": settings[name],
+            "settings": used[name],
         }
         for name, r in rates.items()
     ]
@@ -241,6 +243,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-t", "--threads", type=options.positive_int, default=2, help="CPU threads (default 2)")
     p.add_argument("--rounds", type=options.positive_int, default=1, help="timed rounds, interleaved")
+    p.add_argument("-b", "--n-batch", type=options.positive_int, default=None, help="Reranker n_batch (512)")
+    p.add_argument("--n-seq-max", type=options.positive_int, default=None, help="Reranker n_seq_max (64)")
     p.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
 
 
@@ -261,6 +265,9 @@ def main(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         rounds=args.rounds,
         dtype=args.dtype,
+        settings={
+            k: v for k, v in (("n_batch", args.n_batch), ("n_seq_max", args.n_seq_max)) if v is not None
+        },
     )
     rows = [
         {
