@@ -49,6 +49,12 @@ def issue_cases() -> list[dict[str, Any]]:
         ),
         ("d1_pattern", {"json_schema": {"type": "string", "pattern": "^a{0,20000}$"}}, "error"),
         ("d1_nested_groups", {"grammar": nested}, "error"),
+        (
+            "d1_maxLength_at_limit",
+            {"json_schema": {"type": "string", "maxLength": 1000}, "max_tokens": 8},
+            "ok",
+        ),
+        ("d1_maxItems_at_limit", {"json_schema": {"type": "array", "maxItems": 1000}, "max_tokens": 8}, "ok"),
         # defect 2: a grammar that admits no token ended the process (std::terminate)
         ("d2_inverted_range", {"grammar": "root ::= [b-a]"}, "error"),
         ("d2_response_format", {"response_format": rf}, "error"),
