@@ -165,6 +165,26 @@ def test_bad_tool_choice_is_a_400(client):
         client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required", max_tokens=4)
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": 5}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": "x"}, *ASK]},
+            "messages",
+        ),
+    ],
+)
+def test_bad_tool_fields_are_400s_naming_them(client, extra, param):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/chat/completions", body=body, cast_to=openai.types.chat.ChatCompletion)
+    assert info.value.body.get("param") == param, info.value.body
+
+
 def test_tool_choice_none_and_auto_answer_in_text(client):
     for tool_choice in ("none", "auto"):
         response = client.chat.completions.create(
