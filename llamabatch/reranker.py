@@ -323,7 +323,6 @@ class Reranker:
     def predict(
         self,
         sentences: tuple[str, str] | Sequence[tuple[str, str]] | Iterable[Sequence[str]],
-        *,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
         activation_fn: Activation = None,
@@ -410,7 +409,6 @@ class Reranker:
         self,
         query: str,
         documents: Sequence[str],
-        *,
         top_k: int | None = None,
         return_documents: bool = False,
         batch_size: int = 32,
@@ -423,7 +421,7 @@ class Reranker:
         docs, pairs = self._rank_pairs(query, documents, top_k)
         scores = self.predict(
             pairs, batch_size=batch_size, show_progress_bar=show_progress_bar, activation_fn=activation_fn
-        )
+        )  # an empty list of documents gives an empty array
         return self._ranked(np.atleast_1d(scores), docs, top_k, return_documents)
 
     async def arank(
