@@ -81,6 +81,14 @@ def test_parse_json_depth():
     assert json_depth(5) == 0 and json_depth({"a": [1]}) == 2
 
 
+def test_parse_json_counts_values_before_parsing():
+    from llamabatch.server.limits import MAX_JSON_VALUES
+
+    assert len(parse_json(json.dumps([0] * MAX_JSON_VALUES).encode())) == MAX_JSON_VALUES  # n-1 commas
+    with pytest.raises(APIError, match="too many JSON values"):
+        parse_json(json.dumps([{"a": 1}] * (MAX_JSON_VALUES // 2 + 1)).encode())
+
+
 def test_server_limits_are_checked():
     with pytest.raises(ValueError, match="max_body_bytes"):
         ServerLimits(max_body_bytes=0)

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_MB",
     "DEFAULT_TIMEOUT_S",
     "MAX_JSON_DEPTH",
+    "MAX_JSON_VALUES",
     "EdgeGuard",
     "ServerLimits",
     "deadline_protocol",
@@ -43,6 +44,9 @@ DEFAULT_MAX_BODY_MB = 16.0
 DEFAULT_TIMEOUT_S = 60.0
 #: the deepest nesting of arrays and objects a request body may have
 MAX_JSON_DEPTH = 128
+#: the most values (``,`` and ``:`` separators) a request body may have: parsing 2^18 values
+#: takes tens of milliseconds (a 128k-token prompt as token ids is 2^17)
+MAX_JSON_VALUES = 2**18
 #: bodies up to this size are parsed on the event loop; bigger ones in a worker thread
 _INLINE_PARSE_BYTES = 64 * 1024
 #: names that always mean this machine (``*.localhost`` resolves to loopback in browsers)
@@ -229,15 +233,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (a number must be finite)")
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} does not fit a double (a number must be finite)")
-    return value
-
-
-def json_depth(value: Any) -> int:
-    """The nesting depth of arrays and objects in ``value`` (a scalar: 0), without recursion."""
+def json_depth(value: Any, *, finite: bool = False) -> int:
+    """The nesting depth of arrays and objects in ``value`` (a scalar: 0), without recursion;
+    ``finite``: raise ``ValueError`` for a float that is not finite (``1e999`` parses as inf)."""
     depth = 0
     stack = [(value, 1)]
     while stack:
@@ -247,23 +245,33 @@ def json_depth(value: Any) -> int:
         elif isinstance(item, list):
             children = item
         else:
+            if finite and isinstance(item, float) and not math.isfinite(item):
+                raise ValueError("a number overflows a double (a number must be finite)")
             continue
         depth = max(depth, level)
-        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+        stack.extend((child, level + 1) for child in children)
     return depth
 
 
-def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> Any:
     """``raw`` as strict JSON; ``APIError`` 400 for anything else: bad syntax or UTF-8,
     ``NaN``/``Infinity`` literals, numbers that overflow a double, integers over Python's
-    digit limit, and nesting deeper than ``max_depth``."""
+    digit limit, nesting deeper than ``max_depth``, and more than about ``max_values`` values
+    (counted as ``,`` and ``:`` bytes before parsing: ``json.loads`` holds the GIL while it
+    runs, so its time, proportional to the values, is bounded for every thread)."""
+    if raw.count(b",") + raw.count(b":") > max_values:
+        raise bad_request(f"the request body holds too many JSON values (the limit is {max_values})")
     try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+        data = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise bad_request(f"the request body is nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if json_depth(data) > max_depth:
+    try:
+        depth = json_depth(data, finite=True)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if depth > max_depth:
         raise bad_request(f"the request body is nested deeper than {max_depth} levels")
     return data
 
