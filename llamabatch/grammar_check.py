@@ -369,14 +369,13 @@ class _Parser:
                 raise self.fail("unterminated character class", start)
             if s[i] == "]":
                 break
+            item = i
             lo, i = self.char(i)
             hi = lo
             if i < self.n and s[i] == "-" and s[i + 1 : i + 2] not in ("]", ""):
                 hi, i = self.char(i + 1)
                 if hi < lo:
-                    raise self.fail(
-                        f"inverted character range U+{lo:04X}-U+{hi:04X} in {s[start:i]!r}", start
-                    )
+                    raise self.fail(f"inverted character range {s[item:i]!r} (U+{lo:04X} > U+{hi:04X})", item)
             elif i < self.n and s[i] == "-" and i + 1 >= self.n:
                 raise self.fail("unexpected end of the grammar", i)
             ranges.append((lo, hi))
