@@ -554,3 +554,56 @@ def test_lazy_triggers_begin_the_grammar(llm, parser):
     body = text.removeprefix("<|python_tag|>") if parser == "llama3" else text
     assert words and all(body.startswith(w) for w in words if w not in optional), (words, text[:40])
     assert get_format(parser).parse_section(text, True).calls
+
+
+def test_auto_mode_lazy_grammar_constrains_a_call_after_its_marker(llm):
+    """``tool_choice="auto"`` end to end with a marker the model does write: free text up to the
+    marker, then the lazy grammar forces a valid call, the parser reads it and the answer ends
+    in ``tool_calls``. The marker is taken from the model's own greedy answer (at a token end)."""
+    from llamabatch.toolcalls.base import (
+        Section,
+        call_from_object,
+        gbnf_literal,
+        json_call_rules,
+        json_value_end,
+        load_json,
+        normalize_tools,
+    )
+    from llamabatch.toolcalls.chat import ChatSetup
+    from llamabatch.toolcalls.hermes import HermesFormat
+
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    free = llm.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0]
+    k = next(k for k in range(2, 20) if len(llm.detokenize(free.token_ids[:k]).strip()) >= 6)
+    marker = llm.detokenize(free.token_ids[:k])[-4:]
+
+    class MarkerFormat(HermesFormat):
+        name = "marker"
+        start_markers = (marker,)
+
+        def parse_section(self, text, final):
+            end = json_value_end(text, len(marker)) if text[len(marker) : len(marker) + 1] == "{" else None
+            if end is None:
+                return Section(len(text), None) if final else None
+            call = call_from_object(load_json(text[len(marker) : end]))
+            return Section(end, [call] if call else None)
+
+        def section_grammar(self, tools, parallel):
+            return "\n".join([f"root ::= {gbnf_literal(marker)} call", json_call_rules(tools)])
+
+    fmt = MarkerFormat()
+    specs = normalize_tools(TOOLS)
+    params = SamplingParams(
+        max_tokens=300,
+        temperature=0,
+        grammar=fmt.section_grammar(specs, False),
+        grammar_triggers=fmt.trigger_words(),
+    )
+    setup = ChatSetup(params, fmt, reasoning=False, in_reasoning=False, parallel=False)
+    raw = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    out = setup.finish_output(raw)
+    assert out.finish_reason == "tool_calls", raw.text
+    at = raw.text.index(marker) + len(marker)  # free text up to the marker, as without the grammar
+    assert free.text.startswith(raw.text[:at]) and raw.text[:at].startswith(out.text)
+    (call,) = out.tool_calls
+    jsonschema.validate(json.loads(call.arguments), _schema(call.name))
