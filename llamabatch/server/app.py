@@ -44,7 +44,6 @@ from llamabatch.server.protocol import (
     chat_messages,
     completion_logprobs,
     completion_prompts,
-    encode_embedding,
     finish_reason,
     new_id,
     now,
@@ -505,8 +504,11 @@ class OpenAIServer:
         data = body.data.get("input")
         body.read.add("input")
         texts = [data] if isinstance(data, str) else data
-        if not isinstance(texts, list) or not texts:
-            raise bad_request("'input' must be a string or a non-empty array of strings", param="input")
+        if not isinstance(texts, list) or not texts or len(texts) > prepare.MAX_EMBEDDING_INPUTS:
+            raise bad_request(
+                f"'input' must be a string or an array of 1 to {prepare.MAX_EMBEDDING_INPUTS} strings",
+                param="input",
+            )
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise bad_request(
@@ -528,17 +530,10 @@ class OpenAIServer:
             raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="input") from None
-        return _json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"object": "embedding", "index": i, "embedding": encode_embedding(v, encoding)}
-                    for i, v in enumerate(vectors)
-                ],
-                "model": self.embedding_model_name,
-                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-            }
+        payload = await asyncio.to_thread(  # vector by vector: JSON-encoding floats holds the GIL
+            prepare.embedding_response, vectors, encoding, self.embedding_model_name, n_tokens
         )
+        return Response(payload, media_type="application/json")
 
     async def rerank(self, request: Request) -> Response:
         """``/v1/rerank`` and ``/rerank`` (issue 25; the logic is in llamabatch.server.rerank)."""

@@ -14,9 +14,21 @@ from typing import Any
 from llamabatch import LLM, Embedder, PromptTooLong
 from llamabatch.chat_template import special_token_text
 from llamabatch.llm_engine import prompt_bytes_bound
-from llamabatch.server.protocol import bad_request
+from llamabatch.server.protocol import bad_request, encode_embedding
+from llamabatch.server.streaming import _dumps
 
-__all__ = ["chat_tokens", "check_queue_room", "count_embedding_tokens", "prompt_fits", "tokenize_prompts"]
+__all__ = [
+    "MAX_EMBEDDING_INPUTS",
+    "chat_tokens",
+    "check_queue_room",
+    "count_embedding_tokens",
+    "embedding_response",
+    "prompt_fits",
+    "tokenize_prompts",
+]
+
+#: the most texts one /v1/embeddings request may hold (OpenAI's limit)
+MAX_EMBEDDING_INPUTS = 2048
 
 
 def check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:
@@ -88,3 +100,15 @@ def count_embedding_tokens(embedder: Embedder, texts: Sequence[str]) -> int:
                     code="context_length_exceeded",
                 )
     return sum(len(embedder.tokenize(t)) for t in texts)
+
+
+def embedding_response(vectors: Any, encoding: str, model: str | None, n_tokens: int) -> bytes:
+    """The ``/v1/embeddings`` answer as JSON bytes, encoded one vector at a time: one
+    ``json.dumps`` of every float holds the GIL for the whole of it (every thread waits), one
+    per vector lets the event loop in between."""
+    items = [
+        _dumps({"object": "embedding", "index": i, "embedding": encode_embedding(v, encoding)})
+        for i, v in enumerate(vectors)
+    ]
+    tail = _dumps({"model": model, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+    return b'{"object":"list","data":[' + b",".join(items) + b"]," + tail[1:]
