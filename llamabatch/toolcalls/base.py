@@ -111,6 +111,10 @@ class ToolFormat:
     #: the leading markers the lazy grammar may wake on: each must begin the section grammar
     #: exactly (llama.cpp feeds the grammar from the marker, and text it rejects aborts)
     lazy_leading_markers: ClassVar[tuple[str, ...] | None] = None
+    #: a section can only complete on text holding one of these (the parser skips re-reading
+    #: a waiting section until one arrives)
+    section_end_chars: ClassVar[str] = "}]>｜;"
+    #: ids: this prefix and this many random letters and digits
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
 

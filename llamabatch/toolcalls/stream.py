@@ -49,6 +49,7 @@ class ChatOutputParser:
         self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
         self._buf = ""
         self._in_section = False
+        self._section_read = 0  # how much of a waiting section was already read
         self._pending_ws = ""
         self._started = False  # non-whitespace content was emitted
         self._after_call = False
@@ -121,9 +122,15 @@ class ChatOutputParser:
         while self._buf:
             buf = self._buf
             if self._in_section:
+                fresh = buf[self._section_read :]
+                if not final and not any(ch in fresh for ch in fmt.section_end_chars):
+                    self._section_read = len(buf)
+                    return  # cannot have completed: not parsed again (long calls stay linear)
                 section = fmt.parse_section(buf, final)
                 if section is None:
+                    self._section_read = len(buf)
                     return
+                self._section_read = 0
                 consumed = max(section.consumed, 1)
                 if section.calls is None:
                     self._emit(buf[:consumed], delta)
