@@ -67,8 +67,9 @@ class GrammarLimits:
     max_ref_depth: int = 500
     #: calls of llama.cpp's left-recursion check from one rule (it does not memoize)
     max_ref_calls: int = 200_000
-    #: parse stacks that entering one rule can fan out to (each is checked against every token)
-    max_stacks: int = 10_000
+    #: parse stacks that entering one rule can fan out to (each is checked against the vocabulary
+    #: at every token: their number times the vocabulary size is the cost of a step)
+    max_stacks: int = 4096
     #: JSON schemas: nesting depth of objects and arrays
     max_schema_depth: int = 64
     #: JSON schemas: objects, arrays and values in total
@@ -567,7 +568,7 @@ def _analyse(parser: _Parser) -> GrammarStats:
     # Left edges: references that can come first (after nullable ones). llama.cpp's check
     # follows a subset of them (it only skips rules with a literally empty alternative).
     left: list[list[int]] = [[] for _ in range(n_symbols)]
-    weight: list[list[int]] = [[] for _ in range(n_symbols)]  # terminals that can come first
+    weight = [0] * n_symbols  # terminals that can come first
     for rule_id in range(n_symbols):
         edges = left[rule_id]
         terms = 0
@@ -579,7 +580,7 @@ def _analyse(parser: _Parser) -> GrammarStats:
                 edges.append(element)
                 if not nullable[element]:
                     break
-        weight[rule_id] = [terms]
+        weight[rule_id] = terms
     depth = [0] * n_symbols
     calls = [0] * n_symbols
     stacks = [0] * n_symbols
@@ -611,7 +612,7 @@ def _analyse(parser: _Parser) -> GrammarStats:
             state[rule_id] = 2
             depth[rule_id] = 1 + max((depth[c] for c in edges), default=0)
             calls[rule_id] = min(cap, 1 + sum(calls[c] for c in edges))
-            stacks[rule_id] = min(cap, weight[rule_id][0] + sum(stacks[c] for c in edges))
+            stacks[rule_id] = min(cap, weight[rule_id] + sum(stacks[c] for c in edges))
             if depth[rule_id] > limits.max_ref_depth:
                 raise parser.over("the chain of leftmost rule references", depth[rule_id], "max_ref_depth")
             if calls[rule_id] > limits.max_ref_calls:
