@@ -35,7 +35,7 @@ from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._core.strategies import DecodeMaximal, get_strategy
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
-from llamabatch._ffi.sampler import NoTokenAllowed
+from llamabatch._ffi.sampler import SamplingError
 from llamabatch.errors import QueueFull
 from llamabatch.kv_cache import KVCache
 from llamabatch.outputs import FinishReason
@@ -427,7 +427,7 @@ class EngineCore:
                         token = self._sample_without_stops(request, idx)
                     else:
                         token = request.sampler.sample(self.context, idx)
-                except NoTokenAllowed as exc:  # a grammar at a dead end: end this request only
+                except SamplingError as exc:  # a grammar at a dead end: end this request only
                     self._finish(slot, "error", error=str(exc))
                     continue
             if request.logprobs is not None:

@@ -87,6 +87,19 @@ def issue_cases() -> list[dict[str, Any]]:
             "finish_error",
         ),
         ("dead_end_token_id", {"grammar": "root ::= <[999999]>", "max_tokens": 4}, "finish_error"),
+        # a lazy grammar whose trigger the grammar does not accept: llama.cpp throws when it
+        # replays the triggering text into the grammar (caught in C++, the request ends)
+        (
+            "lazy_trigger_mismatch",
+            {
+                "grammar": 'root ::= "zz"',
+                "grammar_triggers": ["e"],
+                "max_tokens": 40,
+                "temperature": 1.0,
+                "seed": 1,
+            },
+            "any",
+        ),
     ]
     return [{"name": name, "params": params, "expect": expect} for name, params, expect in cases]
 

@@ -20,11 +20,61 @@ MODULE_NAME = "llamabatch._ffi._llama"
 RUNTIME_RPATH = "$ORIGIN/../../llama_cpp/lib"
 
 
+# Compiled as C++ (``source_extension=".cpp"``): only C++ can catch the exceptions llama.cpp
+# throws through its C API (a grammar's "Unexpected empty grammar stack"), which otherwise
+# reach std::terminate and end the process.
 C_SOURCE = """
 #include "llama.h"
 
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <vector>
+
 static bool llamabatch_abort_flag_cb(void * data) {
     return data != NULL && *(volatile int *) data != 0;
+}
+
+static void llamabatch_set_error(char * err, size_t err_size, const char * what) {
+    if (err != NULL && err_size > 0) {
+        std::strncpy(err, what, err_size - 1);
+        err[err_size - 1] = '\\0';
+    }
+}
+
+/* llama_sampler_sample (CPU samplers), guarded: the chain is applied to the logits at idx,
+ * and the chosen token is accepted only if its logit is finite. Returns the token; -1 when
+ * the chain left no allowed token (a grammar at a dead end: accepting the token anyway throws,
+ * or aborts for an end-of-generation token); -2 when llama.cpp threw (err says what). */
+static int32_t llamabatch_sampler_sample_guarded(
+        struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, char * err, size_t err_size) {
+    try {
+        const float * logits = llama_get_logits_ith(ctx, idx);
+        if (logits == NULL) {
+            llamabatch_set_error(err, err_size, "no logits at this batch index");
+            return -2;
+        }
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        thread_local std::vector<llama_token_data> cur;
+        cur.resize(n_vocab);
+        for (int32_t t = 0; t < n_vocab; t++) {
+            cur[t] = llama_token_data{t, logits[t], 0.0f};
+        }
+        llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
+        llama_sampler_apply(smpl, &cur_p);
+        if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size ||
+                !std::isfinite(cur_p.data[cur_p.selected].logit)) {
+            return -1;
+        }
+        const llama_token token = cur_p.data[cur_p.selected].id;
+        llama_sampler_accept(smpl, token);
+        return token;
+    } catch (const std::exception & e) {
+        llamabatch_set_error(err, err_size, e.what());
+    } catch (...) {
+        llamabatch_set_error(err, err_size, "unknown C++ exception");
+    }
+    return -2;
 }
 """
 
@@ -45,5 +95,6 @@ def make_ffi(include_dir: Path, lib_dir: Path, extra_rpaths: list[str] | None = 
         libraries=["llama"],
         extra_link_args=[f"-Wl,-rpath,{p}" for p in rpaths],
         extra_compile_args=["-O2", "-Wno-deprecated-declarations"],
+        source_extension=".cpp",
     )
     return ffibuilder

@@ -79,19 +79,6 @@ typedef struct llama_logit_bias {
     float bias;
 } llama_logit_bias;
 
-typedef struct llama_token_data {
-    llama_token id;
-    float logit;
-    float p;
-} llama_token_data;
-
-typedef struct llama_token_data_array {
-    llama_token_data * data;
-    size_t size;
-    int64_t selected;
-    bool sorted;
-} llama_token_data_array;
-
 typedef struct llama_sampler_chain_params {
     bool no_perf;
     ...;
@@ -194,8 +181,6 @@ struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
 struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root);
-void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
-void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root, const char ** trigger_patterns, size_t num_trigger_patterns, const llama_token * trigger_tokens, size_t num_trigger_tokens);
 struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
                                                     float penalty_freq, float penalty_present);
@@ -210,3 +195,7 @@ int32_t llama_chat_builtin_templates(const char ** output, size_t len);
  * flag, so that close() or a test can stop llama_decode without calling into Python
  * from llama.cpp's compute threads. */
 bool llamabatch_abort_flag_cb(void * data);
+/* llama_sampler_sample guarded (defined in _build.py, compiled as C++): -1 when no token is
+ * allowed, -2 when llama.cpp threw a C++ exception (its message in err). */
+int32_t llamabatch_sampler_sample_guarded(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
+                                          char * err, size_t err_size);

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import math
 import random
-
-import numpy as np
 
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.params import SamplingParams
 
 _sample = lib.llama_sampler_sample
-_apply = lib.llama_sampler_apply
-_accept = lib.llama_sampler_accept
-#: the layout of ``llama_token_data``, for filling candidates from numpy
-_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+_sample_guarded = lib.llamabatch_sampler_sample_guarded
+_ERROR_SIZE = 512
 #: ``penalty_last_n`` when no context size is given: llama.cpp's default context
 _DEFAULT_PENALTY_CTX = 4096
 
 
-class NoTokenAllowed(RuntimeError):
+class SamplingError(RuntimeError):
+    """llama.cpp failed while sampling a grammar request (it threw a C++ exception, caught in
+    llamabatch's C++ helper); the engine ends that request with ``finish_reason="error"``."""
+
+
+class NoTokenAllowed(SamplingError):
     """A grammar request reached a state where its grammar (with the other constraints:
     ``min_tokens``, ``logit_bias`` bans, the vocabulary) admits no token. llama.cpp would throw
     a C++ exception out of sampling and end the process; the engine ends the request instead."""
@@ -73,7 +73,7 @@ class SamplerChain:
         """``n_ctx``: the request's context size, which bounds the penalty window
         (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096."""
         self._ptr = ffi.NULL
-        self._cur = None  # candidates buffer, for grammar requests (see ``sample``)
+        self._error = None  # a message buffer: grammar requests sample guarded (see ``sample``)
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -105,7 +105,7 @@ class SamplerChain:
             if grammar == ffi.NULL:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)
-            self._guard(n_vocab)
+            self._error = ffi.new("char[]", _ERROR_SIZE)
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
         else:
@@ -131,41 +131,26 @@ class SamplerChain:
             raise ValueError("the sampler chain is closed")
         return self._ptr
 
-    def _guard(self, n_vocab: int) -> None:
-        """Sample grammar requests in two steps (see ``sample``): the candidates buffer."""
-        self._cur = ffi.new("llama_token_data[]", n_vocab)
-        self._cur_np = np.frombuffer(ffi.buffer(self._cur), dtype=_TOKEN_DATA)
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._cur_p = ffi.new("llama_token_data_array *")
-
     def sample(self, context, idx: int) -> int:
         """Sample from the logits at batch index ``idx`` of ``context``'s last decode; the
         chosen token is accepted into the chain's state.
 
-        With a grammar, the chain is applied and the choice accepted in two steps, and
-        ``NoTokenAllowed`` is raised when the grammar left no candidate (every logit -inf):
-        accepting a token the grammar refuses throws a C++ exception that ends the process."""
-        if self._cur is None:
+        A grammar request samples through llamabatch's guarded C++ helper: the chosen token is
+        accepted only if the chain allowed it (``NoTokenAllowed`` when the grammar left no
+        token), and a C++ exception from llama.cpp becomes ``SamplingError``; either would
+        otherwise end the process."""
+        error = self._error
+        if error is None:
             return _sample(self._ptr, context._ptr, idx)
-        cur = self._cur_np
-        cur["id"] = self._ids
-        cur["logit"] = context.logits_view(idx)
-        cur["p"] = 0.0
-        cur_p = self._cur_p
-        cur_p.data = self._cur
-        cur_p.size = len(cur)
-        cur_p.selected = -1
-        cur_p.sorted = False
-        _apply(self._ptr, cur_p)
-        selected = cur_p.selected
-        if not 0 <= selected < cur_p.size or not math.isfinite(cur_p.data[selected].logit):
+        token = _sample_guarded(self._ptr, context._ptr, idx, error, _ERROR_SIZE)
+        if token >= 0:
+            return token
+        if token == -1:
             raise NoTokenAllowed(
                 "the grammar admits no token here (with this vocabulary, min_tokens, stop tokens and "
                 "logit_bias): generation cannot go on"
             )
-        token = cur_p.data[selected].id
-        _accept(self._ptr, token)
-        return token
+        raise SamplingError(f"llama.cpp failed while sampling: {ffi.string(error).decode(errors='replace')}")
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
