@@ -299,6 +299,41 @@ def test_a_body_shorter_than_its_content_length_times_out(server):
     server.check_alive()
 
 
+def test_a_client_that_stops_reading_is_cut_off(server):
+    """A stream whose client reads nothing: once the kernel's and the transport's buffers are
+    full, the server waits ``--timeout`` for the client to read, then drops the connection
+    and cancels the generation (it held a connection and its task forever)."""
+    body = json.dumps(
+        {"prompt": "hi", "max_tokens": 1900, "n": 6, "logprobs": 20, "stream": True, "ignore_eos": True}
+    ).encode()  # about 9 MB of events: more than loopback's socket buffers hold
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        time.sleep(3 * TIMEOUT_S + 4)  # buffers fill, then the server's deadline passes
+        received = b""
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+        except OSError:  # reset: the server aborted the connection
+            pass
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received, len(received)
+    deadline = time.monotonic() + 10
+    while "llamabatch:num_requests_running{" in (metrics := httpx.get(f"{server.url}/metrics").text):
+        if (
+            re.search(r"llamabatch:num_requests_running\{[^}]*\} 0\.0", metrics)
+            or time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.2)
+    assert re.search(r"llamabatch:num_requests_running\{[^}]*\} 0\.0", metrics), "the generation kept running"
+    server.check_alive()
+
+
 # -- defect 8: Content-Type, Host, CORS -----------------------------------------------------------
 
 

@@ -289,11 +289,13 @@ async def read_json(request: Any) -> Any:
 
 
 def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class (``http``: ``"h11"``, ``"httptools"`` or ``"auto"``) with a
-    deadline: a connection must deliver each request's head within ``timeout`` seconds of
-    opening, or of the previous response's end, or it is closed. uvicorn's own keep-alive
+    """uvicorn's HTTP protocol class (``http``: ``"h11"``, ``"httptools"`` or ``"auto"``) with
+    deadlines: a connection must deliver each request's head within ``timeout`` seconds of
+    opening, or of the previous response's end, or it is closed (uvicorn's own keep-alive
     timer restarts on every byte received, so a client trickling its headers held the
-    connection forever. The body's deadline is :class:`EdgeGuard`'s."""
+    connection forever); and a client that stops reading its answer for ``timeout`` seconds
+    once the write buffer is full is cut off (its generation is cancelled as for a
+    disconnect). The body's deadline is :class:`EdgeGuard`'s."""
     base: Any
     if http == "httptools" or http == "auto":
         try:
@@ -307,6 +309,22 @@ def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
 
     class DeadlineProtocol(base):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:  # the transport's buffer is full: the client must read
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(timeout, self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            self.transport.abort()  # close() would wait for a buffer that never drains
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -314,6 +332,9 @@ def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_head_timer()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
