@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=_positive_float,
         default=60.0,
-        help="seconds a client may take to send a request's headers, and its body (default 60)",
+        help="seconds a client may take to send a request's headers, to send its body, or stall "
+        "reading the answer (default 60)",
     )
     h.add_argument(
         "--timeout-keep-alive", type=int, default=5, help="seconds an idle kept-alive connection stays open"
