@@ -212,8 +212,8 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "f32", "f16", "bf16", "q8_0"),
         default="auto",
-        help="type of the 2-D weights (1-D tensors are always f32); default auto: f32 up to 350M "
-        "parameters (fastest on CPUs without native f16/bf16 arithmetic), f16 above; q8_0: 8-bit "
+        help="type of the 2-D weights (1-D tensors are always f32); default auto: the fastest on this "
+        "CPU (bf16 with AVX512-BF16/AMX; else f32 up to 350M parameters, f16 above); q8_0: 8-bit "
         "layer matrices (a quarter of f32's size)",
     )
     p.add_argument("--name", default=None, help="general.name of the GGUF (default: from the directory)")

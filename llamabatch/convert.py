@@ -149,9 +149,9 @@ def convert_bert(
     ``bert.classifier.output_labels`` and ``bert.pooling_type`` rank: a reranker for
     :class:`llamabatch.Reranker`.
 
-    ``dtype`` is ``"auto"`` (default: f32 for encoders up to 350M parameters, whose matrix
-    products are compute-bound and run fastest in f32 on CPUs without native f16 / bf16
-    arithmetic; f16 above; see :func:`llamabatch.convert_head.auto_dtype`), ``"f32"``,
+    ``dtype`` is ``"auto"`` (default: what runs fastest on this CPU: bf16 where it multiplies
+    bf16 natively (AVX512-BF16, AMX), else f32 for encoders up to 350M parameters, whose matrix
+    products are compute-bound, and f16 above; see :func:`llamabatch.convert_head.auto_dtype`), ``"f32"``,
     ``"f16"`` (2-D weights in float16), ``"bf16"`` (bfloat16: fast on CPUs with AVX512-BF16,
     within 1e-4 cosine of f32) or ``"q8_0"`` (the layers' matrices in 8-bit blocks, the lookup
     tables in f16: a quarter of f32's size); 1-D tensors (norms, biases) are always float32.
@@ -204,7 +204,7 @@ def convert_bert(
 
 def chosen_dtype(model_dir: str | os.PathLike[str], dtype: str = "auto") -> str:
     """The weight type :func:`convert_bert` writes for ``model_dir`` given ``dtype``
-    (``"auto"`` resolved by the checkpoint's parameter count)."""
+    (``"auto"`` resolved for this CPU and the checkpoint's parameter count)."""
     resolve_dtype(dtype, 0)
     return resolve_dtype(dtype, _count_params(_check_model_dir(model_dir))) if dtype == "auto" else dtype
 

@@ -134,15 +134,19 @@ def test_q8_0_quantizes_the_layer_matrices_only(model_dir: Path) -> None:
     assert types["token_embd.weight"] == gguf.GGMLQuantizationType.F16  # lookup tables stay f16
 
 
-def test_auto_dtype_is_f32_for_a_small_encoder(model_dir: Path, tmp_path: Path) -> None:
+def test_auto_dtype_follows_the_cpu_and_the_size(model_dir: Path, tmp_path: Path) -> None:
     from llamabatch.convert import chosen_dtype
-    from llamabatch.convert_head import auto_dtype
+    from llamabatch.convert_head import auto_dtype, cpu_flags
 
-    assert chosen_dtype(model_dir) == "f32"  # all-MiniLM-L6-v2: 22.7M parameters
-    assert auto_dtype(110_000_000) == "f32" and auto_dtype(560_000_000) == "f16"
+    avx2 = {"avx2": True, "f16c": True, "avx512f": False, "avx512_bf16": False}
+    assert auto_dtype(22_700_000, avx2) == "f32" and auto_dtype(560_000_000, avx2) == "f16"
+    assert auto_dtype(22_700_000, {**avx2, "avx512f": True, "avx512_bf16": True}) == "bf16"
+    expected = "bf16" if cpu_flags()["avx512_bf16"] or cpu_flags()["amx_bf16"] else "f32"
+    assert chosen_dtype(model_dir) == expected  # all-MiniLM-L6-v2: 22.7M parameters
     out = convert_bert(model_dir, tmp_path / "auto.gguf")  # the default
-    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
-    assert cached_conversion(model_dir, cache_dir=tmp_path / "c").name.split("-")[-2] == "f32"
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[expected]
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == int(file_type)
+    assert cached_conversion(model_dir, cache_dir=tmp_path / "c").name.split("-")[-2] == expected
 
 
 def test_cached_conversion_reuses_the_file(model_dir: Path, tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_converted_cross_encoder_keeps_its_head(gguf_path: Path) -> None:
 def test_cli_converts_a_cross_encoder_with_its_activation(tmp_path: Path) -> None:
     src = make_cross_encoder(tmp_path / "ce", activation_fn="torch.nn.modules.linear.Identity")
     out = tmp_path / "ce.gguf"
-    assert main(["convert", str(src), str(out)]) == 0  # dtype auto: f32 for a small model
+    assert main(["convert", str(src), str(out), "--dtype", "f32"]) == 0
     reader = gguf.GGUFReader(out)
     assert reader.fields[ACTIVATION_KEY].contents() == "identity"
     assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
@@ -110,7 +110,8 @@ def test_predict_matches_transformers(reranker: Reranker) -> None:
 
 
 def test_two_label_head(tmp_path: Path) -> None:
-    out = convert_bert(make_cross_encoder(tmp_path / "two", seed=26, num_labels=2), tmp_path / "two.gguf")
+    two = make_cross_encoder(tmp_path / "two", seed=26, num_labels=2)
+    out = convert_bert(two, tmp_path / "two.gguf", dtype="f32")
     expected = np.array(REFERENCE["logits_two_labels"])
     with Reranker(out) as r:
         assert r.num_labels == 2 and r.activation_fn == "identity"

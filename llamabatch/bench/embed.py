@@ -333,7 +333,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=("auto", "f32", "f16", "bf16", "q8_0"),
-        help="weight type of the default model's conversion (auto: the converter's default, f32 for MiniLM)",
+        help="weight type of the default model's conversion (auto: the converter's default for this CPU)",
     )
     p.add_argument(
         "--compare",

@@ -38,9 +38,9 @@ def default_st_model() -> Path:
 
 
 def best_dtype() -> str:
-    """The weight type ``llamabatch convert`` writes by default for all-MiniLM-L6-v2
-    (``--dtype auto``: f32 for an encoder of its size, the fastest on CPUs without native
-    f16 / bf16 arithmetic; see :func:`llamabatch.convert_head.auto_dtype`)."""
+    """The weight type ``llamabatch convert`` writes by default for all-MiniLM-L6-v2 on this CPU
+    (``--dtype auto``: bf16 with AVX512-BF16, else f32; see
+    :func:`llamabatch.convert_head.auto_dtype`)."""
     from llamabatch.convert import chosen_dtype
 
     return chosen_dtype(default_st_model(), "auto")
