@@ -191,7 +191,7 @@ class FakeSampler:
     """A stand-in for ``SamplerChain`` over a fake context: a seeded RNG and a repeat
     penalty history that carry over from call to call (as llama.cpp's chain does)."""
 
-    def __init__(self, model: FakeModel, params: Any) -> None:
+    def __init__(self, model: FakeModel, params: Any, *, n_ctx: int | None = None) -> None:
         self.model = model
         self.params = params
         self.rng = np.random.default_rng(params.seed if params.seed is not None else 0)

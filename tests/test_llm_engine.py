@@ -90,7 +90,7 @@ def test_queue_limit_and_close(tiny_path):
     with pytest.raises(QueueFull):
         engine.add_request("c")
     with pytest.raises(QueueFull):  # n > max_queue is refused before any sampler is built
-        LLMEngine.add_request(engine, "x", SamplingParams(n=100_000))
+        LLMEngine.add_request(engine, "x", SamplingParams(n=128))
     engine.close()
     engine.close()
     with pytest.raises(EngineClosed):
