@@ -532,14 +532,27 @@ _small_values = (
 @st.composite
 def _requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
     path = draw(st.sampled_from(sorted(_valid)))
-    kind = draw(st.sampled_from(["mutated", "mutated", "random", "raw"]))
-    if kind == "mutated":
+    kind = draw(
+        st.sampled_from(["mutated", "mutated", "mutated", "random", "raw", "deep", "constant", "huge"])
+    )
+    if kind in ("mutated", "constant", "huge"):
         body = dict(_valid[path])
         for field in draw(st.lists(st.sampled_from(_FIELDS), max_size=3)):
             body[field] = draw(_small_values)
+        if kind == "huge":  # around the 1 MiB body limit
+            body[draw(st.sampled_from(_FIELDS))] = "x" * draw(st.integers(2**19, 2**21))
         content = json.dumps(body).encode()
+        if kind == "constant":  # a NaN / Infinity literal where a value goes
+            field = draw(st.sampled_from(_FIELDS))
+            literal = draw(st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e400"]))
+            content = content[:-1] + f', "{field}": {literal}}}'.encode()
     elif kind == "random":
         content = json.dumps(draw(_json)).encode()
+    elif kind == "deep":
+        depth = draw(st.integers(100, 3000))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        inner = (opener * depth + "1" + closer * depth).encode()
+        content = b'{"prompt": "hi", "x": ' + inner + b"}" if draw(st.booleans()) else inner
     else:
         content = draw(st.binary(max_size=64))
     headers = {
