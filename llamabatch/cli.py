@@ -204,7 +204,8 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Convert a BERT-family Hugging Face / sentence-transformers model directory "
         "(config.json, model.safetensors, vocab.txt, 1_Pooling/) to a GGUF that llama.cpp "
-        "loads as architecture 'bert'."
+        "loads as architecture 'bert'; cross-encoders (BertForSequenceClassification, "
+        "XLMRobertaForSequenceClassification) keep their classification head for Reranker."
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
     p.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")

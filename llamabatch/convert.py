@@ -23,7 +23,7 @@ import os
 import re
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,15 @@ from llamabatch.convert_head import (
     ACTIVATION_KEY,
     DTYPES,
     HEAD_TENSORS,
+    XLMR_HEAD_TENSORS,
     ClassifierHead,
     head_shapes,
     read_head,
     resolve_dtype,
 )
 from llamabatch.convert_vocab import _read_vocab, _Vocab
+from llamabatch.convert_xlmr import MODEL_TYPE as XLMR
+from llamabatch.convert_xlmr import UnigramVocab, position_offset, read_unigram_vocab, write_unigram_metadata
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -125,6 +128,10 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     base_model: str | None
+    #: "bert", or "xlm-roberta" (llamabatch.convert_xlmr)
+    model_type: str = "bert"
+    #: rows of the checkpoint's position table before position 0 (RoBERTa: pad_token_id + 1)
+    position_offset: int = 0
 
 
 # --------------------------------------------------------------------------- public API
@@ -147,7 +154,9 @@ def convert_bert(
     A ``BertForSequenceClassification`` checkpoint (a cross-encoder) keeps its pooler and
     classifier as llama.cpp's ``cls`` / ``cls.output`` tensors, its labels as
     ``bert.classifier.output_labels`` and ``bert.pooling_type`` rank: a reranker for
-    :class:`llamabatch.Reranker`.
+    :class:`llamabatch.Reranker`. ``model_type`` ``"xlm-roberta"`` (e.g. the bge-reranker
+    shape, ``XLMRobertaForSequenceClassification``, with a Unigram ``tokenizer.json``) is
+    converted too (:mod:`llamabatch.convert_xlmr`).
 
     ``dtype`` is ``"auto"`` (default: what runs fastest on this CPU: bf16 where it multiplies
     bf16 natively (AVX512-BF16, AMX), else f32 for encoders up to 350M parameters, whose matrix
@@ -170,7 +179,11 @@ def convert_bert(
     config = _read_config(model_dir)
     head, found = _read_tensors(model_dir, config)
     pooling = "rank" if head is not None else _read_pooling(model_dir)
-    vocab = _read_vocab(model_dir, config.vocab_size)
+    vocab = (
+        read_unigram_vocab(model_dir, config.vocab_size)
+        if config.model_type == XLMR
+        else _read_vocab(model_dir, config.vocab_size)
+    )
     dtype = resolve_dtype(dtype, sum(int(a.size) for a in found.values()))
 
     try:
@@ -279,10 +292,10 @@ def _read_config(model_dir: Path) -> BertConfig:
         raise ValueError(f"{str(model_dir / 'config.json')!r} does not hold a JSON object")
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
-    if model_type != "bert":
+    if model_type not in ("bert", XLMR):
         raise ValueError(
             f"unsupported model_type {model_type!r} (architectures {archs}): "
-            "only BERT-family models (model_type 'bert') can be converted"
+            "only BERT-family models (model_type 'bert' or 'xlm-roberta') can be converted"
         )
     if raw.get("is_decoder") or raw.get("add_cross_attention"):
         raise ValueError("unsupported BERT variant: decoder / cross-attention models cannot be converted")
@@ -309,7 +322,16 @@ def _read_config(model_dir: Path) -> BertConfig:
         type_vocab_size=int(raw.get("type_vocab_size", 2)),
         layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
         base_model=str(raw["_name_or_path"]) if raw.get("_name_or_path") else None,
+        model_type=str(model_type),
+        position_offset=position_offset(raw) if model_type == XLMR else 0,
     )
+    if cfg.position_offset:
+        if cfg.max_position_embeddings <= cfg.position_offset:
+            raise ValueError(
+                f"config.json: max_position_embeddings {cfg.max_position_embeddings} leaves no position "
+                f"after the {cfg.position_offset} RoBERTa skips"
+            )
+        cfg = replace(cfg, max_position_embeddings=cfg.max_position_embeddings - cfg.position_offset)
     if cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(
             f"config.json: hidden_size {cfg.hidden_size} is not a multiple of "
@@ -454,6 +476,8 @@ def _gguf_name(name: str, head: ClassifierHead | None) -> str | None:
     None for an unused head."""
     if head is not None and name in HEAD_TENSORS:
         return HEAD_TENSORS[name]
+    if head is not None and name in XLMR_HEAD_TENSORS:
+        return XLMR_HEAD_TENSORS[name]
     if name.startswith(_IGNORED_PREFIXES):
         return None
     name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
@@ -500,7 +524,9 @@ def _read_tensors(model_dir: Path, cfg: BertConfig) -> tuple[ClassifierHead | No
     arrays: dict[str, np.ndarray] = {}
     for path in _weight_files(model_dir):
         for hf_name, array in _iter_safetensors(path):
-            name = hf_name.removeprefix("bert.")
+            name = hf_name.removeprefix("bert.").removeprefix("roberta.")
+            if name == "embeddings.position_embeddings.weight" and cfg.position_offset:
+                array = array[cfg.position_offset :]  # RoBERTa's positions start after the padding id
             if name in arrays:
                 raise ValueError(f"tensor {hf_name!r} appears twice")
             arrays[name] = array
@@ -570,7 +596,7 @@ def _model_name(model_dir: Path) -> str:
 
 
 def _write_metadata(
-    writer: Any, gguf: Any, cfg: BertConfig, pooling: str, vocab: _Vocab, dtype: str, name: str
+    writer: Any, gguf: Any, cfg: BertConfig, pooling: str, vocab: _Vocab | UnigramVocab, dtype: str, name: str
 ) -> None:
     writer.add_name(name)
     if cfg.base_model:
@@ -591,6 +617,9 @@ def _write_metadata(
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(_POOLING_IDS[pooling]))
 
+    if isinstance(vocab, UnigramVocab):
+        write_unigram_metadata(writer, vocab, cfg.type_vocab_size)
+        return
     writer.add_tokenizer_model("bert")
     writer.add_token_list(vocab.pieces)
     writer.add_token_types(vocab.types)

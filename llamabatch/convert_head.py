@@ -25,6 +25,7 @@ __all__ = [
     "ACTIVATION_KEY",
     "DTYPES",
     "HEAD_TENSORS",
+    "XLMR_HEAD_TENSORS",
     "ClassifierHead",
     "auto_dtype",
     "cpu_flags",
@@ -49,6 +50,13 @@ HEAD_TENSORS = {
     "classifier.weight": "cls.output.weight",
     "classifier.bias": "cls.output.bias",
 }
+#: the same for XLM-RoBERTa's head (``RobertaClassificationHead``: dense + tanh, out_proj)
+XLMR_HEAD_TENSORS = {
+    "classifier.dense.weight": "cls.weight",
+    "classifier.dense.bias": "cls.bias",
+    "classifier.out_proj.weight": "cls.output.weight",
+    "classifier.out_proj.bias": "cls.output.bias",
+}
 
 # sentence-transformers' recorded activation (a torch class path) -> our name
 _ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax", "Tanh": "tanh"}
@@ -72,7 +80,8 @@ def read_head(raw_config: dict[str, Any], tensor_names: set[str]) -> ClassifierH
     Raises ``ValueError`` for a classifier without the pooler llama.cpp's rank pooling needs.
     """
     archs = [str(a) for a in raw_config.get("architectures") or []]
-    has_classifier = "classifier.weight" in tensor_names
+    names = XLMR_HEAD_TENSORS if "classifier.out_proj.weight" in tensor_names else HEAD_TENSORS
+    has_classifier = "classifier.weight" in tensor_names or "classifier.out_proj.weight" in tensor_names
     if not has_classifier:
         if any(a.endswith("ForSequenceClassification") for a in archs):
             raise ValueError(
@@ -80,7 +89,7 @@ def read_head(raw_config: dict[str, Any], tensor_names: set[str]) -> ClassifierH
                 "the classification head is missing"
             )
         return None
-    missing = [n for n in HEAD_TENSORS if n not in tensor_names]
+    missing = [n for n in names if n not in tensor_names]
     if missing:
         raise ValueError(
             f"the classification head lacks {missing}: llama.cpp's rank pooling applies the pooler "

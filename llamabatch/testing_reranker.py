@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LONG_PAIRS", "PAIRS", "cross_encoder_dir", "make_cross_encoder", "reranker_path"]
+__all__ = [
+    "LONG_PAIRS",
+    "PAIRS",
+    "cross_encoder_dir",
+    "make_cross_encoder",
+    "make_xlmr_cross_encoder",
+    "reranker_path",
+]
 
 #: Bumped whenever :func:`make_cross_encoder`'s output changes (names the cached source).
 _VERSION = 3
@@ -209,3 +216,115 @@ def cross_encoder_dir(*, head: bool = True) -> Path:
 
             shutil.rmtree(tmp, ignore_errors=True)
     return source
+
+
+def make_xlmr_cross_encoder(
+    directory: str | os.PathLike[str],
+    *,
+    seed: int = 27,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 128,
+    max_length: int = 64,
+) -> Path:
+    """Write a random-weight ``XLMRobertaForSequenceClassification`` (the bge-reranker shape)
+    with a SentencePiece-style Unigram tokenizer (``tokenizer.json``) into ``directory``.
+
+    Positions start at ``pad_token_id + 1`` as in RoBERTa, so the position table has
+    ``max_length + 2`` rows; one token type; the head is ``classifier.dense`` + tanh +
+    ``classifier.out_proj`` on ``<s>``."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    pieces: list[tuple[str, float]] = [(t, 0.0) for t in specials]
+    pieces += [("\u2581" + w, -5.0 - (i % 7) * 0.25) for i, w in enumerate(_WORDS)]
+    pieces += [(p.removeprefix("##"), -7.0) for p in _PIECES]
+    pieces += [("\u2581", -9.0)] + [
+        (c, -11.0) for c in "abcdefghijklmnopqrstuvwxyz" if "##" + c not in _PIECES
+    ]
+    pieces.append(("<mask>", 0.0))
+    vocab = [p for p, _ in pieces]
+    rng = np.random.default_rng(seed)
+    d, ff = hidden_size, intermediate_size
+
+    def normal(*shape: int, std: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    weights: dict[str, np.ndarray] = {
+        "roberta.embeddings.word_embeddings.weight": normal(len(vocab), d, std=0.5),
+        "roberta.embeddings.position_embeddings.weight": normal(max_length + 2, d, std=0.3),
+        "roberta.embeddings.token_type_embeddings.weight": normal(1, d, std=0.3),
+        "roberta.embeddings.LayerNorm.weight": 1 + normal(d, std=0.1),
+        "roberta.embeddings.LayerNorm.bias": normal(d, std=0.1),
+    }
+    for i in range(num_layers):
+        layer = f"roberta.encoder.layer.{i}."
+        for name, rows, cols in (
+            ("attention.self.query", d, d),
+            ("attention.self.key", d, d),
+            ("attention.self.value", d, d),
+            ("attention.output.dense", d, d),
+            ("intermediate.dense", ff, d),
+            ("output.dense", d, ff),
+        ):
+            weights[f"{layer}{name}.weight"] = normal(rows, cols, std=cols**-0.5)
+            weights[f"{layer}{name}.bias"] = normal(rows, std=0.05)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            weights[f"{layer}{norm}.weight"] = 1 + normal(d, std=0.1)
+            weights[f"{layer}{norm}.bias"] = normal(d, std=0.1)
+    weights["classifier.dense.weight"] = normal(d, d, std=d**-0.5)
+    weights["classifier.dense.bias"] = normal(d, std=0.05)
+    weights["classifier.out_proj.weight"] = normal(1, d, std=0.1)
+    weights["classifier.out_proj.bias"] = normal(1, std=0.1)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["XLMRobertaForSequenceClassification"],
+        "model_type": "xlm-roberta",
+        "vocab_size": len(vocab),
+        "hidden_size": d,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "intermediate_size": ff,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": max_length + 2,
+        "type_vocab_size": 1,
+        "layer_norm_eps": 1e-5,
+        "pad_token_id": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "position_embedding_type": "absolute",
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok = Tokenizer(Unigram(pieces, unk_id=3, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)],
+    )
+    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tok.save(str(out / "tokenizer.json"))
+    names = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "sep_token": "</s>",
+        "cls_token": "<s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(names, indent=2) + "\n")
+    tok_config = {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": max_length, **names}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out

@@ -25,7 +25,13 @@ from llamabatch import EngineClosed, PromptTooLong, Reranker  # noqa: E402
 from llamabatch.cli import main  # noqa: E402
 from llamabatch.convert import convert_bert  # noqa: E402
 from llamabatch.convert_head import ACTIVATION_KEY  # noqa: E402
-from llamabatch.testing_reranker import LONG_PAIRS, PAIRS, make_cross_encoder, reranker_path  # noqa: E402
+from llamabatch.testing_reranker import (  # noqa: E402
+    LONG_PAIRS,
+    PAIRS,
+    make_cross_encoder,
+    make_xlmr_cross_encoder,
+    reranker_path,
+)
 
 REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
 ALL_PAIRS = [tuple(p) for p in REFERENCE["pairs"]]
@@ -218,3 +224,20 @@ def test_the_document_segment_needs_its_token_type(gguf_path: Path) -> None:
         r._engine.table._delta[:] = 0  # as if llama.cpp's graph alone added the type rows
         naive = r.predict(PAIRS[:8])
     assert np.abs(naive - LOGITS[:8]).max() > 20 * TOLERANCE
+
+
+def test_xlm_roberta_cross_encoder(tmp_path: Path) -> None:
+    """The bge-reranker shape: XLM-R positions (offset by pad_token_id + 1), a Unigram tokenizer
+    as llama.cpp's t5 (UGM) one, ``<s> q </s></s> d </s>``, the RobertaClassificationHead."""
+    out = convert_bert(make_xlmr_cross_encoder(tmp_path / "xlmr"), tmp_path / "xlmr.gguf", dtype="f32")
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["tokenizer.ggml.model"].contents() == "t5"
+    assert reader.fields["bert.context_length"].contents() == 64  # 66 rows less RoBERTa's 2
+    assert reader.fields["bert.pooling_type"].contents() == int(gguf.PoolingType.RANK)
+    with Reranker(out, activation_fn="identity") as r:
+        assert r.max_length == 64
+        for pair, ids in zip(ALL_PAIRS, REFERENCE["xlmr_input_ids"], strict=True):
+            assert r.tokenize(*pair) == (ids, [0] * len(ids)), pair
+        np.testing.assert_allclose(
+            r.predict(ALL_PAIRS), np.array(REFERENCE["xlmr_logits"])[:, 0], atol=TOLERANCE
+        )

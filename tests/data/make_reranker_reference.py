@@ -9,7 +9,8 @@ It writes the random-weight ``BertForSequenceClassification`` of
 make the same bytes), loads it with ``AutoModelForSequenceClassification`` and ``AutoTokenizer``
 on the CPU in float32, and stores, for every pair of ``PAIRS`` and ``LONG_PAIRS`` (truncated
 to the model's 64 positions as ``CrossEncoder`` does: ``truncation=True``), the input ids, the
-token types and the logits; and the logits of a two-label variant (seed 26).
+token types and the logits; the logits of a two-label variant (seed 26); and the input ids and
+logits of the XLM-RoBERTa cross-encoder of ``make_xlmr_cross_encoder`` (seed 27).
 ``tests/test_reranker.py`` compares llamabatch's scores against them (tolerance 1e-3).
 """
 
@@ -35,20 +36,27 @@ def _run(model_dir: Path, pairs: list[tuple[str, str]]) -> dict[str, list]:
         with torch.no_grad():
             out = model(**enc).logits[0]
         ids.append(enc["input_ids"][0].tolist())
-        types.append(enc["token_type_ids"][0].tolist())
+        types.append(enc["token_type_ids"][0].tolist() if "token_type_ids" in enc else None)
         logits.append([float(x) for x in out])
     return {"input_ids": ids, "token_type_ids": types, "logits": logits}
 
 
 def main() -> None:
     """Make the models, run transformers, write the reference."""
-    from llamabatch.testing_reranker import LONG_PAIRS, PAIRS, make_cross_encoder
+    from llamabatch.testing_reranker import LONG_PAIRS, PAIRS, make_cross_encoder, make_xlmr_cross_encoder
 
     pairs = [*PAIRS, *LONG_PAIRS]
     with tempfile.TemporaryDirectory() as tmp:
         one = _run(make_cross_encoder(Path(tmp) / "one"), pairs)
         two = _run(make_cross_encoder(Path(tmp) / "two", seed=26, num_labels=2), pairs)
-    reference = {"pairs": pairs, **one, "logits_two_labels": two["logits"]}
+        xlmr = _run(make_xlmr_cross_encoder(Path(tmp) / "xlmr"), pairs)
+    reference = {
+        "pairs": pairs,
+        **one,
+        "logits_two_labels": two["logits"],
+        "xlmr_input_ids": xlmr["input_ids"],
+        "xlmr_logits": xlmr["logits"],
+    }
     REFERENCE.write_text(json.dumps(reference, indent=1) + "\n")
     print(f"wrote {REFERENCE} ({len(pairs)} pairs)")
 
