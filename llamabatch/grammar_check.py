@@ -491,7 +491,8 @@ def _analyse(parser: _Parser) -> GrammarStats:
     """Undefined rules, productivity, left recursion and the costs of llama.cpp's checks."""
     what, limits, rules = parser.what, parser.limits, parser.rules
     names = {rule_id: name for name, rule_id in parser.symbol_ids.items()}
-    n_symbols = len(parser.symbol_ids)
+    # Generated names hold '_', which rule names cannot, so ids are 0..n-1; checked anyway.
+    n_symbols = 1 + max([*rules, *parser.referenced, len(parser.symbol_ids) - 1])
 
     def describe(rule_id: int) -> str:
         name = names.get(rule_id, str(rule_id))
@@ -502,6 +503,9 @@ def _analyse(parser: _Parser) -> GrammarStats:
     for name, rule_id in parser.symbol_ids.items():
         if rule_id not in rules:
             raise parser.fail(f"undefined rule {name!r}", parser.referenced.get(rule_id))
+    for rule_id in range(n_symbols):
+        if rule_id not in rules:
+            raise ValueError(f"{what}: undefined rule (id {rule_id})")
     root = parser.symbol_ids.get("root")
     if root is None:
         raise ValueError(f"{what}: the grammar has no 'root' rule")

@@ -10,6 +10,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llamabatch import SamplingParams
 from llamabatch.grammar_check import (
@@ -262,3 +264,18 @@ def test_allocation_sizes_are_capped(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
     assert message in str(info.value), info.value
+
+
+_GBNF_ALPHABET = st.sampled_from(
+    list('root ::= "ab" [^a-z] \\ x u U 0 1 9 F ( ) | * + ? { } , . < > ! # \n \r \t - ] [ é _ :')
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(_GBNF_ALPHABET, max_size=60).map(lambda body: "root ::= " + body))
+def test_any_text_gives_a_verdict(text: str) -> None:
+    """The validator itself never fails with anything but ValueError, whatever the text."""
+    try:
+        check_grammar(text)
+    except ValueError:
+        pass
