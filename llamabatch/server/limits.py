@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ MAX_JSON_VALUES = 2**18
 _INLINE_PARSE_BYTES = 64 * 1024
 #: names that always mean this machine (``*.localhost`` resolves to loopback in browsers)
 LOCAL_NAMES = ("localhost",)
+
+logger = logging.getLogger("llamabatch.server")
 
 #: the rest of a refused body is not read: the connection ends after the answer
 _CLOSE = {"Connection": "close"}
@@ -324,6 +327,10 @@ def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
 
         def _write_timeout(self) -> None:
             self._write_timer = None
+            peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            logger.warning(
+                "%s stopped reading its answer for %g s (--timeout): connection dropped", peer, timeout
+            )
             self.transport.abort()  # close() would wait for a buffer that never drains
 
         def connection_made(self, transport: Any) -> None:
