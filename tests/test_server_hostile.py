@@ -108,7 +108,9 @@ def running_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
     if not BASELINE:
         command += ["--timeout", str(TIMEOUT_S), "--max-body-mb", str(MAX_BODY_MB)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
     srv = Server(proc, f"http://127.0.0.1:{port}", port, log)
     try:
         deadline = time.monotonic() + 60
