@@ -241,3 +241,12 @@ def test_xlm_roberta_cross_encoder(tmp_path: Path) -> None:
         np.testing.assert_allclose(
             r.predict(ALL_PAIRS), np.array(REFERENCE["xlmr_logits"])[:, 0], atol=TOLERANCE
         )
+
+
+def test_torch_outputs(reranker: Reranker) -> None:
+    torch = pytest.importorskip("torch", reason="convert_to_tensor needs torch")
+    tensor = reranker.predict(PAIRS[:3], convert_to_tensor=True)
+    assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (3,)
+    rows = reranker.predict(PAIRS[:3], convert_to_numpy=False)
+    assert isinstance(rows, list) and len(rows) == 3
+    np.testing.assert_allclose(tensor.numpy(), reranker.predict(PAIRS[:3]), atol=1e-6)
