@@ -141,8 +141,11 @@ class Body:
     def warn_unknown(self) -> None:
         """Log the fields this server does not know (they are ignored, as vLLM does)."""
         unknown = sorted(set(self.data) - self.read)
-        if unknown:
-            logger.warning("%s: ignoring unknown request fields %s", self.endpoint, unknown)
+        if unknown:  # at most 10 names, each cut to 40 characters: a hostile body is not a log
+            names = [name[:40] for name in unknown[:10]]
+            if len(unknown) > 10:
+                names.append(f"... {len(unknown)} in all")
+            logger.warning("%s: ignoring unknown request fields %s", self.endpoint, names)
 
 
 def _json_type(value: Any) -> str:
