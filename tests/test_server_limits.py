@@ -107,7 +107,7 @@ def test_the_flags_reach_uvicorn_and_the_app():
     defaults = _http_options(_args())
     assert defaults["proxy_headers"] is False  # uvicorn's own default trusts 127.0.0.1
     assert defaults["limit_concurrency"] == 1024 and defaults["timeout_keep_alive"] == 5
-    assert defaults["http"].__name__.startswith("Deadline")
+    assert defaults["http"].__name__.startswith("Deadline") and defaults["ws"] == "none"
     limits = _limits(_args())
     assert limits.max_body_bytes == 16 * 2**20 and limits.timeout == 60
     args = _args(

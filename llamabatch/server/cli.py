@@ -275,6 +275,7 @@ def _http_options(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "http": deadline_protocol("auto", args.timeout),
+        "ws": "none",  # no endpoint speaks WebSocket: upgrade requests are refused
         "timeout_keep_alive": args.timeout_keep_alive,
         "limit_concurrency": args.max_connections,
         "proxy_headers": bool(args.forwarded_allow_ips),
