@@ -290,6 +290,20 @@ def test_idle_and_slowloris_connections_are_closed(server):
     server.check_alive()
 
 
+def test_a_huge_request_head_is_refused(server):
+    """uvicorn's httptools parser takes headers without limit (190 MB grew the server to
+    300 MB): past 64 KiB the connection gets 431 and is closed."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        sent = 0
+        with pytest.raises(OSError):  # reset or broken pipe once the server closes
+            for i in range(20_000):  # 20 MB at most
+                sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000))
+                sent += 1000
+        assert sent < 8 * 2**20, sent
+    server.check_alive()
+
+
 def test_a_body_shorter_than_its_content_length_times_out(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(

@@ -28,6 +28,7 @@ from llamabatch.server.protocol import APIError, bad_request
 __all__ = [
     "DEFAULT_MAX_BODY_MB",
     "DEFAULT_TIMEOUT_S",
+    "MAX_HEAD_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_JSON_VALUES",
     "EdgeGuard",
@@ -54,6 +55,13 @@ _INLINE_PARSE_BYTES = 64 * 1024
 LOCAL_NAMES = ("localhost",)
 
 logger = logging.getLogger("llamabatch.server")
+
+#: the largest request head (request line and headers); uvicorn's httptools parser has no limit
+#: (a client could send gigabytes of headers), h11's is 16 KiB
+MAX_HEAD_BYTES = 64 * 1024
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
 
 #: the rest of a refused body is not read: the connection ends after the answer
 _CLOSE = {"Connection": "close"}
@@ -313,6 +321,19 @@ def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
     class DeadlineProtocol(base):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
         _write_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0  # bytes received towards the request head being read
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            reading_head = cycle is None or cycle.response_complete
+            if reading_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            cycle = self.cycle
+            if reading_head and (cycle is None or cycle.response_complete):  # still in the head
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self.transport.write(_HEAD_TOO_LARGE)
+                    self.transport.close()
 
         def pause_writing(self) -> None:  # the transport's buffer is full: the client must read
             super().pause_writing()
@@ -346,6 +367,7 @@ def deadline_protocol(http: str, timeout: float) -> type[asyncio.Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._head_bytes = 0
             if not self.transport.is_closing():
                 self._start_head_timer()
 
