@@ -81,6 +81,10 @@ _ST_ALLOWED_MODULES = {
     "sentence_transformers.models.Transformer",
     "sentence_transformers.models.Pooling",
     "sentence_transformers.models.Normalize",  # llama.cpp's consumers normalise themselves
+    # sentence-transformers >= 6 names them by where they live (its CrossEncoder saves a modules.json too)
+    "sentence_transformers.base.modules.transformer.Transformer",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+    "sentence_transformers.base.modules.normalize.Normalize",
 }
 _GELU_ACTIVATIONS = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 
@@ -362,7 +366,7 @@ def _pooling_config_path(model_dir: Path) -> Path | None:
                 "only Transformer, Pooling and Normalize can be expressed in a llama.cpp bert GGUF"
             )
     for module in modules:
-        if module.get("type") == "sentence_transformers.models.Pooling":
+        if str(module.get("type", "")).endswith("Pooling"):
             path = model_dir / str(module.get("path", "")) / "config.json"
             if not path.is_file():
                 raise FileNotFoundError(f"pooling config named by modules.json not found: {str(path)!r}")
@@ -427,6 +431,7 @@ def _input_files(model_dir: Path) -> list[Path]:
         "tokenizer_config.json",
         "special_tokens_map.json",
         "model.safetensors.index.json",
+        "config_sentence_transformers.json",
     ]
     files = [model_dir / n for n in names if (model_dir / n).is_file()]
     pooling = _pooling_config_path(model_dir)
@@ -531,7 +536,9 @@ def _read_tensors(model_dir: Path, cfg: BertConfig) -> tuple[ClassifierHead | No
                 raise ValueError(f"tensor {hf_name!r} appears twice")
             arrays[name] = array
     raw = _load_json(model_dir / "config.json")
-    head = read_head(raw, set(arrays))
+    st_path = model_dir / "config_sentence_transformers.json"
+    st_config = _load_json(st_path) if st_path.is_file() else None
+    head = read_head(raw, set(arrays), st_config if isinstance(st_config, dict) else None)
     expected = _expected_shapes(cfg, head)
     found: dict[str, np.ndarray] = {}
     for hf_name, array in arrays.items():

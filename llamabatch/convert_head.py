@@ -73,10 +73,13 @@ class ClassifierHead:
     activation: str | None
 
 
-def read_head(raw_config: dict[str, Any], tensor_names: set[str]) -> ClassifierHead | None:
+def read_head(
+    raw_config: dict[str, Any], tensor_names: set[str], st_config: dict[str, Any] | None = None
+) -> ClassifierHead | None:
     """The head of a ``*ForSequenceClassification`` checkpoint, or None for a plain encoder.
 
-    ``tensor_names`` are the checkpoint's tensor names with any ``bert.`` prefix removed.
+    ``tensor_names`` are the checkpoint's tensor names with any ``bert.`` prefix removed;
+    ``st_config`` is sentence-transformers' ``config_sentence_transformers.json``, if any.
     Raises ``ValueError`` for a classifier without the pooler llama.cpp's rank pooling needs.
     """
     archs = [str(a) for a in raw_config.get("architectures") or []]
@@ -96,7 +99,7 @@ def read_head(raw_config: dict[str, Any], tensor_names: set[str]) -> ClassifierH
             "(dense + tanh) then the classifier, so both are needed"
         )
     labels = _labels(raw_config)
-    return ClassifierHead(labels=labels, activation=_activation(raw_config, len(labels)))
+    return ClassifierHead(labels=labels, activation=_activation(raw_config, st_config))
 
 
 def _labels(raw: dict[str, Any]) -> list[str]:
@@ -115,12 +118,14 @@ def _labels(raw: dict[str, Any]) -> list[str]:
     return ["LABEL_0"]
 
 
-def _activation(raw: dict[str, Any], n_labels: int) -> str | None:
-    """The activation sentence-transformers recorded (v4+: ``sentence_transformers.activation_fn``;
-    earlier: ``sbert_ce_default_activation_function``), or None when none is recorded."""
+def _activation(raw: dict[str, Any], st_config: dict[str, Any] | None) -> str | None:
+    """The activation sentence-transformers recorded (v6+: ``activation_fn`` in
+    ``config_sentence_transformers.json``; v4-5: ``sentence_transformers.activation_fn`` in
+    ``config.json``; earlier: ``sbert_ce_default_activation_function``), or None."""
     st = raw.get("sentence_transformers")
     path = st.get("activation_fn") if isinstance(st, dict) else None
     path = path or raw.get("sbert_ce_default_activation_function")
+    path = path or (st_config or {}).get("activation_fn")  # config_sentence_transformers.json (>= 6)
     if not isinstance(path, str) or not path:
         return None
     name = _ACTIVATIONS.get(path.rsplit(".", 1)[-1])

@@ -131,9 +131,9 @@ class _PairEncoder(Embedder):
             )
         q = self.model.tokenize(query, add_special=False) if query else []
         d = self.model.tokenize(document, add_special=False) if document else []
-        # an empty document is no second segment (transformers' tokenizers drop a pair of "")
-        closing = self._mid + self._suffix_ids if document else self._suffix_ids
-        n_special = len(self._prefix) + len(closing)
+        # an empty document is still a second segment, as CrossEncoder's batched tokenizer call
+        # makes it ([CLS] q [SEP] [SEP]); a lone tokenizer(q, "") would drop it
+        n_special = len(self._prefix) + len(self._mid) + len(self._suffix_ids)
         total = n_special + len(q) + len(d)
         if total > self.max_length:
             if not self.truncate_pairs:
@@ -147,8 +147,8 @@ class _PairEncoder(Embedder):
                 raise error
             nq, nd = truncate_pair(len(q), len(d), max(self.max_length - n_special, 0))
             q, d = q[:nq], d[:nd]
-        first = self._prefix + q + (self._mid if document else self._suffix_ids)
-        second = d + self._suffix_ids if document else []
+        first = self._prefix + q + self._mid
+        second = d + self._suffix_ids
         out = np.zeros((len(first) + len(second), 2), dtype=np.int32)
         out[:, 0] = first + second
         if self.table.n_types > 1:

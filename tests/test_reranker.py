@@ -250,3 +250,29 @@ def test_torch_outputs(reranker: Reranker) -> None:
     rows = reranker.predict(PAIRS[:3], convert_to_numpy=False)
     assert isinstance(rows, list) and len(rows) == 3
     np.testing.assert_allclose(tensor.numpy(), reranker.predict(PAIRS[:3]), atol=1e-6)
+
+
+def test_sentence_transformers_6_cross_encoder_layout(tmp_path: Path) -> None:
+    """``CrossEncoder.save_pretrained`` (sentence-transformers 6): a modules.json naming
+    ``sentence_transformers.base.modules.transformer.Transformer``, the activation in
+    ``config_sentence_transformers.json``, tokenizer.json without vocab.txt."""
+    from llamabatch.convert import cached_conversion
+    from llamabatch.testing_reranker import cross_encoder_dir
+
+    src = tmp_path / "saved"
+    src.mkdir()
+    for f in cross_encoder_dir().iterdir():
+        if f.name != "vocab.txt":
+            (src / f.name).write_bytes(f.read_bytes())
+    module = {
+        "idx": 0,
+        "name": "0",
+        "path": "",
+        "type": "sentence_transformers.base.modules.transformer.Transformer",
+    }
+    (src / "modules.json").write_text(json.dumps([module]))
+    st_config = {"activation_fn": "torch.nn.modules.linear.Identity", "model_type": "CrossEncoder"}
+    (src / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    with Reranker(cached_conversion(src, dtype="f32", cache_dir=tmp_path / "cache")) as r:
+        assert r.activation_fn == "identity"
+        np.testing.assert_allclose(r.predict(ALL_PAIRS), LOGITS, atol=TOLERANCE)

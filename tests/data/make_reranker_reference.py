@@ -7,8 +7,9 @@ Run by hand (it needs torch and transformers, which the test suite does not)::
 It writes the random-weight ``BertForSequenceClassification`` of
 ``llamabatch.testing_reranker.make_cross_encoder`` (numpy + safetensors, seeded: the tests
 make the same bytes), loads it with ``AutoModelForSequenceClassification`` and ``AutoTokenizer``
-on the CPU in float32, and stores, for every pair of ``PAIRS`` and ``LONG_PAIRS`` (truncated
-to the model's 64 positions as ``CrossEncoder`` does: ``truncation=True``), the input ids, the
+on the CPU in float32, and stores, for every pair of ``PAIRS`` and ``LONG_PAIRS`` (tokenized as
+``CrossEncoder`` tokenizes: lists of pairs, ``truncation=True`` to the model's 64 positions), the
+input ids, the
 token types and the logits; the logits of a two-label variant (seed 26); and the input ids and
 logits of the XLM-RoBERTa cross-encoder of ``make_xlmr_cross_encoder`` (seed 27).
 ``tests/test_reranker.py`` compares llamabatch's scores against them (tolerance 1e-3).
@@ -32,7 +33,8 @@ def _run(model_dir: Path, pairs: list[tuple[str, str]]) -> dict[str, list]:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, types, logits = [], [], []
     for query, document in pairs:
-        enc = tokenizer(query, document, truncation=True, max_length=64, return_tensors="pt")
+        # a batch of pairs, as CrossEncoder.predict tokenizes (an empty document stays a segment)
+        enc = tokenizer([query], [document], truncation=True, max_length=64, return_tensors="pt")
         with torch.no_grad():
             out = model(**enc).logits[0]
         ids.append(enc["input_ids"][0].tolist())
