@@ -69,7 +69,10 @@ class GrammarLimits:
     max_ref_calls: int = 200_000
     #: parse stacks that entering one rule can fan out to (each is checked against the vocabulary
     #: at every token: their number times the vocabulary size is the cost of a step)
-    max_stacks: int = 4096
+    max_stacks: int = 1024
+    #: parse stacks a grammar may hold while generating (checked after every token: an ambiguous
+    #: grammar such as ``(a{0,100}){0,100}`` multiplies them; the request then ends with "error")
+    max_live_stacks: int = 1024
     #: JSON schemas: nesting depth of objects and arrays
     max_schema_depth: int = 64
     #: JSON schemas: objects, arrays and values in total

@@ -87,6 +87,13 @@ def issue_cases() -> list[dict[str, Any]]:
             "finish_error",
         ),
         ("dead_end_token_id", {"grammar": "root ::= <[999999]>", "max_tokens": 4}, "finish_error"),
+        # an ambiguous grammar: its parse stacks multiply with every "a" (40 s for 60 tokens on the
+        # tiny model before, the engine thread frozen); now it ends past GrammarLimits.max_live_stacks
+        (
+            "ambiguous_grammar",
+            {"grammar": 'root ::= r{0,100}\nr ::= "a"{0,100}', "min_tokens": 60, "max_tokens": 60},
+            "finish_error",
+        ),
         # a lazy grammar whose trigger the grammar does not accept: llama.cpp throws when it
         # replays the triggering text into the grammar (caught in C++, the request ends)
         (

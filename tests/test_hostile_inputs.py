@@ -55,6 +55,7 @@ def test_issue_reproductions(tmp_path: Path) -> None:
     assert "minimum" in message["d11_bad_minimum"]
     for name in ("dead_end_min_tokens", "dead_end_token_id"):
         assert "admits no token" in outcomes[name]["outputs"][0]["error"]
+    assert "GrammarLimits.max_live_stacks" in outcomes["ambiguous_grammar"]["outputs"][0]["error"]
 
 
 def test_checks_hold_under_python_O(tmp_path: Path) -> None:

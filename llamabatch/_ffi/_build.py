@@ -29,7 +29,37 @@ C_SOURCE = """
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <vector>
+
+/* llama.cpp internals (pinned version), to count a grammar's parse stacks: the grammar
+ * sampler's context (llama-sampler.cpp), and the accessor llama-grammar.cpp exports. */
+struct llama_grammar;
+struct llamabatch_grammar_element {
+    int type;
+    uint32_t value;
+};
+typedef struct llamabatch_grammar_element llama_grammar_element;
+std::vector<std::vector<const llama_grammar_element *>> & llama_grammar_get_stacks(
+        struct llama_grammar * grammar);
+struct llamabatch_sampler_grammar {
+    const struct llama_vocab * vocab;
+    std::string grammar_str;
+    std::string grammar_root;
+    struct llama_grammar * grammar;
+};
+
+static size_t llamabatch_grammar_stacks(struct llama_sampler * chain) {
+    const int32_t n = llama_sampler_chain_n(chain);
+    for (int32_t i = 0; i < n; i++) {
+        struct llama_sampler * s = llama_sampler_chain_get(chain, i);
+        if (s != NULL && std::strcmp(llama_sampler_name(s), "grammar") == 0) {
+            struct llama_grammar * grammar = ((struct llamabatch_sampler_grammar *) s->ctx)->grammar;
+            return grammar != NULL ? llama_grammar_get_stacks(grammar).size() : 0;
+        }
+    }
+    return 0;
+}
 
 static bool llamabatch_abort_flag_cb(void * data) {
     return data != NULL && *(volatile int *) data != 0;
@@ -45,9 +75,12 @@ static void llamabatch_set_error(char * err, size_t err_size, const char * what)
 /* llama_sampler_sample (CPU samplers), guarded: the chain is applied to the logits at idx,
  * and the chosen token is accepted only if its logit is finite. Returns the token; -1 when
  * the chain left no allowed token (a grammar at a dead end: accepting the token anyway throws,
- * or aborts for an end-of-generation token); -2 when llama.cpp threw (err says what). */
+ * or aborts for an end-of-generation token); -2 when llama.cpp threw (err says what); -3 when
+ * the grammar holds more than max_stacks parse stacks after the token (an ambiguous grammar:
+ * every stack is matched against the vocabulary at every step, and deduplicated pairwise). */
 static int32_t llamabatch_sampler_sample_guarded(
-        struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, char * err, size_t err_size) {
+        struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, size_t max_stacks,
+        char * err, size_t err_size) {
     try {
         const float * logits = llama_get_logits_ith(ctx, idx);
         if (logits == NULL) {
@@ -68,6 +101,12 @@ static int32_t llamabatch_sampler_sample_guarded(
         }
         const llama_token token = cur_p.data[cur_p.selected].id;
         llama_sampler_accept(smpl, token);
+        const size_t n_stacks = llamabatch_grammar_stacks(smpl);
+        if (n_stacks > max_stacks) {
+            std::string what = std::to_string(n_stacks) + " parse stacks";
+            llamabatch_set_error(err, err_size, what.c_str());
+            return -3;
+        }
         return token;
     } catch (const std::exception & e) {
         llamabatch_set_error(err, err_size, e.what());

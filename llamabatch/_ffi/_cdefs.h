@@ -196,6 +196,7 @@ int32_t llama_chat_builtin_templates(const char ** output, size_t len);
  * from llama.cpp's compute threads. */
 bool llamabatch_abort_flag_cb(void * data);
 /* llama_sampler_sample guarded (defined in _build.py, compiled as C++): -1 when no token is
- * allowed, -2 when llama.cpp threw a C++ exception (its message in err). */
+ * allowed, -2 when llama.cpp threw a C++ exception (its message in err), -3 when the grammar
+ * holds more than max_stacks parse stacks. */
 int32_t llamabatch_sampler_sample_guarded(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
-                                          char * err, size_t err_size);
+                                          size_t max_stacks, char * err, size_t err_size);

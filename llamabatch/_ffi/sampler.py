@@ -6,6 +6,7 @@ import random
 
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import Model
+from llamabatch.grammar_check import get_grammar_limits
 from llamabatch.params import SamplingParams
 
 _sample = lib.llama_sampler_sample
@@ -74,6 +75,7 @@ class SamplerChain:
         (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096."""
         self._ptr = ffi.NULL
         self._error = None  # a message buffer: grammar requests sample guarded (see ``sample``)
+        self._max_stacks = 0
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -106,6 +108,7 @@ class SamplerChain:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)
             self._error = ffi.new("char[]", _ERROR_SIZE)
+            self._max_stacks = get_grammar_limits().max_live_stacks
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
         else:
@@ -142,7 +145,7 @@ class SamplerChain:
         error = self._error
         if error is None:
             return _sample(self._ptr, context._ptr, idx)
-        token = _sample_guarded(self._ptr, context._ptr, idx, error, _ERROR_SIZE)
+        token = _sample_guarded(self._ptr, context._ptr, idx, self._max_stacks, error, _ERROR_SIZE)
         if token >= 0:
             return token
         if token == -1:
@@ -150,7 +153,13 @@ class SamplerChain:
                 "the grammar admits no token here (with this vocabulary, min_tokens, stop tokens and "
                 "logit_bias): generation cannot go on"
             )
-        raise SamplingError(f"llama.cpp failed while sampling: {ffi.string(error).decode(errors='replace')}")
+        message = ffi.string(error).decode(errors="replace")
+        if token == -3:
+            raise SamplingError(
+                f"the grammar is too ambiguous: {message} after this token, above the limit of "
+                f"{self._max_stacks} (GrammarLimits.max_live_stacks)"
+            )
+        raise SamplingError(f"llama.cpp failed while sampling: {message}")
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
