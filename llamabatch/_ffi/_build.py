@@ -77,7 +77,8 @@ static void llamabatch_set_error(char * err, size_t err_size, const char * what)
  * the chain left no allowed token (a grammar at a dead end: accepting the token anyway throws,
  * or aborts for an end-of-generation token); -2 when llama.cpp threw (err says what); -3 when
  * the grammar holds more than max_stacks parse stacks after the token (an ambiguous grammar:
- * every stack is matched against the vocabulary at every step, and deduplicated pairwise). */
+ * every stack is matched against the vocabulary at every step, and deduplicated pairwise).
+ * max_stacks 0: not counted (the layout read is that of the pinned llama.cpp only). */
 static int32_t llamabatch_sampler_sample_guarded(
         struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, size_t max_stacks,
         char * err, size_t err_size) {
@@ -101,7 +102,7 @@ static int32_t llamabatch_sampler_sample_guarded(
         }
         const llama_token token = cur_p.data[cur_p.selected].id;
         llama_sampler_accept(smpl, token);
-        const size_t n_stacks = llamabatch_grammar_stacks(smpl);
+        const size_t n_stacks = max_stacks > 0 ? llamabatch_grammar_stacks(smpl) : 0;
         if (n_stacks > max_stacks) {
             std::string what = std::to_string(n_stacks) + " parse stacks";
             llamabatch_set_error(err, err_size, what.c_str());

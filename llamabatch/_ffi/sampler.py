@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from llamabatch._ffi import ffi, lib
+from llamabatch._ffi import BUILD, ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.grammar_check import get_grammar_limits
 from llamabatch.params import SamplingParams
@@ -108,7 +108,8 @@ class SamplerChain:
                 raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
             self._add(grammar)
             self._error = ffi.new("char[]", _ERROR_SIZE)
-            self._max_stacks = get_grammar_limits().max_live_stacks
+            # Counting reads llama.cpp internals laid out as in the pinned version only.
+            self._max_stacks = get_grammar_limits().max_live_stacks if BUILD.origin == "pinned" else 0
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
         else:
