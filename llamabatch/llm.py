@@ -287,11 +287,28 @@ class LLM(EngineHost, Worker):
         channel = Channel()
         aqueue: asyncio.Queue[Any] = asyncio.Queue()
         channel.listen_from(asyncio.get_running_loop(), aqueue)
-        requests = await asyncio.to_thread(
-            self._make_requests, prompt, params, channel=channel, streaming=streaming
+        built = asyncio.ensure_future(
+            asyncio.to_thread(self._make_requests, prompt, params, channel=channel, streaming=streaming)
         )
+        try:
+            requests = await asyncio.shield(built)
+        except asyncio.CancelledError:
+            # The build goes on in its thread: its requests are still submitted, then cancelled,
+            # so each one ends exactly once (as if the caller had cancelled just after submitting).
+            built.add_done_callback(self._submit_cancelled)
+            raise
         self._enqueue(requests)
         return requests, aqueue
+
+    def _submit_cancelled(self, built: asyncio.Future[list[Request]]) -> None:
+        if built.cancelled() or built.exception() is not None:
+            return
+        requests = built.result()
+        try:
+            self._enqueue(requests)
+        except (QueueFull, EngineClosed):
+            return  # never queued: nothing to end
+        self._cancel_unfinished(requests)
 
     def _cancel_unfinished(self, requests: list[Request]) -> None:
         for request in requests:

@@ -1104,6 +1104,10 @@ class _Soak:
         except asyncio.TimeoutError:
             ledger.violation(f"{mode} on LLM #{life.index} did not end within {timeout} s")
             result = None
+        except (EngineClosed, QueueFull):
+            # refused after the first step: the prompt is built in a worker thread, then queued
+            self._submitted(life, -1, -params.n)
+            raise
         if mode == "agenerate" and result is not None:
             for o in result.outputs:
                 ledger.learn((o.request_id, o.index), o.finish_reason)
