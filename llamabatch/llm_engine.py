@@ -21,6 +21,7 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.engine import EngineCore
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
+from llamabatch.grammar_check import get_grammar_limits
 from llamabatch.inputs import check_token_ids, normalize_prompt
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams, check_positive_int
@@ -303,13 +304,16 @@ class EngineHost:
             if i:  # followers wait for the leader's prompt and copy its KV
                 request.leader = requests[0]
             # Built on the caller's thread, so a bad grammar raises here.
+            live_stacks = get_grammar_limits().max_live_stacks
             if not request.fast_greedy:
                 seeded = (
                     params
                     if params.seed is None or i == 0
                     else replace(params, seed=(params.seed + i) % 2**32)
                 )
-                request.sampler = SamplerChain(self.model, seeded, n_ctx=self.n_ctx_seq)
+                request.sampler = SamplerChain(
+                    self.model, seeded, n_ctx=self.n_ctx_seq, max_live_stacks=live_stacks
+                )
             requests.append(request)
         return requests
 

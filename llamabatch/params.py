@@ -6,22 +6,19 @@ the C type they are passed as, floats must be finite (where infinity means nothi
 strings must be valid Unicode without NUL characters (llama.cpp reads C strings). Numpy
 scalars are accepted and stored as Python ``int``/``float``.
 
-``check_positive_int`` is the one integer validator of constructor parameters (``Context``,
-``LLM``, ``Embedder``).
+The generic validators (``check_positive_int``, ``check_bool``, ``check_text``) live in the leaf
+module ``validate.py`` (the binding uses them too) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
+from llamabatch.validate import INT32_MAX, as_float, as_int, check_bool, check_positive_int, check_text
 
-#: The largest value of a C ``int32_t`` (token ids, counts and sizes llama.cpp takes as int32).
-INT32_MAX = 2**31 - 1
 #: The largest finite C ``float``; larger Python floats become infinity in C.
 FLOAT32_MAX = 3.4028234663852886e38
 #: Largest |logit bias|: added to logits and scaled by penalties, it must stay finite in
@@ -52,38 +49,6 @@ _NOT_SEQUENCES = (bytes, bytearray, memoryview, Mapping)
 def _check(condition: bool, name: str, message: str, value: object) -> None:
     if not condition:
         raise ValueError(f"SamplingParams.{name} {message}, got {value!r}")
-
-
-def as_int(value: object) -> int | None:
-    """``value`` as a Python int if it is an integer (int or numpy integer, not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
-def as_float(value: object) -> float | None:
-    """``value`` as a Python float if it is a real number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
-
-
-def check_text(what: str, text: object, *, allow_nul: bool = False) -> str:
-    """Return ``text`` as a ``str`` that encodes to UTF-8; ``ValueError`` naming ``what`` for
-    a lone surrogate (text that cannot be valid UTF-8) or, unless allowed, a NUL character."""
-    if not isinstance(text, str):
-        raise ValueError(f"{what} must be a str, got {type(text).__name__} {text!r:.80}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{what} is not valid Unicode: {text[exc.start : exc.end]!r} at index {exc.start} "
-            "(a lone surrogate) cannot be encoded as UTF-8"
-        ) from None
-    if not allow_nul and "\x00" in text:
-        index = text.index("\x00")
-        raise ValueError(f"{what} contains a NUL character (index {index}), which C strings cannot hold")
-    return str(text)
 
 
 def _int_field(name: str, value: object, lo: int, hi: int, hint: str = "") -> int:
@@ -386,36 +351,12 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def check_positive_int(
-    name: str,
-    value: object,
-    *,
-    allow_none: bool = False,
-    minimum: int = 1,
-    maximum: int = INT32_MAX,
-) -> int | None:
-    """Return ``value`` as an int, or raise ``ValueError`` naming ``name`` unless it is an
-    integer (a Python or numpy int, not a bool) in ``[minimum, maximum]`` (or None, if allowed).
-
-    The default bounds (``1`` .. ``INT32_MAX``) fit every C parameter llama.cpp takes as an
-    ``int32_t`` or ``uint32_t``; a value that does not fit would otherwise surface as cffi's
-    ``OverflowError`` or as an abort inside llama.cpp.
-    """
-    if value is None and allow_none:
-        return None
-    number = as_int(value)
-    if number is None or not minimum <= number <= maximum:
-        if minimum == 1:
-            expected = f"a positive int (at most {maximum})"
-        else:
-            expected = f"an int in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-    return number
-
-
-def check_bool(name: str, value: object) -> bool:
-    """Return ``value`` as a bool, or raise ``ValueError`` naming ``name`` (ints and strings
-    are refused: ``bool("false")`` is True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
+__all__ = [
+    "INT32_MAX",
+    "SamplingParams",
+    "as_float",
+    "as_int",
+    "check_bool",
+    "check_positive_int",
+    "check_text",
+]

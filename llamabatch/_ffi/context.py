@@ -13,7 +13,7 @@ import numpy as np
 from llamabatch._ffi import ffi, lib
 from llamabatch._ffi.model import POOLING_NAMES, Model
 from llamabatch.errors import ContextError, DecodeError, KVCacheFull
-from llamabatch.params import check_bool, check_positive_int
+from llamabatch.validate import check_bool, check_positive_int
 
 POOLING_TYPES = {name: value for value, name in POOLING_NAMES.items()}
 

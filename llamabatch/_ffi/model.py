@@ -10,7 +10,7 @@ from typing import Any
 from llamabatch._ffi import ensure_backend, ffi, lib, log
 from llamabatch.errors import ModelLoadError
 from llamabatch.gguf_check import check_gguf
-from llamabatch.params import check_bool, check_positive_int
+from llamabatch.validate import check_bool, check_positive_int
 
 GGUF_MAGIC = b"GGUF"
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from llamabatch._ffi import BUILD, ffi, lib
 from llamabatch._ffi.model import Model
-from llamabatch.grammar_check import get_grammar_limits
-from llamabatch.params import SamplingParams
+
+if TYPE_CHECKING:  # the binding imports nothing above it; params are only read
+    from llamabatch.params import SamplingParams
 
 _sample = lib.llama_sampler_sample
 _sample_guarded = lib.llamabatch_sampler_sample_guarded
@@ -70,9 +72,13 @@ class SamplerChain:
     greedy, or top-k, typical, top-p, min-p, temperature and a seeded draw.
     """
 
-    def __init__(self, model: Model, params: SamplingParams, *, n_ctx: int | None = None) -> None:
+    def __init__(
+        self, model: Model, params: SamplingParams, *, n_ctx: int | None = None, max_live_stacks: int = 0
+    ) -> None:
         """``n_ctx``: the request's context size, which bounds the penalty window
-        (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096."""
+        (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096.
+        ``max_live_stacks``: a grammar request's cap on its parse stacks, checked after every
+        token (``GrammarLimits.max_live_stacks``; the engine passes the process-wide one); 0: none."""
         self._ptr = ffi.NULL
         self._error = None  # a message buffer: grammar requests sample guarded (see ``sample``)
         self._max_stacks = 0
@@ -109,7 +115,7 @@ class SamplerChain:
             self._add(grammar)
             self._error = ffi.new("char[]", _ERROR_SIZE)
             # Counting reads llama.cpp internals laid out as in the pinned version only.
-            self._max_stacks = get_grammar_limits().max_live_stacks if BUILD.origin == "pinned" else 0
+            self._max_stacks = max_live_stacks if BUILD.origin == "pinned" else 0
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
         else:
