@@ -222,7 +222,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     """``llamabatch convert``: write a GGUF from a BERT-family model directory."""
-    from llamabatch.convert import chosen_dtype, convert_bert
+    from llamabatch.gguf.convert import chosen_dtype, convert_bert
 
     start = time.perf_counter()
     out = convert_bert(args.model_dir, args.out, dtype=args.dtype, name=args.name)

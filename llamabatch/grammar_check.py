@@ -1,4 +1,4 @@
-"""Validation of GBNF grammars before llama.cpp sees them (the sibling of ``gguf_check.py``).
+"""Validation of GBNF grammars before llama.cpp sees them (the sibling of ``gguf/check.py``).
 
 llama.cpp's grammar code trusts its input. Its parser recurses once per nested group, and its
 left-recursion check once per rule of a chain of leftmost references (without memoizing, so a

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from llamabatch._ffi.embd_batch import EmbdBatch
-from llamabatch.convert_head import ACTIVATION_KEY
 from llamabatch.embedder import Embedder, _show_progress
 from llamabatch.errors import EngineClosed, PromptTooLong
-from llamabatch.gguf_check import tensor_names
+from llamabatch.gguf.convert_head import ACTIVATION_KEY
+from llamabatch.gguf.reader import tensor_names
 from llamabatch.params import check_positive_int
 from llamabatch.reranker_inputs import InputTable, truncate_pair
 from llamabatch.telemetry import EmbedderStats, Listener

@@ -10,7 +10,7 @@
   ``type_row[0]``: ``token + type_row[t]``, what transformers computes.
 
 :class:`InputTable` reads the two tables from the GGUF (memory-mapped; rows dequantized as
-llama.cpp's row lookup does), after ``gguf_check`` has validated the file.
+llama.cpp's row lookup does), after ``gguf.check`` has validated the file.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamabatch.gguf_check import _read_header
+from llamabatch.gguf.reader import read_header
 
 __all__ = ["InputTable", "truncate_pair"]
 
@@ -51,7 +51,7 @@ class InputTable:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
-        header = _read_header(path)
+        header = read_header(path)
         tensors = {t.name: t for t in header.tensors}
         info = tensors.get("token_embd.weight")
         if info is None or len(info.dims) != 2:

@@ -5,8 +5,8 @@ Used by ``tests/test_fuzz_gguf.py`` and ``tests/test_gguf_check.py``.
 * :class:`GGUF` is an editable GGUF (key-value pairs and tensors) with its own serializer, so a
   mutant can hold what ``gguf.GGUFWriter`` refuses to write (duplicate tensors, raw invalid
   types, offsets that overlap).
-* Two bases: a micro Llama written by ``llamabatch.testing`` (and the project's ``tiny`` preset)
-  and a micro BERT written by ``llamabatch.convert`` from a random-weight Hugging Face directory.
+* Two bases: a micro Llama written by ``llamabatch.gguf.testing`` (and the project's ``tiny`` preset)
+  and a micro BERT written by ``llamabatch.gguf.convert`` from a random-weight Hugging Face directory.
 * :data:`SEMANTIC` lists the mutation classes of files that parse but are wrong (vocabulary,
   hyper-parameters, architecture, tensors); :data:`BYTE` the byte-level ones (bit flips,
   truncations, huge counts, lengths and offsets). :func:`generate` draws ``n`` mutants,
@@ -242,7 +242,7 @@ class GGUF:
 
 
 def _micro_llama_spec():
-    from llamabatch.testing import ModelSpec
+    from llamabatch.gguf.testing import ModelSpec
 
     return ModelSpec(
         n_vocab=320, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, n_ctx_train=256, name="fuzz-llama"
@@ -256,10 +256,10 @@ _BERT_WORDS = (
 
 
 def write_micro_bert(directory: Path) -> Path:
-    """A random-weight BERT written by ``llamabatch.convert`` (what ``llamabatch convert`` writes)."""
+    """A random-weight BERT written by ``llamabatch.gguf.convert`` (what ``llamabatch convert`` writes)."""
     from safetensors.numpy import save_file
 
-    from llamabatch.convert import convert_bert
+    from llamabatch.gguf.convert import convert_bert
 
     src = directory / "bert-src"
     src.mkdir(parents=True, exist_ok=True)
@@ -396,7 +396,7 @@ def write_micro_bpe(directory: Path, llama: Path) -> Path:
 def write_bases(directory: Path) -> dict[str, Path]:
     """The base files: ``llama`` (micro), ``bpe`` (the micro Llama with a byte-level BPE
     vocabulary), ``tiny`` (the project's preset) and ``bert`` (micro)."""
-    from llamabatch.testing import model_path, write_llama_gguf
+    from llamabatch.gguf.testing import model_path, write_llama_gguf
 
     directory.mkdir(parents=True, exist_ok=True)
     llama = write_llama_gguf(directory / "fuzz-llama.gguf", _micro_llama_spec())

@@ -121,7 +121,7 @@ def _params(raw: dict[str, Any]) -> dict[str, Any]:
 def run_child(cases_path: str, results_path: str) -> None:
     """The child: every case through ``LLM.generate`` on the tiny model."""
     from llamabatch import LLM, SamplingParams
-    from llamabatch.testing import model_path
+    from llamabatch.gguf.testing import model_path
 
     cases = json.loads(Path(cases_path).read_text())
     with (

@@ -12,9 +12,9 @@ pytest.importorskip("tokenizers")
 
 from llamabatch.bench.cpu import cpu_summary
 from llamabatch.cli import main
-from llamabatch.convert_head import CPU_FEATURES, cpu_flags
-from llamabatch.testing import model_path
-from llamabatch.testing_reranker import reranker_path
+from llamabatch.gguf.convert_head import CPU_FEATURES, cpu_flags
+from llamabatch.gguf.testing import model_path
+from llamabatch.gguf.testing_reranker import reranker_path
 
 
 def test_cpu_flags_from_cpuinfo(tmp_path) -> None:

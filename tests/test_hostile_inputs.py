@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from llamabatch import LLM, SamplingParams
 from llamabatch._ffi.sampler import penalty_window
-from llamabatch.testing import model_path
+from llamabatch.gguf.testing import model_path
 
 #: Hypothesis cases per family (grammars, schemas, parameters) by default, and under --runslow.
 BUDGET, SLOW_BUDGET = 25, 400

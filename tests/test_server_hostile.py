@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llamabatch.testing import model_path
+from llamabatch.gguf.testing import model_path
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")

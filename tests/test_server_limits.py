@@ -15,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from llamabatch import LLM  # noqa: E402
+from llamabatch.gguf.testing import model_path  # noqa: E402
 from llamabatch.server import add_arguments, create_app  # noqa: E402
 from llamabatch.server.cli import _http_options, _limits  # noqa: E402
 from llamabatch.server.limits import (  # noqa: E402
@@ -26,7 +27,6 @@ from llamabatch.server.limits import (  # noqa: E402
     parse_json,
 )
 from llamabatch.server.protocol import APIError  # noqa: E402
-from llamabatch.testing import model_path  # noqa: E402
 
 
 @pytest.mark.parametrize(

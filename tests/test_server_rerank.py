@@ -1,6 +1,6 @@
 """``/v1/rerank`` on the real ``llamabatch serve --rerank-model`` command, with a plain HTTP client.
 
-The reranker is the random-weight cross-encoder of ``llamabatch.testing_reranker``; its scores
+The reranker is the random-weight cross-encoder of ``llamabatch.gguf.testing_reranker``; its scores
 are checked against transformers' logits (``tests/data/reranker_reference.json``).
 """
 
@@ -25,7 +25,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from llamabatch.testing_reranker import PAIRS, reranker_path  # noqa: E402
+from llamabatch.gguf.testing_reranker import PAIRS, reranker_path  # noqa: E402
 
 REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
 LOGITS = np.array(REFERENCE["logits"])[:, 0]

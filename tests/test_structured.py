@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from llamabatch import LLM, SamplingParams
+from llamabatch.gguf.testing import model_path
 from llamabatch.structured import json_object_grammar, json_schema_grammar, resolve_grammar
-from llamabatch.testing import model_path
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -1,4 +1,4 @@
-"""Tests of llamabatch.testing: the random-weight GGUF models and the English sentences."""
+"""Tests of llamabatch.gguf.testing: the random-weight GGUF models and the English sentences."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamabatch import testing
-from llamabatch.testing import (
+from llamabatch.gguf.testing import (
     BOS_ID,
     BYTE_TOKEN_OFFSET,
     CHATML_TEMPLATE,

@@ -23,7 +23,7 @@ import time
 from typing import Any, ClassVar
 
 from llamabatch import Embedder
-from llamabatch.testing import english_sentences
+from llamabatch.gguf.testing import english_sentences
 
 N_TEXTS = 2000
 

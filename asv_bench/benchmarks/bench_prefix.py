@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from llamabatch.bench.prefix import multi_turn_chat, shared_system_prompt
-from llamabatch.testing import model_path
+from llamabatch.gguf.testing import model_path
 
 MODELS = ["tiny", "135m"]
 

@@ -29,7 +29,7 @@ def _threads() -> int:
 def _model() -> str:
     try:
         from llamabatch.bench.rerank import minilm_cross_encoder
-        from llamabatch.convert import cached_conversion
+        from llamabatch.gguf.convert import cached_conversion
 
         return str(cached_conversion(minilm_cross_encoder()))
     except (RuntimeError, ImportError) as exc:  # the package, gguf or safetensors is missing

@@ -9,7 +9,7 @@ from typing import Any
 
 from llamabatch._ffi import ensure_backend, ffi, lib, log
 from llamabatch.errors import ModelLoadError
-from llamabatch.gguf_check import check_gguf
+from llamabatch.gguf.check import check_gguf
 from llamabatch.validate import check_bool, check_positive_int
 
 GGUF_MAGIC = b"GGUF"
@@ -72,7 +72,7 @@ class Model:
         vocab_only: load only the vocabulary (tokenization without weights).
         check_tensors: validate tensor data while loading.
         main_gpu: the GPU that holds the whole model when not splitting.
-        validate: check the file with :func:`llamabatch.gguf_check.check_gguf` before
+        validate: check the file with :func:`llamabatch.gguf.check.check_gguf` before
             llama.cpp reads it (default). llama.cpp aborts the process on some inconsistent
             files; ``False`` skips the check (for files known to be good, or to see what
             llama.cpp itself says).
@@ -285,11 +285,11 @@ class Model:
         """Whether the file holds a classification head (tensor ``cls.weight`` or
         ``cls.output.weight``), which llama.cpp's rank pooling applies; without one, rank
         pooling returns a component of the hidden state. llama.h lists no tensors, so the
-        file's header (every part of a split model) is read with ``gguf_check``'s parser."""
+        file's header (every part of a split model) is read with ``gguf/reader.py``."""
         if getattr(self, "_has_cls", None) is None:
             import re
 
-            from llamabatch.gguf_check import tensor_names
+            from llamabatch.gguf.reader import tensor_names
 
             paths = [self.path]
             split = re.fullmatch(r"(.*)-\d{5}-of-(\d{5})\.gguf", self.path.name)

@@ -2,7 +2,7 @@
 
 ggml's CPU kernels for f16 and bf16 weights run natively only with AVX512-FP16 / AVX512-BF16
 (or AMX); elsewhere the weights are converted on the fly and f32 is the faster choice for
-small encoders (see :func:`llamabatch.convert_head.auto_dtype`). ``llamabatch bench-embed``
+small encoders (see :func:`llamabatch.gguf.convert_head.auto_dtype`). ``llamabatch bench-embed``
 and ``bench-rerank`` print :func:`cpu_summary` beside their figures so that results from
 different machines can be compared.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import platform
 
-from llamabatch.convert_head import CPU_FEATURES, cpu_flags
+from llamabatch.gguf.convert_head import CPU_FEATURES, cpu_flags
 
 __all__ = ["cpu_model", "cpu_summary"]
 

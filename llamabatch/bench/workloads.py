@@ -109,7 +109,7 @@ def open_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 def text_token_pool(model: Tokenizer, min_tokens: int) -> list[int]:
     """Token ids of English text, at least ``min_tokens`` of them (repeated when needed)."""
-    from llamabatch.testing import english_sentences
+    from llamabatch.gguf.testing import english_sentences
 
     pool = model.tokenize(" ".join(english_sentences(400)), add_special=False)
     if not pool:

@@ -95,7 +95,7 @@ class JobResult:
 
 def workload(kind: str, n_rows: int) -> list[str]:
     """``n_rows`` English sentences of varied lengths (1 to 4 sentences each)."""
-    from llamabatch.testing import english_sentences
+    from llamabatch.gguf.testing import english_sentences
 
     pool = english_sentences(256)
     return [" ".join(pool[i % 256 : i % 256 + 1 + i % 4]) for i in range(n_rows)]

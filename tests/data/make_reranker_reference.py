@@ -5,7 +5,7 @@ Run by hand (it needs torch and transformers, which the test suite does not)::
     python tests/data/make_reranker_reference.py
 
 It writes the random-weight ``BertForSequenceClassification`` of
-``llamabatch.testing_reranker.make_cross_encoder`` (numpy + safetensors, seeded: the tests
+``llamabatch.gguf.testing_reranker.make_cross_encoder`` (numpy + safetensors, seeded: the tests
 make the same bytes), loads it with ``AutoModelForSequenceClassification`` and ``AutoTokenizer``
 on the CPU in float32, and stores, for every pair of ``PAIRS`` and ``LONG_PAIRS`` (tokenized as
 ``CrossEncoder`` tokenizes: lists of pairs, ``truncation=True`` to the model's 64 positions), the
@@ -45,7 +45,12 @@ def _run(model_dir: Path, pairs: list[tuple[str, str]]) -> dict[str, list]:
 
 def main() -> None:
     """Make the models, run transformers, write the reference."""
-    from llamabatch.testing_reranker import LONG_PAIRS, PAIRS, make_cross_encoder, make_xlmr_cross_encoder
+    from llamabatch.gguf.testing_reranker import (
+        LONG_PAIRS,
+        PAIRS,
+        make_cross_encoder,
+        make_xlmr_cross_encoder,
+    )
 
     pairs = [*PAIRS, *LONG_PAIRS]
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,8 +40,8 @@ def default_st_model() -> Path:
 def best_dtype() -> str:
     """The weight type ``llamabatch convert`` writes by default for all-MiniLM-L6-v2 on this CPU
     (``--dtype auto``: bf16 with AVX512-BF16, else f32; see
-    :func:`llamabatch.convert_head.auto_dtype`)."""
-    from llamabatch.convert import chosen_dtype
+    :func:`llamabatch.gguf.convert_head.auto_dtype`)."""
+    from llamabatch.gguf.convert import chosen_dtype
 
     return chosen_dtype(default_st_model(), "auto")
 
@@ -49,7 +49,7 @@ def best_dtype() -> str:
 def default_model(dtype: str = "auto") -> Path:
     """all-MiniLM-L6-v2 as a GGUF (converted once, then cached); ``"auto"``: the converter's
     default output (``best_dtype()``)."""
-    from llamabatch.convert import cached_conversion
+    from llamabatch.gguf.convert import cached_conversion
 
     return cached_conversion(default_st_model(), dtype=dtype)
 

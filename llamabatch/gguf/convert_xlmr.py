@@ -1,4 +1,4 @@
-"""XLM-RoBERTa encoders and cross-encoders (the bge-reranker shape) for :mod:`llamabatch.convert`.
+"""XLM-RoBERTa encoders and cross-encoders (the bge-reranker shape) for :mod:`llamabatch.gguf.convert`.
 
 llama.cpp runs them as architecture ``bert`` with three differences from BERT, which this
 module supplies (facts of the format, shared with llama.cpp's own converter; the code is ours):
@@ -9,7 +9,7 @@ module supplies (facts of the format, shared with llama.cpp's own converter; the
   with their scores, token types, the normalizer's precompiled character map, ``<s>`` / ``</s>``
   added around the text;
 - **the head** (``classifier.dense`` + tanh, then ``classifier.out_proj``, on ``<s>``) maps to
-  llama.cpp's ``cls`` and ``cls.output`` (see :data:`llamabatch.convert_head.HEAD_TENSORS`).
+  llama.cpp's ``cls`` and ``cls.output`` (see :data:`llamabatch.gguf.convert_head.HEAD_TENSORS`).
 """
 
 from __future__ import annotations

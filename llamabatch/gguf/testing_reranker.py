@@ -4,7 +4,7 @@
 transformers saves one (``config.json``, ``model.safetensors``, ``vocab.txt``,
 ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``) from numpy alone
 (weights drawn from a seeded generator, so the same seed always gives the same bytes);
-:func:`reranker_path` converts it once to GGUF (cached, like ``llamabatch.testing``'s models).
+:func:`reranker_path` converts it once to GGUF (cached, like ``llamabatch.gguf.testing``'s models).
 ``tests/data/make_reranker_reference.py`` loads the same directory with transformers to store
 the reference logits the tests compare against.
 
@@ -194,16 +194,16 @@ def make_cross_encoder(
 
 def reranker_path(dtype: str = "f32", *, head: bool = True) -> Path:
     """The test cross-encoder (seed 25, one label) as a GGUF, converted once and cached under
-    ``llamabatch.testing``'s cache directory; ``head=False``: the same encoder without a head."""
-    from llamabatch.convert import cached_conversion
-    from llamabatch.testing import cache_dir
+    ``llamabatch.gguf.testing``'s cache directory; ``head=False``: the same encoder without a head."""
+    from llamabatch.gguf.convert import cached_conversion
+    from llamabatch.gguf.testing import cache_dir
 
     return cached_conversion(cross_encoder_dir(head=head), dtype=dtype, cache_dir=cache_dir())
 
 
 def cross_encoder_dir(*, head: bool = True) -> Path:
     """The Hugging Face directory of the test cross-encoder (made once, cached)."""
-    from llamabatch.testing import cache_dir
+    from llamabatch.gguf.testing import cache_dir
 
     source = cache_dir() / f"cross-encoder-src-v{_VERSION}-{'head' if head else 'nohead'}"
     if not (source / "config.json").is_file():

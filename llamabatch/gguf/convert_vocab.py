@@ -1,4 +1,4 @@
-"""The vocabulary half of the BERT converter (:mod:`llamabatch.convert`): WordPiece tokens as
+"""The vocabulary half of the BERT converter (:mod:`llamabatch.gguf.convert`): WordPiece tokens as
 llama.cpp's WPM tokenizer expects them.
 
 WordPiece in llama.cpp: its WPM tokenizer splits text into words, prefixes each word with the

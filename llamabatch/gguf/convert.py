@@ -4,8 +4,8 @@ The output is a GGUF that llama.cpp loads as architecture ``bert``: a non-causal
 pooled output (mean, CLS or last token, as the sentence-transformers pooling config says) is the
 sentence embedding; or, for a cross-encoder (``BertForSequenceClassification``, sentence-transformers'
 ``CrossEncoder`` layout), a reranker: rank pooling over its classification head
-(:mod:`llamabatch.convert_head`). Only the facts of the format are shared with llama.cpp (key names, tensor
-names, the WordPiece convention below); the code is this project's own.
+(:mod:`llamabatch.gguf.convert_head`). Only the facts of the format are shared with llama.cpp (key
+names, tensor names, the WordPiece convention below); the code is this project's own.
 
 WordPiece in llama.cpp: its WPM tokenizer splits text into words, prefixes each word with the
 phantom space ``"\u2581"`` and then matches the longest vocabulary entries from the left. So a
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from llamabatch.convert_head import (
+from llamabatch.gguf.convert_head import (
     ACTIVATION_KEY,
     DTYPES,
     HEAD_TENSORS,
@@ -39,9 +39,14 @@ from llamabatch.convert_head import (
     read_head,
     resolve_dtype,
 )
-from llamabatch.convert_vocab import _read_vocab, _Vocab
-from llamabatch.convert_xlmr import MODEL_TYPE as XLMR
-from llamabatch.convert_xlmr import UnigramVocab, position_offset, read_unigram_vocab, write_unigram_metadata
+from llamabatch.gguf.convert_vocab import _read_vocab, _Vocab
+from llamabatch.gguf.convert_xlmr import MODEL_TYPE as XLMR
+from llamabatch.gguf.convert_xlmr import (
+    UnigramVocab,
+    position_offset,
+    read_unigram_vocab,
+    write_unigram_metadata,
+)
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -132,7 +137,7 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     base_model: str | None
-    #: "bert", or "xlm-roberta" (llamabatch.convert_xlmr)
+    #: "bert", or "xlm-roberta" (llamabatch.gguf.convert_xlmr)
     model_type: str = "bert"
     #: rows of the checkpoint's position table before position 0 (RoBERTa: pad_token_id + 1)
     position_offset: int = 0
@@ -160,13 +165,14 @@ def convert_bert(
     ``bert.classifier.output_labels`` and ``bert.pooling_type`` rank: a reranker for
     :class:`llamabatch.Reranker`. ``model_type`` ``"xlm-roberta"`` (e.g. the bge-reranker
     shape, ``XLMRobertaForSequenceClassification``, with a Unigram ``tokenizer.json``) is
-    converted too (:mod:`llamabatch.convert_xlmr`).
+    converted too (:mod:`llamabatch.gguf.convert_xlmr`).
 
     ``dtype`` is ``"auto"`` (default: what runs fastest on this CPU: bf16 where it multiplies
     bf16 natively (AVX512-BF16, AMX), else f32 for encoders up to 350M parameters, whose matrix
-    products are compute-bound, and f16 above; see :func:`llamabatch.convert_head.auto_dtype`), ``"f32"``,
-    ``"f16"`` (2-D weights in float16), ``"bf16"`` (bfloat16: fast on CPUs with AVX512-BF16,
-    within 1e-4 cosine of f32) or ``"q8_0"`` (the layers' matrices in 8-bit blocks, the lookup
+    products are compute-bound, and f16 above; see
+    :func:`llamabatch.gguf.convert_head.auto_dtype`), ``"f32"``, ``"f16"`` (2-D weights in
+    float16), ``"bf16"`` (bfloat16: fast on CPUs with AVX512-BF16, within 1e-4 cosine of f32)
+    or ``"q8_0"`` (the layers' matrices in 8-bit blocks, the lookup
     tables in f16: a quarter of f32's size); 1-D tensors (norms, biases) are always float32.
     ``name`` is the GGUF's ``general.name`` (default: the directory's name, or
     its parent's when the directory is called ``model``). The file is written to a temporary
