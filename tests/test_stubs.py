@@ -25,7 +25,12 @@ from llamabatch._core import BatchPool, SlotTable
 from llamabatch.llm_engine import EngineHost
 from llamabatch.strategies import Balanced, DecodeMaximal, PrefillPriority, SlotState, Strategy
 
-CORE_MODULES = ["llamabatch._core.batch", "llamabatch._core.slots", "llamabatch._core.strategies"]
+CORE_MODULES = [
+    "llamabatch._core.batch",
+    "llamabatch._core.kv_record",
+    "llamabatch._core.slots",
+    "llamabatch._core.strategies",
+]
 DUNDERS = {"__len__", "__init__"}  # compared like public names where the runtime shows them
 
 

@@ -5,7 +5,10 @@ against ``llama.h`` for the ``llama_batch`` layout only: it never links libllama
 never calls a ``llama_*`` function (the cffi layer in ``llamabatch._ffi`` does).
 
 - :mod:`llamabatch._core.batch`: ``BatchPool`` / ``Batch`` (preallocated ``llama_batch``).
-- :mod:`llamabatch._core.slots`: ``SlotTable`` / ``SlotState`` (slot state, fill/commit).
+- :mod:`llamabatch._core.slots`: ``SlotTable`` / ``SlotState`` (slot state, fill/commit,
+  the sequences' lengths and tokens, prefix matching).
+- :mod:`llamabatch._core.kv_record`: ``KVRecord`` (the KV cells: pool, reference counts,
+  free list, LRU clock), owned by the slot table.
 - :mod:`llamabatch._core.strategies`: ``DecodeMaximal``, ``PrefillPriority``,
   ``Balanced``, ``get_strategy`` and the user strategy protocol.
 """

@@ -1,6 +1,7 @@
 from libc.stdint cimport int32_t, int64_t
 
 from llamabatch._core.batch cimport Batch
+from llamabatch._core.kv_record cimport KVRecord
 from llamabatch._core.strategies cimport Strategy, plan_in_t
 
 
@@ -31,19 +32,12 @@ cdef class SlotTable:
     cdef readonly int32_t chunk_size
     # KV accounting: the one record of what every sequence holds in the KV cache.
     # Sequences 0..n_parallel-1 are the slots; n_parallel..n_seq-1 hold pinned prefixes.
+    # Lengths and tokens are here; the cells (pool, refcounts, free list, LRU) are in kv.
     cdef readonly int32_t n_seq
-    cdef readonly bint kv_unified   # one cell pool, seq_cp shares cells (else one stream per seq)
-    cdef readonly int32_t kv_size   # cells in the pool (unified) or in each stream
+    cdef readonly KVRecord kv
     cdef slot_t * slots
     cdef int32_t * hist          # n_seq x n_ctx_seq token history
     cdef int32_t * pin_len       # KV length of each pinned-prefix sequence
-    cdef int32_t * cell          # n_seq x n_ctx_seq: the (virtual) cell at each position (unified)
-    cdef int32_t * refc          # kv_size: sequences sharing each cell (unified)
-    cdef int32_t * free_cell     # stack of free cells (unified)
-    cdef int32_t n_free_cells
-    cdef readonly int64_t n_overflow  # cells llama.cpp held beyond the pool (accounting drift)
-    cdef int64_t * last_used     # n_seq: LRU clock of each sequence
-    cdef int64_t clock
     cdef int32_t * fifo          # PREFILL slots in arrival order
     cdef int32_t n_fifo
     cdef int32_t rr_cursor       # round-robin start for decode slots

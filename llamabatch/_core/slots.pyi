@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llamabatch._core.batch import Batch, _Tokens
+from llamabatch._core.kv_record import KVRecord
 from llamabatch.strategies import Strategy
 
 #: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
@@ -37,6 +38,9 @@ class SlotTable:
     @property
     def n_seq(self) -> int:
         """Sequences the KV record tracks: the slots, then the pinned prefixes."""
+    @property
+    def kv(self) -> KVRecord:
+        """The cells the sequences occupy (pool, reference counts, free list, LRU clock)."""
     @property
     def kv_unified(self) -> bool: ...
     @property

@@ -37,6 +37,9 @@ the tokens at those positions (the history), and, with a unified KV cache, which
 sequences share after a copy (per-cell reference counts over a pool of ``kv_size``
 cells), so ``cells_used``/``cells_free`` are exact. With one KV stream per sequence
 (``kv_unified=False``) every sequence owns ``n_ctx_seq`` cells and copies share nothing.
+The cells themselves (pool, reference counts, free list, LRU clock) are the ``KVRecord`` of
+``kv_record.pyx`` (``table.kv``); this table keeps the lengths and the tokens, and the
+prefix matching over them (``best_prefix``).
 ``finish(slot, keep=True)`` leaves an idle slot holding its tokens for reuse.
 """
 
@@ -51,6 +54,7 @@ import operator
 import numpy as np
 
 from llamabatch._core.batch cimport Batch, as_int32, int32_array
+from llamabatch._core.kv_record cimport KVRecord
 from llamabatch._core.includes.debug cimport LLAMABATCH_DEBUG
 from llamabatch._core.strategies cimport Strategy, plan_in_t
 
@@ -124,25 +128,13 @@ cdef class SlotTable:
         if kv_size < 0:
             raise ValueError("kv_size must be >= 0, got %d" % kv_size)
         self.n_seq = n_parallel + n_pinned
-        self.kv_unified = kv_unified
-        # default pool: room for every sequence to fill its context (never overflows)
-        self.kv_size = (kv_size or min(<int64_t> self.n_seq * n_ctx_seq, 2**30)) if kv_unified else n_ctx_seq
+        self.kv = KVRecord(self.n_seq, n_ctx_seq, kv_unified, kv_size)
         self.n_parallel = n_parallel
         self.n_ctx_seq = n_ctx_seq
         self.chunk_size = chunk_size
         self.slots = <slot_t *> PyMem_Calloc(n, sizeof(slot_t))
         self.hist = <int32_t *> PyMem_Calloc(<size_t> self.n_seq * n_ctx_seq, sizeof(int32_t))
         self.pin_len = <int32_t *> PyMem_Calloc(n_pinned + 1, sizeof(int32_t))
-        self.last_used = <int64_t *> PyMem_Calloc(self.n_seq, sizeof(int64_t))
-        if kv_unified:
-            self.cell = <int32_t *> PyMem_Calloc(<size_t> self.n_seq * n_ctx_seq, sizeof(int32_t))
-            self.refc = <int32_t *> PyMem_Calloc(self.kv_size, sizeof(int32_t))
-            self.free_cell = <int32_t *> PyMem_Calloc(self.kv_size, sizeof(int32_t))
-            if self.cell == NULL or self.refc == NULL or self.free_cell == NULL:
-                raise MemoryError("cannot allocate the KV accounting of %d cells" % self.kv_size)
-            for i in range(self.kv_size):  # pop order: cell 0 first
-                self.free_cell[i] = self.kv_size - 1 - i
-            self.n_free_cells = self.kv_size
         self.fifo = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_decode = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_pending = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
@@ -156,8 +148,7 @@ cdef class SlotTable:
         if (self.slots == NULL or self.hist == NULL or self.fifo == NULL or self.s_decode == NULL
                 or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
                 or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
-                or self.out_slot_ == NULL or self.out_index_ == NULL or self.pin_len == NULL
-                or self.last_used == NULL):
+                or self.out_slot_ == NULL or self.out_index_ == NULL or self.pin_len == NULL):
             raise MemoryError(
                 "cannot allocate a slot table of %d x %d tokens" % (n_parallel, n_ctx_seq)
             )
@@ -171,10 +162,6 @@ cdef class SlotTable:
         PyMem_Free(self.slots)
         PyMem_Free(self.hist)
         PyMem_Free(self.pin_len)
-        PyMem_Free(self.last_used)
-        PyMem_Free(self.cell)
-        PyMem_Free(self.refc)
-        PyMem_Free(self.free_cell)
         PyMem_Free(self.fifo)
         PyMem_Free(self.s_decode)
         PyMem_Free(self.s_pending)
@@ -264,8 +251,7 @@ cdef class SlotTable:
         s.n_past = n_past
         s.reused_tokens = n_past
         s.fill_n = 0
-        self.clock += 1
-        self.last_used[slot] = self.clock
+        self.kv.touch_seq(slot)
         self.transition(slot, ST_PREFILL)
 
     def accept(self, int32_t slot, int32_t token):
@@ -712,38 +698,13 @@ cdef class SlotTable:
 
     cdef void kv_push(self, int32_t seq, int32_t n) noexcept nogil:
         """Record cells for ``n`` new positions after the sequence's last (a decode)."""
-        cdef int32_t p, c, p0 = self.kv_len(seq)[0]
-        cdef int32_t * cells
-        if not self.kv_unified:
-            return
-        cells = self.cell + <size_t> seq * self.n_ctx_seq
-        for p in range(p0, p0 + n):
-            if self.n_free_cells:
-                self.n_free_cells -= 1
-                c = self.free_cell[self.n_free_cells]
-                self.refc[c] = 1
-            else:
-                c = -1
-                self.n_overflow += 1
-            cells[p] = c
+        self.kv.push(seq, self.kv_len(seq)[0], n)
 
     cdef void kv_release(self, int32_t seq, int32_t p0) noexcept nogil:
         """Drop the sequence's positions ``[p0, end)``; cells no sequence shares are freed."""
-        cdef int32_t p, c
         cdef int32_t * length = self.kv_len(seq)
-        cdef int32_t * cells
-        if self.kv_unified:
-            cells = self.cell + <size_t> seq * self.n_ctx_seq
-            for p in range(p0, length[0]):
-                c = cells[p]
-                if c < 0:
-                    self.n_overflow -= 1
-                    continue
-                self.refc[c] -= 1
-                if self.refc[c] == 0:
-                    self.free_cell[self.n_free_cells] = c
-                    self.n_free_cells += 1
         if p0 < length[0]:
+            self.kv.drop(seq, p0, length[0])
             length[0] = p0
 
     cdef int check_resting(self, int32_t seq) except -1:
@@ -781,9 +742,6 @@ cdef class SlotTable:
         """Make the empty idle slot or pinned prefix ``dst`` hold positions ``[0, n)`` of
         ``src`` (mirror it with ``llama_memory_seq_cp``): shared cells with a unified KV
         cache, a copy in ``dst``'s own stream otherwise."""
-        cdef int32_t p, c
-        cdef int32_t * s_cells
-        cdef int32_t * d_cells
         self.check_resting(dst)
         self.check_seq(src)
         if src == dst:
@@ -794,16 +752,7 @@ cdef class SlotTable:
             raise ValueError("sequence %d holds %d positions, cannot copy %d" % (src, self.kv_len(src)[0], n))
         memcpy(self.hist + <size_t> dst * self.n_ctx_seq, self.hist + <size_t> src * self.n_ctx_seq,
                n * sizeof(int32_t))
-        if self.kv_unified:
-            s_cells = self.cell + <size_t> src * self.n_ctx_seq
-            d_cells = self.cell + <size_t> dst * self.n_ctx_seq
-            for p in range(n):
-                c = s_cells[p]
-                d_cells[p] = c
-                if c >= 0:
-                    self.refc[c] += 1
-                else:
-                    self.n_overflow += 1
+        self.kv.share(src, dst, n)
         self.kv_len(dst)[0] = n
         if dst < self.n_parallel:
             self.slots[dst].n_hist = n
@@ -828,8 +777,7 @@ cdef class SlotTable:
     def touch(self, int32_t seq):
         """Mark ``seq`` as just used (LRU order of eviction and slot choice)."""
         self.check_seq(seq)
-        self.clock += 1
-        self.last_used[seq] = self.clock
+        self.kv.touch_seq(seq)
 
     def lru_slot(self, bint cached_only=False, int32_t exclude=-1):
         """The least recently used idle slot (holding cached tokens, if ``cached_only``; not
@@ -837,22 +785,37 @@ cdef class SlotTable:
         cdef int32_t i, best = -1
         for i in range(self.n_parallel):
             if i != exclude and self.slots[i].state == ST_IDLE and (self.slots[i].n_past or not cached_only):
-                if best < 0 or self.last_used[i] < self.last_used[best]:
+                if best < 0 or self.kv.last_used[i] < self.kv.last_used[best]:
                     best = i
         return best
 
     @property
+    def kv_unified(self):
+        """One cell pool for all sequences (else one KV stream per sequence)."""
+        return self.kv.kv_unified
+
+    @property
+    def kv_size(self):
+        """Cells in the pool (unified) or in each stream."""
+        return self.kv.kv_size
+
+    @property
+    def n_overflow(self):
+        """Positions without a cell: llama.cpp held more than the pool (accounting drift)."""
+        return self.kv.n_overflow
+
+    @property
     def cells_total(self):
         """KV cells: the pool (unified) or all streams together."""
-        return self.kv_size if self.kv_unified else self.kv_size * self.n_seq
+        return self.kv.kv_size if self.kv.kv_unified else self.kv.kv_size * self.n_seq
 
     @property
     def cells_used(self):
         """Cells holding some sequence's position (shared cells counted once)."""
         cdef int32_t i
         cdef int64_t n = 0
-        if self.kv_unified:
-            return self.kv_size - self.n_free_cells + self.n_overflow
+        if self.kv.kv_unified:
+            return self.kv.cells_used
         for i in range(self.n_seq):
             n += self.kv_len(i)[0]
         return n
@@ -864,40 +827,13 @@ cdef class SlotTable:
 
     def cells_owned(self, int32_t seq):
         """Cells only ``seq`` holds: what dropping it frees."""
-        cdef int32_t p, n = 0
-        cdef int32_t * cells
         self.check_seq(seq)
-        if not self.kv_unified:
-            return self.kv_len(seq)[0]
-        cells = self.cell + <size_t> seq * self.n_ctx_seq
-        for p in range(self.kv_len(seq)[0]):
-            if cells[p] < 0 or self.refc[cells[p]] == 1:
-                n += 1
-        return n
+        return self.kv.owned(seq, self.kv_len(seq)[0])
 
     def check_kv(self):
         """Raise ``AssertionError`` unless every cell's reference count equals the number of
         sequence positions that hold it, and the free cells are exactly the unreferenced ones."""
-        cdef int32_t i, p, c
-        cdef int64_t overflow = 0
-        if not self.kv_unified:
-            return
-        counts = np.zeros(self.kv_size, dtype=np.int64)
-        for i in range(self.n_seq):
-            for p in range(self.kv_len(i)[0]):
-                c = self.cell[<size_t> i * self.n_ctx_seq + p]
-                if c < 0:
-                    overflow += 1
-                else:
-                    counts[c] += 1
-        refc = np.array([self.refc[c] for c in range(self.kv_size)], dtype=np.int64)
-        if not np.array_equal(counts, refc):
-            raise AssertionError("KV cell reference counts differ from the sequences' positions")
-        if overflow != self.n_overflow:
-            raise AssertionError("overflow count %d != %d positions without a cell" % (self.n_overflow, overflow))
-        free = sorted(self.free_cell[i] for i in range(self.n_free_cells))
-        if free != sorted(np.flatnonzero(refc == 0).tolist()):
-            raise AssertionError("the free cells are not exactly the unreferenced ones")
+        self.kv.check([self.kv_len(i)[0] for i in range(self.n_seq)])
 
     def free_slot(self):
         """The lowest IDLE slot, or -1."""
