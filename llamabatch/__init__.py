@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from llamabatch._ffi.model import Model
-from llamabatch.embedder import Embedder
+from llamabatch.config import EngineConfig
+from llamabatch.embed.config import EmbedderConfig
+from llamabatch.embed.embedder import Embedder
+from llamabatch.embed.reranker import Reranker
 from llamabatch.errors import (
     ContextError,
     DecodeError,
@@ -15,13 +18,19 @@ from llamabatch.errors import (
     QueueFull,
     RequestCancelled,
 )
-from llamabatch.llm import LLM
-from llamabatch.llm_engine import LLMEngine
+from llamabatch.generate.llm import LLM
+from llamabatch.generate.llm_engine import LLMEngine
+from llamabatch.generate.request import RequestHandle
 from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, ToolCall, Usage
 from llamabatch.params import SamplingParams
-from llamabatch.request import RequestHandle
-from llamabatch.reranker import Reranker
-from llamabatch.telemetry import EmbedderStats, EmbedPackEvent, GenerationStats, RequestEvent, TickEvent
+from llamabatch.runtime.telemetry import (
+    EmbedderStats,
+    EmbedPackEvent,
+    GenerationStats,
+    RequestEvent,
+    TickEvent,
+)
+from llamabatch.status import RequestStatus
 
 __version__ = "0.1.0"
 
@@ -33,8 +42,10 @@ __all__ = [
     "Delta",
     "EmbedPackEvent",
     "Embedder",
+    "EmbedderConfig",
     "EmbedderStats",
     "EngineClosed",
+    "EngineConfig",
     "GenerationStats",
     "KVCacheFull",
     "LLMEngine",
@@ -47,6 +58,7 @@ __all__ = [
     "RequestEvent",
     "RequestHandle",
     "RequestOutput",
+    "RequestStatus",
     "Reranker",
     "SamplingParams",
     "StepOutput",

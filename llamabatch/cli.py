@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from llamabatch.bench.options import positive_int
+from llamabatch.config import EngineConfig
 from llamabatch.errors import LlamaBatchError
 
 __all__ = ["build_parser", "main", "subcommands"]
@@ -40,7 +41,7 @@ def _model_or_demo(model: str | None, preset: str = "135m") -> str:
     """The model to use; without one, the project's random-weight test model (noise)."""
     if model:
         return model
-    from llamabatch import testing
+    from llamabatch.gguf import testing
 
     print(
         f"llamabatch: no -m MODEL given; using the project's random-weight '{preset}' test model "
@@ -77,12 +78,15 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--truncate", action="store_true", help="keep the end of a prompt too long for the context"
     )
-    p.add_argument("-c", "--n-ctx", type=positive_int, default=4096)
-    p.add_argument("--n-parallel", type=positive_int, default=8)
-    p.add_argument("-b", "--n-batch", type=positive_int, default=512)
-    p.add_argument("-t", "--threads", type=positive_int, default=None)
-    p.add_argument(
-        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
+    # The engine's options, generated from EngineConfig; the flags generate always had keep
+    # their spelling (-c/--n-ctx, --n-parallel, -b/--n-batch).
+    EngineConfig.add_cli_args(
+        p.add_argument_group("engine (EngineConfig)"),
+        overrides={
+            "n_ctx": {"flags": ("-c", "--n-ctx")},
+            "n_parallel": {"flags": ("--n-parallel",)},
+            "n_batch": {"flags": ("-b", "--n-batch")},
+        },
     )
 
 
@@ -126,16 +130,10 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         truncate=args.truncate,
     )
+    config = EngineConfig.from_cli_args(args)
+    in_flight = min(_IN_FLIGHT, config.max_queue)
     try:
-        llm = LLM(
-            _model_or_demo(args.model),
-            n_ctx=args.n_ctx,
-            n_parallel=args.n_parallel,
-            n_batch=args.n_batch,
-            n_threads=args.threads,
-            strategy=args.strategy,
-            max_queue=_IN_FLIGHT,
-        )
+        llm = LLM(_model_or_demo(args.model), config=config)
     except ValueError as exc:
         if "Embedder" in str(exc):  # an encoder-only model
             raise ValueError(f"{exc} (on the command line: llamabatch embed)") from None
@@ -165,7 +163,7 @@ def _generate(args: argparse.Namespace) -> int:
             print()
             return 0
         start = time.perf_counter()
-        handles = [submit(i) for i in range(min(len(prompts), _IN_FLIGHT))]
+        handles = [submit(i) for i in range(min(len(prompts), in_flight))]
         out_file = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
         n_tokens = 0
         try:

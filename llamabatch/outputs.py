@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llamabatch.status import RequestStatus
+
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
@@ -128,3 +130,6 @@ class StepOutput:
     #: calls completed in this step (``text`` is then the new content only)
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    #: the request's status after the step (``RUNNING``, ``FINISHED_LENGTH``, ...; for a chat
+    #: answer ending in tool calls, ``FINISHED_TOOL_CALLS``)
+    status: RequestStatus = RequestStatus.RUNNING

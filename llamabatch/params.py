@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from llamabatch.validate import INT32_MAX, as_float, as_int, check_bool, check_positive_int, check_text
 
@@ -83,8 +83,8 @@ def _strings(name: str, value: object) -> tuple[str, ...]:
         "must be a str or a sequence of str",
         value,
     )
-    out = []
-    for i, s in enumerate(value):  # type: ignore[union-attr]
+    out: list[str] = []
+    for i, s in enumerate(cast("Iterable[object]", value)):
         _check(isinstance(s, str) and s != "", name, f"items must be non-empty strings (item {i})", s)
         out.append(check_text(f"SamplingParams.{name}[{i}]", s))
     return tuple(out)
@@ -227,7 +227,7 @@ class SamplingParams:
                 self.grammar,
             )
             put("grammar", check_text("SamplingParams.grammar", self.grammar))
-            from llamabatch.grammar_check import check_grammar
+            from llamabatch.prompts.grammar_check import check_grammar
 
             check_grammar(self.grammar, what="SamplingParams.grammar")
         if self.logprobs is not None:
@@ -237,7 +237,7 @@ class SamplingParams:
         put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
         put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
         if self.json_schema is not None or self.response_format is not None:
-            from llamabatch.structured import resolve_grammar
+            from llamabatch.prompts.structured import resolve_grammar
 
             put("_effective_grammar", resolve_grammar(self.grammar, self.json_schema, self.response_format))
         else:
@@ -258,8 +258,8 @@ class SamplingParams:
             "must be a sequence of token ids (ints)",
             value,
         )
-        out = []
-        for i, token in enumerate(value):  # type: ignore[union-attr]
+        out: list[int] = []
+        for i, token in enumerate(cast("Iterable[object]", value)):
             number = as_int(token)
             _check(
                 number is not None and 0 <= number <= INT32_MAX,
@@ -267,7 +267,7 @@ class SamplingParams:
                 f"items must be token ids, ints in [0, {INT32_MAX}] (item {i})",
                 token,
             )
-            out.append(number)
+            out.append(cast(int, number))
         return tuple(out)
 
     @staticmethod
@@ -282,7 +282,7 @@ class SamplingParams:
             len(value),  # type: ignore[arg-type]
         )
         out: dict[int, float] = {}
-        for token, bias in value.items():  # type: ignore[union-attr]
+        for token, bias in cast("Mapping[object, object]", value).items():
             number = as_int(token)
             _check(
                 number is not None and 0 <= number <= INT32_MAX,
@@ -297,7 +297,7 @@ class SamplingParams:
                 f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] or -inf (a ban)",
                 bias,
             )
-            out[number] = b  # type: ignore[index]
+            out[cast(int, number)] = cast(float, b)
         return out
 
     @property

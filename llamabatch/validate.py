@@ -8,6 +8,7 @@ llamabatch), so the binding (``_ffi``), ``params.py`` and the facades share one 
 from __future__ import annotations
 
 import numbers
+from typing import Literal, overload
 
 import numpy as np
 
@@ -45,6 +46,23 @@ def check_text(what: str, text: object, *, allow_nul: bool = False) -> str:
         index = text.index("\x00")
         raise ValueError(f"{what} contains a NUL character (index {index}), which C strings cannot hold")
     return str(text)
+
+
+@overload
+def check_positive_int(
+    name: str,
+    value: object,
+    *,
+    allow_none: Literal[False] = False,
+    minimum: int = 1,
+    maximum: int = INT32_MAX,
+) -> int: ...
+
+
+@overload
+def check_positive_int(
+    name: str, value: object, *, allow_none: bool, minimum: int = 1, maximum: int = INT32_MAX
+) -> int | None: ...
 
 
 def check_positive_int(

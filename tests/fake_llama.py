@@ -40,6 +40,7 @@ so ``LLMEngine`` and ``LLM`` can be built over them (``patch_llamabatch``).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,9 @@ from typing import Any
 import numpy as np
 
 from llamabatch._ffi import ffi
-from llamabatch.engine import EngineCore
-from llamabatch.telemetry import Telemetry
+from llamabatch.config import EngineConfig
+from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.runtime.telemetry import Telemetry
 
 __all__ = [
     "FakeContext",
@@ -565,28 +567,26 @@ def make_core(
     default 64 per sequence). The context checks it decodes the core's own batch."""
     model = model or FakeModel()
     n_seq_max = n_parallel + max_prefixes
-    n_ctx = n_ctx if n_ctx is not None else 64 * n_seq_max
-    context = FakeContext(
-        model,
-        n_ctx=n_ctx,
-        n_batch=n_batch,
-        n_ubatch=n_ubatch,
-        n_seq_max=n_seq_max,
-        kv_unified=kv_unified,
-        partial_kv_full=partial_kv_full,
-    )
-    core = EngineCore(
-        model,  # type: ignore[arg-type]
-        context,  # type: ignore[arg-type]
+    config = EngineConfig(
+        n_ctx=n_ctx if n_ctx is not None else 64 * n_seq_max,
         n_parallel=n_parallel,
         n_batch=n_batch,
+        n_ubatch=n_ubatch,
         chunk_size=chunk_size,
         strategy=strategy,
         max_queue=max_queue,
-        telemetry=telemetry or Telemetry(),
         prefix_cache=prefix_cache,
         max_prefixes=max_prefixes,
+        kv_unified=kv_unified,
     )
+    # the wiring LLM and LLMEngine use, over a fake context
+    context, core = build_engine(
+        model,  # type: ignore[arg-type]
+        config,
+        telemetry or Telemetry(),
+        context_factory=functools.partial(FakeContext, partial_kv_full=partial_kv_full),  # type: ignore[arg-type]
+    )
+    assert isinstance(context, FakeContext)
     context.batch = core.batch
     return core, context, model
 
@@ -595,7 +595,8 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
     """Make ``LLMEngine``/``LLM`` build fakes instead of llama.cpp objects (pytest's
     ``monkeypatch``); returns the model every engine built from now on uses. The context
     built is kept as ``engine.context``."""
-    import llamabatch.llm_engine as llm_engine
+    import llamabatch.generate.core as engine
+    import llamabatch.generate.llm_engine as llm_engine
 
     model = model or FakeModel()
 
@@ -607,6 +608,6 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
         return FakeContext(m, **{**options, **context_options})
 
     monkeypatch.setattr(llm_engine, "Model", make_model)
-    monkeypatch.setattr(llm_engine, "Context", make_context)
+    monkeypatch.setattr(engine, "Context", make_context)
     monkeypatch.setattr(llm_engine, "SamplerChain", FakeSampler)
     return model

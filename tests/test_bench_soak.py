@@ -63,7 +63,7 @@ def test_a_lost_end_is_reported_not_waited_for(tiny_path):
     script = textwrap.dedent(
         f"""
         import sys
-        import llamabatch.request as rq
+        import llamabatch.generate.request as rq
         from llamabatch.bench.soak import SoakConfig, run_soak
         publish, ends = rq.Request.publish, [0]
         def lossy(self, text, token_ids, finish_reason):

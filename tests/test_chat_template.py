@@ -14,7 +14,12 @@ import pytest
 
 from llamabatch import testing
 from llamabatch._ffi.model import Model
-from llamabatch.chat_template import ChatTemplateError, chat_prompt_tokens, normalize_messages, render_chat
+from llamabatch.prompts.chat_template import (
+    ChatTemplateError,
+    chat_prompt_tokens,
+    normalize_messages,
+    render_chat,
+)
 
 pytest.importorskip("jinja2")
 transformers = pytest.importorskip("transformers")

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llamabatch import Embedder, EmbedderStats, EngineClosed, KVCacheFull, PromptTooLong
+from llamabatch import Embedder, EmbedderConfig, EmbedderStats, EngineClosed, KVCacheFull, PromptTooLong
 from llamabatch.cli import main
 from llamabatch.gguf.testing import english_sentences, model_path
-from llamabatch.telemetry import EmbedPackEvent
+from llamabatch.runtime.telemetry import EmbedPackEvent
 
 DATA = Path(__file__).resolve().parent / "data"
 SENTENCES = DATA / "sentences_en.txt"
@@ -307,6 +307,27 @@ def test_missing_model_file(tmp_path: Path) -> None:
         Embedder(tmp_path / "absent.gguf")
 
 
+def test_config_and_keywords_are_the_same(tiny: Path) -> None:
+    config = EmbedderConfig(n_batch=256, n_seq_max=8, pooling="mean", normalize=True, n_threads=THREADS)
+    assert config.normalize == "l2"  # stored as its mode
+    texts = english_sentences(6)
+    with (
+        Embedder(tiny, config=config) as a,
+        Embedder(tiny, n_batch=256, n_seq_max=8, pooling="mean", normalize="l2", n_threads=THREADS) as b,
+    ):
+        assert a.config == b.config and (a.capacity, a.n_seq_max) == (b.capacity, b.n_seq_max)
+        np.testing.assert_array_equal(a.embed(texts), b.embed(texts))
+    # keywords given with a config override its fields (checked again)
+    with Embedder(tiny, config=config, n_seq_max=4) as c:
+        assert c.config.n_seq_max == 4 and c.config.n_batch == 256 and c.n_seq_max == 4
+    with pytest.raises(ValueError, match="n_ubatch"):
+        config.replace(n_ubatch=512)
+    with pytest.raises(TypeError, match="n_batchh"):
+        Embedder(tiny, n_batchh=64)
+    with pytest.raises(TypeError, match="EmbedderConfig"):
+        Embedder(tiny, config={"n_batch": 64})  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- failures and closing
 
 
@@ -340,7 +361,7 @@ def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
     with Embedder(tiny, pooling="last", n_batch=1024, n_seq_max=4, n_threads=THREADS) as e:
         expected = e.embed(short)
         poison_tokens = np.asarray(e.tokenize(poison), dtype=np.int32)
-        decode = e._decode
+        decode = e._core.decode
         parts: list[int] = []
 
         def failing_decode(part: list[Any]) -> int:
@@ -349,7 +370,7 @@ def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
                 return 1  # llama_decode's "no KV slot for this batch"
             return decode(part)
 
-        e._decode = failing_decode  # type: ignore[method-assign]
+        e._core.decode = failing_decode  # type: ignore[method-assign]
         gate = _Gate()
         e.add_listener(gate)
         results: dict[str, Any] = {}
@@ -468,7 +489,7 @@ def test_close_ends_pending_calls(tiny: Path) -> None:
     assert isinstance(outcomes[0], np.ndarray)  # the pack in flight finished
     assert sum(isinstance(o, EngineClosed) for o in outcomes) == 3
     assert isinstance(async_outcome, EngineClosed)
-    assert e.closed and e._pool.n_outstanding == 0
+    assert e.closed and e._core.pool.n_outstanding == 0
     with pytest.raises(EngineClosed):
         e.embed(["after close"])
     with pytest.raises(EngineClosed):
@@ -751,12 +772,12 @@ def test_close_from_a_listener_is_deferred(tiny: Path) -> None:
     e.add_listener(listener)
     with pytest.raises(EngineClosed):
         e.embed(english_sentences(20))  # needs many packs: the first one closes the embedder
-    e._thread.join(10)
-    assert not e._thread.is_alive()
+    e._worker.join(10)
+    assert not e._worker.alive
     assert isinstance(seen[0], EmbedPackEvent) and isinstance(seen[1], RuntimeError)
     assert seen[2] == ("after close", True, False)  # not freed under the running pack
     assert len(seen) == 3  # no pack ran after the one that closed
-    assert e.closed and e.context.closed and e._pool.n_outstanding == 0
+    assert e.closed and e.context.closed and e._core.pool.n_outstanding == 0
     with pytest.raises(EngineClosed):
         e.embed(["after close"])
     e.close()

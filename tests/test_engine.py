@@ -11,7 +11,7 @@ import pytest
 from llama_reference import check_against_reference
 
 from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams, testing
-from llamabatch.telemetry import RequestEvent, TickEvent
+from llamabatch.runtime.telemetry import RequestEvent, TickEvent
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -32,7 +32,7 @@ def llm(tiny_path):
 def _assert_no_kv(llm: LLM) -> None:
     """Nothing but the prefix cache holds KV cells once requests have ended, and llama.cpp
     holds exactly what the slot table records."""
-    table = llm._core.table
+    table = llm.core.table
     for seq in range(llm.n_parallel):
         assert llm.context.seq_pos_max(seq) == table.seq_len(seq) - 1
     llm.clear_prefix_cache()

@@ -1,4 +1,4 @@
-"""``llamabatch.grammar_check`` and the schema checks of ``llamabatch.structured`` (issue 26).
+"""``llamabatch.prompts.grammar_check`` and the schema checks of ``llamabatch.prompts.structured`` (issue 26).
 
 No model is needed: these are the validator's own decisions. ``test_hostile_inputs.py`` puts
 the same inputs through llama.cpp in a child process.
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamabatch import SamplingParams
-from llamabatch.grammar_check import (
+from llamabatch.prompts.grammar_check import (
     DEFAULT_GRAMMAR_LIMITS,
     GrammarLimits,
     check_grammar,
     get_grammar_limits,
     set_grammar_limits,
 )
-from llamabatch.structured import check_schema, json_object_grammar, json_schema_grammar
+from llamabatch.prompts.structured import check_schema, json_object_grammar, json_schema_grammar
 
 ARITHMETIC = r"""
 # a small calculator language

@@ -1,4 +1,4 @@
-"""``llamabatch.metrics.PrometheusListener`` on real engines: counters match the work done and
+"""``llamabatch.runtime.metrics.PrometheusListener`` on real engines: counters match the work done and
 the exposition parses with prometheus_client's own parser."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from llamabatch import LLM, Embedder, SamplingParams
 from llamabatch.gguf.testing import english_sentences, model_path
-from llamabatch.metrics import PrometheusListener
-from llamabatch.telemetry import RequestEvent
+from llamabatch.runtime.metrics import PrometheusListener
+from llamabatch.runtime.telemetry import RequestEvent
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from llamabatch import testing
-from llamabatch.inputs import as_prompt_list, check_token_ids, is_single_prompt, normalize_prompt
 from llamabatch.params import INT32_MAX, PENALTY_LAST_N_MAX, SamplingParams, check_bool, check_positive_int
+from llamabatch.prompts.inputs import as_prompt_list, check_token_ids, is_single_prompt, normalize_prompt
 
 # --------------------------------------------------------------------------- SamplingParams
 

@@ -47,7 +47,7 @@ def _oversubscribed(path, n_requests, n_prompt, n_new, n_ctx, shared=0, **kwargs
     with LLM(path, n_ctx=n_ctx, n_parallel=8, n_batch=256, kv_unified=True, **kwargs) as llm:
         outs = _completions(llm.generate(_prompts(llm, n_requests, n_prompt, shared), params, use_tqdm=False))
         stats = llm.stats()
-        llm._core.table.check_kv()  # the KV record is still exact
+        llm.core.table.check_kv()  # the KV record is still exact
     return outs, stats
 
 

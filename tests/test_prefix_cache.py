@@ -136,16 +136,16 @@ def test_handle_results_for_n(tiny_path):
 
 
 def test_reuse_switches_itself_off_where_unsupported(tiny_path, caplog, monkeypatch):
-    import llamabatch.llm_engine
+    import llamabatch.generate.llm_engine
 
-    class RecurrentModel(llamabatch.llm_engine.Model):
+    class RecurrentModel(llamabatch.generate.llm_engine.Model):
         """A model reporting recurrent memory, whose KV cannot be copied in part."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.is_recurrent = True
 
-    monkeypatch.setattr(llamabatch.llm_engine, "Model", RecurrentModel)
+    monkeypatch.setattr(llamabatch.generate.llm_engine, "Model", RecurrentModel)
     with caplog.at_level(logging.WARNING, logger="llamabatch"):
         llm = LLM(tiny_path, n_ctx=2048, n_parallel=2, n_batch=64)
     with llm:

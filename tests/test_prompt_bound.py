@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from llamabatch import LLM, PromptTooLong, SamplingParams
 from llamabatch.gguf.testing import model_path
-from llamabatch.llm_engine import prompt_bytes_bound
+from llamabatch.generate.llm_engine import prompt_bytes_bound
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llamabatch import LLM, LLMEngine, PromptTooLong, QueueFull, SamplingParams
 from llamabatch._core.slots import SlotState
-from llamabatch.engine import EngineCore
-from llamabatch.kv_cache import PinnedPrefix
-from llamabatch.request import Request
-from llamabatch.telemetry import RequestEvent, Telemetry, TickEvent
+from llamabatch.generate.core import EngineCore
+from llamabatch.generate.kv_cache import PinnedPrefix
+from llamabatch.generate.request import Request, RequestStatus
+from llamabatch.runtime.telemetry import RequestEvent, Telemetry, TickEvent
 
 
 def greedy(max_tokens: int = 8, **options) -> SamplingParams:
@@ -87,9 +87,13 @@ class Recorder:
         params = params or greedy()
         group: list[Request] = []
         for i in range(n):
-            r = Request(list(tokens), params, index=i, request_id=group[0].request_id if group else None)
-            if i:
-                r.leader = group[0]
+            r = Request(
+                list(tokens),
+                params,
+                index=i,
+                request_id=group[0].request_id if group else None,
+                leader=group[0] if i else None,
+            )
             if not r.fast_greedy:
                 seed = None if params.seed is None else params.seed + i
                 r.sampler = FakeSampler(self.model, _with_seed(params, seed))
@@ -103,7 +107,9 @@ class Recorder:
         return events
 
     def record(self, events: list) -> None:
-        for request, text, token_ids, reason in events:
+        for event in events:
+            request, text, token_ids, reason = event.request, event.text, event.token_ids, event.finish_reason
+            assert event.status is (request.status if reason is not None else RequestStatus.RUNNING)
             assert self.ends[request] == 0, f"request {request.request_id}: an event after its end"
             self.texts[request].append(text)
             self.tokens[request] += token_ids
@@ -596,11 +602,11 @@ def test_cancelling_a_preempted_request_keeps_what_it_generated():
 
 
 def test_a_decode_error_fails_only_that_batch_and_the_engine_keeps_serving():
-    core, ctx, model = make_core(n_parallel=3, n_batch=2)
+    core, ctx, model = make_core(n_parallel=3, n_batch=4)
     rec = Recorder(core, ctx, model)
-    a, b, c = (rec.new([i + 1], greedy(4))[0] for i in range(3))
+    a, b, c = (rec.new([i + 1, i + 2], greedy(4))[0] for i in range(3))
     ctx.script.append(-3)
-    rec.step()  # the batch holds a's and b's prompts (2 tokens), not c's
+    rec.step()  # the batch holds a's and b's prompts (4 tokens), not c's
     assert a.finish_reason == "error" and b.finish_reason == "error"
     assert "fatal" in a.output.error
     assert not c.done
@@ -663,8 +669,7 @@ def test_a_pinned_prefix_leaving_too_little_room_fails_the_request_in_bounded_st
     core, ctx, model = make_core(n_parallel=2, n_ctx=64, prefix_cache=True, max_prefixes=1)
     rec = Recorder(core, ctx, model)
     pin = PinnedPrefix(core.kv.new_pin_seq(), prompt(40, 1))
-    pinner = Request(pin.tokens, greedy(1))
-    pinner.pin = pin
+    pinner = Request(pin.tokens, greedy(1), pin=pin)
     rec.add(pinner)
     rec.run()
     assert pinner.finish_reason == "stop" and core.table.seq_len(pin.seq_id) == 40
@@ -684,8 +689,7 @@ def test_a_pin_sequence_given_back_while_its_request_runs_is_not_pinned_into():
     core, ctx, model = make_core(n_parallel=2, prefix_cache=True, max_prefixes=1, chunk_size=8)
     rec = Recorder(core, ctx, model)
     pin = PinnedPrefix(core.kv.new_pin_seq(), prompt(30, 1))
-    pinner = Request(pin.tokens, greedy(1))
-    pinner.pin = pin
+    pinner = Request(pin.tokens, greedy(1), pin=pin)
     rec.add(pinner)
     rec.step()  # 8 of 30 prompt tokens computed
     core.kv.drop_pin_seq(pin.seq_id)  # what LLM.register_prefix does when its wait times out
@@ -880,8 +884,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.core.kv.reuse and self.core.kv._free_pin_seqs and not self.pinners)
     def pin(self, data, base, n):
         pinned = PinnedPrefix(self.core.kv.new_pin_seq(), self.bases[base][: min(n, self.n_ctx_seq - 1)])
-        request = Request(pinned.tokens, greedy(1))
-        request.pin = pinned
+        request = Request(pinned.tokens, greedy(1), pin=pinned)
         self.rec.add(request)
         self.pinners[request] = pinned
 
@@ -902,7 +905,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if now:
             return
         events = self.core.fail_all("cancelled")
-        assert all(reason == "cancelled" and not token_ids for _, _, token_ids, reason in events)
+        assert all(e.finish_reason == "cancelled" and not e.token_ids for e in events)
         self.rec.record(events)
         self._settle_pins()
 

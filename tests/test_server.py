@@ -27,7 +27,7 @@ import pytest
 
 from llamabatch import LLM, Embedder, SamplingParams
 from llamabatch.gguf.testing import english_sentences, model_path
-from llamabatch.telemetry import RequestEvent
+from llamabatch.runtime.telemetry import RequestEvent
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -394,7 +394,7 @@ def test_api_key(llm):
 
 
 def _detached_metrics():
-    from llamabatch.metrics import PrometheusListener
+    from llamabatch.runtime.metrics import PrometheusListener
 
     return PrometheusListener()
 

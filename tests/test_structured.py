@@ -14,7 +14,7 @@ import pytest
 
 from llamabatch import LLM, SamplingParams
 from llamabatch.gguf.testing import model_path
-from llamabatch.structured import json_object_grammar, json_schema_grammar, resolve_grammar
+from llamabatch.prompts.structured import json_object_grammar, json_schema_grammar, resolve_grammar
 
 jsonschema = pytest.importorskip("jsonschema")
 

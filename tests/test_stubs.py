@@ -22,7 +22,7 @@ import pytest
 
 import llamabatch.strategies
 from llamabatch._core import BatchPool, SlotTable
-from llamabatch.llm_engine import EngineHost
+from llamabatch.config import EngineConfig
 from llamabatch.strategies import Balanced, DecodeMaximal, PrefillPriority, SlotState, Strategy
 
 CORE_MODULES = [
@@ -177,7 +177,7 @@ def test_builtins_and_user_strategies_satisfy_the_protocol():
     for strategy in (DecodeMaximal(), PrefillPriority(), Balanced(), Mine()):
         assert isinstance(strategy, Strategy)
     assert not isinstance(object(), Strategy)
-    annotation = inspect.signature(EngineHost.__init__).parameters["strategy"].annotation
+    annotation = inspect.signature(EngineConfig.__init__).parameters["strategy"].annotation
     assert annotation == "str | Strategy"
 
 
@@ -205,7 +205,7 @@ SNIPPET = """
 from collections.abc import Iterable
 
 from llamabatch._core import BatchPool, SlotTable, get_strategy
-from llamabatch.llm_engine import EngineHost
+from llamabatch.config import EngineConfig
 from llamabatch.strategies import Balanced, SlotState, Strategy, TableView
 
 
@@ -230,11 +230,11 @@ ok: Strategy = Balanced()
 reveal_type(get_strategy("balanced"))
 reveal_type(get_strategy(Mine()))
 reveal_type(batch.tokens)
-EngineHost("model.gguf", strategy=Mine())
+EngineConfig(strategy=Mine())
 bad: Strategy = Wrong()  # E1
 table.fill(batch, Wrong(), 32)  # E2
 table.start("0", [1])  # E3
-EngineHost("model.gguf", strategy=Wrong())  # E4
+EngineConfig(strategy=Wrong())  # E4
 """
 
 

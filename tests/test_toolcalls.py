@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llamabatch import LLM, SamplingParams, testing
-from llamabatch.chat_template import normalize_messages, render_jinja, tool_call_arguments
+from llamabatch.prompts.chat_template import normalize_messages, render_jinja, tool_call_arguments
 from llamabatch.toolcalls import FORMATS, check_tool_call_parser, detect_format, get_format
 from llamabatch.toolcalls.chat import prepare_chat
 from llamabatch.toolcalls.reasoning import ReasoningSplitter, prompt_opens_reasoning

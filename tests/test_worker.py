@@ -1,4 +1,4 @@
-"""The worker skeleton alone (``llamabatch.worker``), with a fake unit of work.
+"""The worker skeleton alone (``llamabatch.runtime.worker``), with a fake unit of work.
 
 No llama.cpp, no sleeps: the worker is held inside a step with events, so every ordering
 below is forced, not hoped for.
@@ -16,7 +16,7 @@ import pytest
 
 from llamabatch._ffi.context import DecodeCode
 from llamabatch.errors import EngineClosed, LlamaBatchError
-from llamabatch.worker import Worker, halve_and_retry
+from llamabatch.runtime.worker import Worker, halve_and_retry
 
 WAIT = 10.0  # seconds: only reached when a test is broken
 
@@ -41,35 +41,36 @@ class Job:
 
 
 class FakeWorker(Worker):
-    """Runs ``step(job)`` per job; ``_fail_pending`` ends the queued and the running jobs."""
+    """A worker that is its own task (``Worker(name, task)``): runs ``step(job)`` per job;
+    ``fail_pending`` ends the queued and the running jobs."""
 
     _kind = "fake"
 
     def __init__(self, step: Callable[[FakeWorker, Job], Any], start: bool = True) -> None:
-        super().__init__("test-worker")
+        super().__init__("test-worker", self)
         self.step = step
         self.queue: deque[Job] = deque()
         self.current: Job | None = None
         self.in_step = False
-        self.freed: list[bool] = []  # one entry per _on_close: was a step running then?
+        self.freed: list[bool] = []  # one entry per on_close: was a step running then?
         self.interrupts = 0
         self.fail_pending_calls = 0
         if start:
-            self._start()
+            self.start()
 
     def submit(self, value: Any) -> Job:
         job = Job(value)
-        with self._cond:
-            self._raise_if_closed()
+        with self.cond:
+            self.raise_if_closed()
             self.queue.append(job)
-            self._cond.notify_all()
+            self.cond.notify_all()
         return job
 
-    def _has_work(self) -> bool:
+    def has_work(self) -> bool:
         return bool(self.queue)
 
-    def _run_once(self) -> None:
-        with self._cond:
+    def run_once(self) -> None:
+        with self.cond:
             job = self.current = self.queue.popleft()
         self.in_step = True
         try:
@@ -79,9 +80,9 @@ class FakeWorker(Worker):
         job.end("ok", result)
         self.current = None
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def fail_pending(self, error: BaseException) -> None:
         self.fail_pending_calls += 1
-        with self._cond:
+        with self.cond:
             jobs = list(self.queue)
             self.queue.clear()
         if self.current is not None:
@@ -90,10 +91,10 @@ class FakeWorker(Worker):
         for job in jobs:
             job.end("error", error)
 
-    def _on_close(self) -> None:
+    def on_close(self) -> None:
         self.freed.append(self.in_step)
 
-    def _interrupt(self) -> None:
+    def interrupt(self) -> None:
         self.interrupts += 1
 
 
@@ -125,8 +126,8 @@ def gated() -> Iterator[tuple[FakeWorker, Gate]]:
 
 
 def _joined(worker: Worker) -> bool:
-    worker._thread.join(WAIT)
-    return not worker._thread.is_alive()
+    worker.join(WAIT)
+    return not worker.alive
 
 
 # --------------------------------------------------------------------------- calls

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from llamabatch import _vendor
+import llamabatch._vendor as _vendor
 
 try:
     BUILD = _vendor.preload()

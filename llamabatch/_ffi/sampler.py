@@ -48,7 +48,9 @@ def trigger_pattern(word: str) -> str:
 
 
 def _grammar_sampler(model: Model, params: SamplingParams):
-    grammar = params.effective_grammar.encode()
+    text = params.effective_grammar
+    assert text is not None  # only called for a grammar
+    grammar = text.encode()
     if not params.grammar_triggers:
         return lib.llama_sampler_init_grammar(model.vocab, grammar, b"root")
     patterns = [ffi.new("char[]", trigger_pattern(w).encode()) for w in params.grammar_triggers]

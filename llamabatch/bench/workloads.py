@@ -87,7 +87,7 @@ class BenchRequest:
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """The GGUF to benchmark: a path, or a test-model preset name (``tiny``, ``small``,
     ``135m``; built and cached on first use); ``None`` is the ``135m`` preset."""
-    from llamabatch import testing
+    from llamabatch.gguf import testing
 
     if model is None:
         return testing.model_path("135m")

@@ -6,7 +6,7 @@ exhaustion, one worker thread owning the context): ``Reranker`` drives a private
 with rank pooling whose inputs are pairs. Two things differ from an embedding:
 
 - each pair is built as the model's own tokenizer builds it (``[CLS] q [SEP] d [SEP]`` for
-  BERT), with Hugging Face's ``longest_first`` truncation (:mod:`llamabatch.reranker_inputs`);
+  BERT), with Hugging Face's ``longest_first`` truncation (:mod:`llamabatch.embed.reranker_inputs`);
 - the document segment gets its own token type: the packs carry input vectors
   (``llama_batch.embd``) instead of token ids, because llama.cpp's BERT graph adds only the
   first token-type row. The scores are then transformers' ``AutoModelForSequenceClassification``
@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from llamabatch._ffi.embd_batch import EmbdBatch
-from llamabatch.embedder import Embedder, _show_progress
+from llamabatch.embed.config import EmbedderConfig
+from llamabatch.embed.core import EmbedCore
+from llamabatch.embed.embedder import Embedder
+from llamabatch.embed.jobs import run_jobs, show_progress
+from llamabatch.embed.reranker_inputs import InputTable, truncate_pair
 from llamabatch.errors import EngineClosed, PromptTooLong
 from llamabatch.gguf.convert_head import ACTIVATION_KEY
 from llamabatch.gguf.reader import tensor_names
-from llamabatch.params import check_positive_int
-from llamabatch.reranker_inputs import InputTable, truncate_pair
-from llamabatch.telemetry import EmbedderStats, Listener
+from llamabatch.runtime.telemetry import EmbedderStats, Listener
+from llamabatch.validate import check_positive_int
 
 __all__ = ["ACTIVATIONS", "Reranker"]
 
@@ -57,25 +58,31 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-class _ProgressBar:
-    """A tqdm bar on stderr (pairs), advanced by the worker thread; ``close`` on the caller's."""
+class _PairCore(EmbedCore):
+    """The embedding core of a reranker: its sequences are ``(n, 2)`` int32 arrays (token id,
+    token type), decoded from input vectors (the token-embedding rows plus the type row)."""
 
-    def __init__(self, total: int) -> None:
-        from tqdm import tqdm
+    def __init__(self, model_path: str | os.PathLike[str], config: EmbedderConfig) -> None:
+        EmbedCore.__init__(self, model_path, config)
+        try:
+            self.table = InputTable(self.model.path)
+            if self.table.n_embd != self.n_embd:
+                raise ValueError(
+                    f"token_embd.weight rows have {self.table.n_embd} values, the model {self.n_embd}"
+                )
+            self.embd_batch = EmbdBatch(self.capacity, self.n_embd)
+        except BaseException:
+            self.on_close()
+            raise
 
-        self._lock = threading.Lock()
-        self._bar: Any = tqdm(total=total, desc="Reranking", unit="pair", file=sys.stderr)
-
-    def update(self, n: int) -> None:
-        with self._lock:
-            if self._bar is not None:
-                self._bar.update(n)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+    def decode(self, part: list[Any]) -> int:
+        batch = self.embd_batch
+        batch.clear()
+        for seq_id, seq in enumerate(part):
+            batch.add(self.table.vectors(seq.tokens[:, 0], seq.tokens[:, 1]), seq_id)
+        if self.context.has_memory:
+            self.context.memory_clear(False)
+        return self.forward(batch.address)
 
 
 class _PairEncoder(Embedder):
@@ -83,23 +90,23 @@ class _PairEncoder(Embedder):
     input vectors. Its "tokens" are ``(n, 2)`` int32 arrays: token id, token type."""
 
     _kind = "reranker"
+    _core_type = _PairCore
 
     def __init__(self, model_path: str | os.PathLike[str], **kwargs: Any) -> None:
         self.truncate_pairs = True
         self.max_length = 0
         Embedder.__init__(self, model_path, pooling="rank", normalize="none", truncate=False, **kwargs)
         try:
-            self.table = InputTable(self.model.path)
-            if self.table.n_embd != self.n_embd:
-                raise ValueError(
-                    f"token_embd.weight rows have {self.table.n_embd} values, the model {self.n_embd}"
-                )
-            self._embd_batch = EmbdBatch(self.capacity, self.n_embd)
             self._prefix, self._mid, self._suffix_ids = self._pair_layout()
         except BaseException:
             self.close()
             raise
         self.max_length = self.max_tokens
+
+    @property
+    def table(self) -> InputTable:
+        """The token-embedding and token-type rows the pairs are decoded from."""
+        return self._core.table  # type: ignore[attr-defined,no-any-return]
 
     def _pair_layout(self) -> tuple[list[int], list[int], list[int]]:
         """The special tokens around and between the two segments, as the tokenizer puts them."""
@@ -157,15 +164,6 @@ class _PairEncoder(Embedder):
 
     def _tokens_of(self, index: int, text: Any) -> np.ndarray:
         return self.pair_tokens(index, text)
-
-    def _decode(self, part: list[Any]) -> int:
-        batch = self._embd_batch
-        batch.clear()
-        for seq_id, seq in enumerate(part):
-            batch.add(self.table.vectors(seq.tokens[:, 0], seq.tokens[:, 1]), seq_id)
-        if self.context.has_memory:
-            self.context.memory_clear(False)
-        return self._forward(batch.address)
 
 
 class Reranker:
@@ -249,7 +247,9 @@ class Reranker:
         recorded = self.model.meta(ACTIVATION_KEY)
         default = recorded if recorded in ACTIVATIONS else ("sigmoid" if self.num_labels == 1 else "identity")
         #: the activation ``predict`` applies unless told otherwise
-        self.activation_fn: Activation = activation_fn if activation_fn is not None else default
+        self.activation_fn: str | Callable[[np.ndarray], np.ndarray] = (
+            activation_fn if activation_fn is not None else default
+        )
 
     @staticmethod
     def _check_activation(activation_fn: Activation) -> None:
@@ -296,24 +296,10 @@ class Reranker:
         engine = self._engine
         if engine.on_worker_thread:
             raise RuntimeError("a Reranker cannot be called from its own worker thread (a listener)")
-        if engine._closing:
+        if engine.closed:
             raise EngineClosed("the reranker is closed")
         out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
-        bar = _ProgressBar(len(pairs)) if show else None
-        jobs: list[Any] = []
-        try:
-            for start in range(0, len(pairs), chunk):
-                jobs.append(engine._submit(pairs[start : start + chunk], start, out, bar, new_call=not jobs))
-            for job in jobs:
-                job.future.result()
-        except BaseException:
-            for job in jobs:
-                job.future.cancel()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return out
+        return run_jobs(engine._submit, pairs, chunk, out, show, desc="Reranking", unit="pair")
 
     def _shape(self, logits: np.ndarray, single: bool, activation_fn: Activation, apply_softmax: bool) -> Any:
         scores = self._activate(logits, activation_fn, apply_softmax)
@@ -351,7 +337,7 @@ class Reranker:
         """
         check_positive_int("batch_size", batch_size)
         single, pairs = self._as_pairs(sentences)
-        logits = self._logits(pairs, batch_size, _show_progress(show_progress_bar))
+        logits = self._logits(pairs, batch_size, show_progress(show_progress_bar))
         scores = self._shape(logits, single, activation_fn, apply_softmax)
         if convert_to_tensor or not convert_to_numpy:
             try:
@@ -446,7 +432,7 @@ class Reranker:
     def tokenize(self, query: str, document: str) -> tuple[list[int], list[int]]:
         """The token ids and token types of the pair, as ``predict`` computes it (truncated
         or refused as the Reranker is set)."""
-        with self._engine._using_resources():
+        with self._engine.using_resources():
             tokens = self._engine.pair_tokens(0, (query, document))
         return tokens[:, 0].tolist(), tokens[:, 1].tolist()
 

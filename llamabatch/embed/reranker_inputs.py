@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,11 +69,11 @@ class InputTable:
         self.n_types = int(self._delta.shape[0])
 
     @staticmethod
-    def _map(path: Path, data_offset: int, info: object) -> np.ndarray:
-        offset = data_offset + info.offset  # type: ignore[attr-defined]
-        return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(info.nbytes,))  # type: ignore[attr-defined]
+    def _map(path: Path, data_offset: int, info: Any) -> np.ndarray:
+        offset = data_offset + info.offset
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(info.nbytes,))
 
-    def _rows(self, raw: np.ndarray, qtype: int, index: object) -> np.ndarray:
+    def _rows(self, raw: np.ndarray, qtype: int, index: Any) -> np.ndarray:
         """Rows ``index`` of a tensor of ``qtype`` stored in ``raw`` bytes, as float32."""
         import gguf
 

@@ -16,9 +16,14 @@ Each step:
   4. sample every output at its batch index with the request's own sampler chain;
   5. detokenize incrementally, check stop conditions, record deltas and finish requests.
 
-What the step produced is returned as ``(request, text, token_ids, finish_reason)``
-events, for the driver to deliver. The slot table is the one record of what every
-sequence holds in the KV cache; ``running`` maps slots to their requests.
+What the step produced is returned as ``CoreOutput`` records (the request, its new text
+and tokens, its end), for the driver to deliver. A request's state is its
+``RequestStatus``, changed only through ``Request.transition``. The slot table is the one
+record of what every sequence holds in the KV cache; ``SlotMap`` is the one record of which
+request runs in which slot; ``requests`` holds every unfinished request by its key.
+
+``build_engine`` makes the context and the core of an ``EngineConfig``: ``LLM``,
+``LLMEngine`` and the fake-context tests all build the engine through it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,56 +43,124 @@ from llamabatch._core.strategies import DecodeMaximal, get_strategy
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
+from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
-from llamabatch.kv_cache import KVCache
+from llamabatch.generate.kv_cache import KVCache
+from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.outputs import FinishReason
-from llamabatch.request import Request
-from llamabatch.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
-from llamabatch.worker import halve_and_retry
+from llamabatch.runtime.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
+from llamabatch.runtime.worker import halve_and_retry
 
 logger = logging.getLogger("llamabatch")
 
-#: what a step produced for one completion: new text and tokens, or its end
-StepEvent = tuple[Request, str, list[int], FinishReason | None]
+
+def check_queue_room(n_queued: int, n_new: int, max_queue: int) -> None:
+    """``QueueFull`` unless ``n_new`` more requests fit a queue of ``max_queue`` holding
+    ``n_queued`` (the one rule, for the core and for ``LLM``'s inbox)."""
+    if n_queued + n_new > max_queue:
+        raise QueueFull(f"the request queue is full ({n_queued} waiting, max_queue={max_queue})")
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one step produced for one completion: its new text and tokens, or its end
+    (``finish_reason`` set: then ``text`` is the text released at the end)."""
+
+    request: Request
+    text: str
+    token_ids: list[int]
+    #: the request's status when this was produced (``RUNNING``, or its end)
+    status: RequestStatus
+    finish_reason: FinishReason | None = None
+
+
+class SlotMap:
+    """Which request runs in which slot: the one record of it (the slot table knows what
+    each slot's sequence holds, not whose it is)."""
+
+    __slots__ = ("_by_key", "requests")
+
+    def __init__(self, n_slots: int) -> None:
+        #: slot -> the request running there, or None (read-only for everyone but the core)
+        self.requests: list[Request | None] = [None] * n_slots
+        self._by_key: dict[int, int] = {}
+
+    def assign(self, slot: int, request: Request) -> None:
+        assert self.requests[slot] is None, f"slot {slot} is taken"
+        self.requests[slot] = request
+        self._by_key[request.arrival] = slot
+
+    def release(self, slot: int) -> Request | None:
+        request = self.requests[slot]
+        if request is not None:
+            self.requests[slot] = None
+            del self._by_key[request.arrival]
+        return request
+
+    def slot_of(self, request: Request) -> int:
+        """The slot ``request`` runs in, or -1."""
+        return self._by_key.get(request.arrival, -1)
+
+    def busy(self) -> list[tuple[int, Request]]:
+        return [(s, r) for s, r in enumerate(self.requests) if r is not None]
+
+
+def build_engine(
+    model: Model,
+    config: EngineConfig,
+    telemetry: Telemetry,
+    *,
+    context_factory: Callable[..., Context] | None = None,
+) -> tuple[Context, EngineCore]:
+    """The context (``n_seq_max``: the slots plus the pinned-prefix sequences) and the
+    engine core of ``config`` over ``model``; the context is closed again if the core fails."""
+    make_context = context_factory if context_factory is not None else Context
+    context = make_context(
+        model,
+        n_ctx=config.n_ctx,
+        n_batch=config.n_batch,
+        n_ubatch=config.n_ubatch,
+        n_seq_max=config.n_seq_max,
+        n_threads=config.n_threads,
+        n_threads_batch=config.n_threads_batch,
+        flash_attn=config.flash_attn,
+        kv_unified=config.kv_unified,
+    )
+    try:
+        core = EngineCore(model, context, config, telemetry)
+    except BaseException:
+        context.close()
+        raise
+    return context, core
 
 
 class EngineCore:
     """Continuous batching over ``n_parallel`` slots of one context (seq_id = slot)."""
 
-    def __init__(
-        self,
-        model: Model,
-        context: Context,
-        *,
-        n_parallel: int,
-        n_batch: int,
-        chunk_size: int,
-        strategy: Any,
-        max_queue: int,
-        telemetry: Telemetry,
-        prefix_cache: bool = True,
-        max_prefixes: int = 0,
-    ) -> None:
+    def __init__(self, model: Model, context: Context, config: EngineConfig, telemetry: Telemetry) -> None:
         self.model = model
         self.context = context
-        self.n_parallel = n_parallel
-        self.n_batch = n_batch
+        self.config = config
+        n_parallel = self.n_parallel = config.n_parallel
+        #: llama.cpp caps n_batch at n_ctx (a bigger batch aborts): the context's is the one
+        self.n_batch = context.n_batch
         self.n_ctx_seq = context.n_ctx_seq
-        self.max_queue = max_queue
+        self.max_queue = config.max_queue
         self.telemetry = telemetry
-        self.strategy = get_strategy(strategy)
+        self.strategy = get_strategy(config.strategy)
         self._fallback_strategy = DecodeMaximal()
         self._empty_plan_logged = False
         unified = context.kv_unified
         self.table = SlotTable(
             n_parallel,
             self.n_ctx_seq,
-            chunk_size,
-            n_pinned=max_prefixes,
+            config.chunk_size,
+            n_pinned=config.n_prefixes,
             kv_unified=unified,
             kv_size=context.n_ctx if unified else 0,
         )
         copy_supported = not (model.is_recurrent or model.is_hybrid)
+        prefix_cache = config.prefix_cache
         if prefix_cache and not copy_supported:
             logger.warning(
                 "llamabatch: prefix reuse switched off: %s has %s memory, its KV cannot be copied in part",
@@ -95,13 +170,16 @@ class EngineCore:
         self.kv = KVCache(context, self.table, reuse=prefix_cache, copy_supported=copy_supported)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
-        self.pool = BatchPool(n_batch, 1)
+        self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()
-        self.running: list[Request | None] = [None] * n_parallel
+        self._batch_released = False
+        self.slots = SlotMap(n_parallel)
         self.waiting: deque[Request] = deque()
+        #: every unfinished request (waiting or running), by its key (``Request.arrival``)
+        self.requests: dict[int, Request] = {}
         self.counters = GenerationCounters()
         self._aborts: list[Request] = []
-        self._events: list[StepEvent] = []
+        self._events: list[CoreOutput] = []
         #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
         self.stopping = False
         # scratch of the current tick
@@ -120,22 +198,30 @@ class EngineCore:
 
     def add(self, requests: list[Request], *, check_room: bool = True) -> None:
         """Queue requests (all or none); ``QueueFull`` beyond ``max_queue`` waiting."""
-        if check_room and self.n_queued + len(requests) > self.max_queue:
-            raise QueueFull(
-                f"the request queue is full ({self.n_queued} waiting, max_queue={self.max_queue})"
-            )
+        if check_room:
+            check_queue_room(self.n_queued, len(requests), self.max_queue)
+        for request in requests:
+            if request.status is not RequestStatus.WAITING or request.arrival in self.requests:
+                raise ValueError(f"request {request.request_id!r} was queued before")
         self.waiting.extend(requests)
+        for request in requests:
+            self.requests[request.arrival] = request
+
+    @property
+    def running(self) -> list[Request | None]:
+        """Slot -> the request running there (read only: ``slots`` owns it)."""
+        return self.slots.requests
 
     @property
     def n_queued(self) -> int:
         """Waiting requests that count against ``max_queue``: preempted ones, waiting to be
         recomputed, were admitted once and do not."""
-        return len(self.waiting) - sum(1 for r in self.waiting if r.n_preemptions)
+        preempted = RequestStatus.PREEMPTED
+        return len(self.waiting) - sum(1 for r in self.waiting if r.status is preempted)
 
     def abort(self, request: Request) -> None:
         """End ``request`` as ``"cancelled"`` at the start of the next step."""
         if not request.done:
-            request.cancel_requested = True
             self._aborts.append(request)
 
     def has_unfinished(self) -> bool:
@@ -145,10 +231,11 @@ class EngineCore:
     def busy_slots(self) -> int:
         return self.table.busy_slots
 
-    def step(self) -> list[StepEvent]:
+    def step(self) -> list[CoreOutput]:
         """One scheduling step: aborts, admission, one decode, sampling. Returns what the
         step produced, per completion."""
-        self._events = events = []
+        events: list[CoreOutput] = []
+        self._events = events
         if self._aborts:
             self._end_aborted()
         if self.waiting:
@@ -157,12 +244,12 @@ class EngineCore:
             self._tick()
         return events
 
-    def fail_all(self, reason: FinishReason, error: str | None = None) -> list[StepEvent]:
+    def fail_all(self, reason: FinishReason, error: str | None = None) -> list[CoreOutput]:
         """End every running and waiting request (closing, or a crash)."""
-        self._events = events = []
-        for slot in range(self.n_parallel):
-            if self.running[slot] is not None:
-                self._finish(slot, reason, error)
+        events: list[CoreOutput] = []
+        self._events = events
+        for slot, _ in self.slots.busy():
+            self._finish(slot, reason, error)
         while self.waiting:
             self._end(self.waiting.popleft(), reason, error)
         self._aborts.clear()
@@ -170,9 +257,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Return the batch buffer (after ``fail_all``)."""
-        if self.batch is not None:
+        if not self._batch_released:
+            self._batch_released = True
             self.pool.release(self.batch)
-            self.batch = None
 
     # -- admission ------------------------------------------------------------------------
 
@@ -181,7 +268,7 @@ class EngineCore:
         for request in aborts:
             if request.done:
                 continue
-            slot = self._slot_of(request)
+            slot = self.slots.slot_of(request)
             if slot >= 0:
                 self._finish(slot, "cancelled")
             elif request in self.waiting:
@@ -202,9 +289,8 @@ class EngineCore:
         i = 0
         while n_idle and i < len(waiting):
             request = waiting[i]
-            leader = request.leader
             tokens = request.tokens_to_compute()
-            if (leader is not None and not leader.done and leader.t_first_token is None) or (
+            if (request.kind is RequestKind.FOLLOWER and request.follower_waits) or (
                 self.kv.should_wait(tokens, admitting)
             ):
                 i += 1
@@ -235,22 +321,17 @@ class EngineCore:
 
     def _start(self, request: Request, tokens: list[int]) -> None:
         leader = request.leader
-        leader_slot = self._slot_of(leader) if leader is not None else -1
+        leader_slot = self.slots.slot_of(leader) if leader is not None else -1
         placement = self.kv.place(tokens, leader_slot)
         slot = placement.slot
         self.table.start(slot, tokens, placement.reused_tokens)
-        self.running[slot] = request
+        self.slots.assign(slot, request)
+        request.transition(RequestStatus.RUNNING)
         if request.n_preemptions:
             self.counters.recomputed_tokens += len(tokens) - placement.reused_tokens
         else:
             request.reused_tokens = placement.reused_tokens
             request.t_admitted = time.perf_counter()
-
-    def _slot_of(self, request: Request) -> int:
-        try:
-            return self.running.index(request)
-        except ValueError:
-            return -1
 
     # -- the tick -------------------------------------------------------------------------
 
@@ -324,18 +405,18 @@ class EngineCore:
             table = self.table
             self.telemetry.emit(
                 TickEvent(
-                    counters.ticks,
-                    n_tokens,
-                    n_decode,
-                    n_prefill,
-                    busy,
-                    len(self.waiting),
-                    self._decode_time,
-                    tick_time,
-                    retries,
-                    self._tick_preemptions,
-                    table.cells_used,
-                    table.cells_total,
+                    tick=counters.ticks,
+                    batch_tokens=n_tokens,
+                    decode_tokens=n_decode,
+                    prefill_tokens=n_prefill,
+                    busy_slots=busy,
+                    queue_depth=len(self.waiting),
+                    decode_time=self._decode_time,
+                    tick_time=tick_time,
+                    decode_retries=retries,
+                    preemptions=self._tick_preemptions,
+                    kv_cells_used=table.cells_used,
+                    kv_cells_total=table.cells_total,
                 )
             )
 
@@ -371,25 +452,26 @@ class EngineCore:
 
     def _slots_in_batch(self) -> list[int]:
         table = self.table
-        return [s for s in range(self.n_parallel) if self.running[s] is not None and table.tokens_in_batch(s)]
+        return [s for s, _ in self.slots.busy() if table.tokens_in_batch(s)]
 
     def _preempt_one(self) -> bool:
         """Free the cells of the running request that arrived last (never the only one), and
         put it back at the front of the queue; False when fewer than two run."""
-        busy = [(r.arrival, s) for s, r in enumerate(self.running) if r is not None]
+        busy = [(r.arrival, s) for s, r in self.slots.busy()]
         if len(busy) < 2:
             return False
         slot = max(busy)[1]
-        request = self.running[slot]
-        assert request is not None
         self.kv.release(slot, keep=False)
-        self.running[slot] = None
+        request = self.slots.release(slot)
+        assert request is not None
+        request.transition(RequestStatus.PREEMPTED)
         request.n_preemptions += 1
         self.counters.preemptions += 1
         # Preempted requests go first, oldest first, so none can starve.
         waiting = self.waiting
         i = 0
-        while i < len(waiting) and waiting[i].n_preemptions and waiting[i].arrival < request.arrival:
+        preempted = RequestStatus.PREEMPTED
+        while i < len(waiting) and waiting[i].status is preempted and waiting[i].arrival < request.arrival:
             i += 1
         waiting.insert(i, request)
         logger.debug(
@@ -403,7 +485,7 @@ class EngineCore:
         """Sample every output of the tick: plain greedy requests take the argmax of their
         logits row (numpy, no copy), the others run their own llama.cpp sampler chain."""
         outputs = self.table.outputs()  # [(slot, batch index)], in batch order
-        running = self.running
+        running: list[Any] = self.slots.requests  # every slot of ``outputs`` is busy
         # Output rows are stored in batch order, which is the order of ``outputs``.
         greedy_rows = [row for row, (slot, _) in enumerate(outputs) if running[slot].fast_greedy]
         greedy: dict[int, int] = {}
@@ -415,7 +497,7 @@ class EngineCore:
         now = time.perf_counter()
         for row, (slot, idx) in enumerate(outputs):
             request = running[slot]
-            if request.pin is not None:  # a prefix to pin: computed, nothing to sample
+            if request.kind is RequestKind.PIN:  # a prefix to pin: computed, nothing to sample
                 self.kv.pin(request.pin, slot)
                 self._finish(slot, "stop")
                 continue
@@ -430,8 +512,9 @@ class EngineCore:
                 except SamplingError as exc:  # a grammar at a dead end: end this request only
                     self._finish(slot, "error", error=str(exc))
                     continue
-            if request.logprobs is not None:
-                request.logprobs.append(self._logprobs(idx, token, request.params.logprobs))
+            logprobs = request.state.logprobs
+            if logprobs is not None:
+                logprobs.append(self._logprobs(idx, token, request.params.logprobs))
             self._on_token(slot, request, token, now)
 
     def _sample_without_stops(self, request: Request, idx: int) -> int:
@@ -440,11 +523,13 @@ class EngineCore:
         banned = list(request.stop_ids)
         if not request.params.ignore_eos:
             banned += self._eog_ids
+        sampler = request.sampler
+        assert sampler is not None  # min_tokens: never the fast greedy path
         logits = self.context.logits_view(idx)
         saved = logits[banned].copy()
         logits[banned] = -np.inf
         try:
-            return request.sampler.sample(self.context, idx)
+            return sampler.sample(self.context, idx)
         finally:
             logits[banned] = saved
 
@@ -457,13 +542,11 @@ class EngineCore:
             self._emit(request, "", token)
             self._finish(slot, "stop", stop_reason=token)
             return
-        text = request.detok.feed(self._piece(token, not params.skip_special_tokens))
-        if text:
-            text, matched = request.stop_matcher.feed(text)
-            if matched is not None:
-                self._emit(request, text, token)
-                self._finish(slot, "stop", stop_reason=matched)
-                return
+        text, matched = request.state.feed(self._piece(token, not params.skip_special_tokens))
+        if matched is not None:
+            self._emit(request, text, token)
+            self._finish(slot, "stop", stop_reason=matched)
+            return
         self._emit(request, text, token)
         if len(request.output_tokens) >= params.max_tokens or self.table.n_past(slot) + 1 >= self.n_ctx_seq:
             self._finish(slot, "length")
@@ -471,10 +554,11 @@ class EngineCore:
         self.table.accept(slot, token)
 
     def _emit(self, request: Request, text: str, token: int) -> None:
+        state = request.state
         if text:
-            request.text_parts.append(text)
-        if request.streaming:
-            self._events.append((request, text, [token], None))
+            state.text_parts.append(text)
+        if state.streaming:
+            self._events.append(CoreOutput(request, text, [token], RequestStatus.RUNNING))
 
     def _piece(self, token: int, special: bool) -> bytes:
         cache = self._pieces_special if special else self._pieces
@@ -500,10 +584,9 @@ class EngineCore:
     def _finish(
         self, slot: int, reason: FinishReason, error: str | None = None, stop_reason: Any = None
     ) -> None:
-        request = self.running[slot]
+        request = self.slots.release(slot)
         if request is None:
             return
-        self.running[slot] = None
         # Keep what the KV cache validly holds for reuse, unless the request failed.
         self.kv.release(slot, keep=reason != "error")
         self._end(request, reason, error, stop_reason)
@@ -514,7 +597,8 @@ class EngineCore:
         rest = request.finish(reason, error, stop_reason)
         if rest is None:
             return
-        self._events.append((request, rest, [], request.finish_reason))
+        self.requests.pop(request.arrival, None)
+        self._events.append(CoreOutput(request, rest, [], request.status, request.finish_reason))
         out = request.output
         assert out is not None
         counters = self.counters

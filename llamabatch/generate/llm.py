@@ -1,10 +1,11 @@
 """``LLM``: the engine core driven by a thread of its own, behind a small thread-safe,
 streaming and asyncio API (vLLM's ``LLM`` shape).
 
-Callers on any thread put requests and cancellations into an inbox; the engine thread
-(``llamabatch.worker.Worker``) moves them into the core between steps, runs
-``EngineCore.step()`` while there is work, and hands each step's deltas to the callers'
-channels. The core itself is the one ``LLMEngine`` drives on the caller's thread.
+``LLM`` owns an ``EngineHost`` (model, context, core: the same ``LLMEngine`` owns) and a
+``Worker`` thread that runs an ``EngineLoop``. Callers on any thread put requests and
+cancellations into the loop's inbox under the worker's lock; the engine thread moves them
+into the core between steps, runs ``EngineCore.step()`` while there is work, and hands
+each step's deltas to the callers' channels.
 """
 
 from __future__ import annotations
@@ -14,163 +15,231 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
-from typing_extensions import Unpack
-
-from llamabatch.chat_template import render_chat
+from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, QueueFull
-from llamabatch.inputs import as_prompt_list
-from llamabatch.kv_cache import PinnedPrefix
-from llamabatch.llm_engine import EngineHost, EngineOptions, Prompt
+from llamabatch.generate.core import EngineCore, check_queue_room
+from llamabatch.generate.kv_cache import PinnedPrefix
+from llamabatch.generate.llm_engine import EngineHost, Prompt, engine_config, from_host
+from llamabatch.generate.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
-from llamabatch.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
+from llamabatch.prompts.chat_template import render_chat
+from llamabatch.prompts.inputs import as_prompt_list
+from llamabatch.runtime.telemetry import GenerationStats, Listener
+from llamabatch.runtime.worker import Worker
 from llamabatch.toolcalls.host import ChatOptions, chat_request
-from llamabatch.worker import Worker
 
 Params = SamplingParams | Mapping[str, Any] | None
+T = TypeVar("T")
 
 
-class LLM(EngineHost, Worker):
+class EngineLoop:
+    """The engine thread's side of ``LLM`` (a ``WorkerTask``): the inbox of requests and
+    cancellations callers hand over under ``worker.cond``, moved into the core between
+    steps; each step's deltas go to the callers' channels."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.core = host.core
+        self.inbox: list[Request] = []
+        self.cancels: list[Request] = []
+        self.worker: Worker  # set by the owner, before the thread starts
+
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.cancels or self.core.has_unfinished())
+
+    def run_once(self) -> None:
+        core = self.core
+        cond = self.worker.cond
+        with cond:
+            inbox, self.inbox = self.inbox, []
+            cancels, self.cancels = self.cancels, []
+        if inbox:
+            core.add(inbox, check_room=False)  # room was checked at submit
+        for request in cancels:
+            core.abort(request)
+        ended = False
+        for event in core.step():
+            event.request.publish(event.text, event.token_ids, event.finish_reason)
+            ended = ended or event.finish_reason is not None
+        if inbox or core.waiting or ended:
+            with cond:
+                cond.notify_all()  # room in the queue for blocked submitters
+
+    def fail_pending(self, error: BaseException) -> None:
+        with self.worker.cond:
+            inbox, self.inbox = self.inbox, []
+            self.cancels.clear()
+        core = self.core
+        core.add(inbox, check_room=False)
+        # Closing cancels what is in flight; a crash fails it.
+        reason, message = ("cancelled", None) if isinstance(error, EngineClosed) else ("error", str(error))
+        for event in core.fail_all(reason, message):  # type: ignore[arg-type]
+            event.request.publish(event.text, event.token_ids, event.finish_reason)
+
+    def on_close(self) -> None:
+        self.host.free()
+
+    def interrupt(self) -> None:
+        self.core.stopping = True
+        self.host.context.abort()  # stop a long decode early
+
+    def queue_depth(self) -> int:
+        return len(self.inbox) + len(self.core.waiting)
+
+    def queued(self) -> int:
+        """What counts against ``max_queue`` (not the preempted requests waiting)."""
+        return len(self.inbox) + self.core.n_queued
+
+
+class LLM:
     """Many concurrent generations from one GGUF model, batched into one forward pass per tick.
 
-    Takes the options documented on :class:`llamabatch.llm_engine.EngineHost` (``n_ctx``,
-    ``n_parallel``, ``n_batch``, ``kv_unified``, ...). Every method is thread-safe.
+    Options: ``config=EngineConfig(...)`` and/or the config's fields as keywords (``n_ctx``,
+    ``n_parallel``, ``n_batch``, ``kv_unified``, ...; see :class:`llamabatch.EngineConfig`);
+    keywords override the config's fields. Every method is thread-safe.
     """
 
-    _kind = "LLM"
-
+    @options_signature
     def __init__(
         self,
         model_path: str | os.PathLike[str],
         *,
+        config: EngineConfig | None = None,
         tool_call_parser: str = "auto",
         reasoning_format: str = "auto",
-        **options: Unpack[EngineOptions],
+        **options: Any,
     ) -> None:
         # chat(): the tool-call format ("auto": from the chat template) and <think> splitting
         self._chat_options = ChatOptions(tool_call_parser, reasoning_format)
-        Worker.__init__(self, "llamabatch-engine")
-        self._inbox: list[Request] = []
-        self._cancels: list[Request] = []
-        EngineHost.__init__(self, model_path, **options)
-        self._start()
+        self._host = EngineHost(model_path, engine_config(config, options))
+        self._loop = EngineLoop(self._host)
+        self._worker = self._loop.worker = Worker("llamabatch-engine", self._loop, kind="LLM")
+        self._worker.start()
+
+    config = from_host("config", "The engine's ``EngineConfig``.")
+    model = from_host("model", "The loaded model.")
+    context = from_host("context", "The llama.cpp context.")
+    telemetry = from_host("telemetry", "Where ``TickEvent``s and ``RequestEvent``s go.")
+    n_ctx = from_host("n_ctx", "KV cache cells, all sequences together.")
+    n_ctx_seq = from_host("n_ctx_seq", "The most tokens one request may hold (prompt + max_tokens).")
+    n_parallel = from_host("n_parallel", "Slots.")
+    n_batch = from_host("n_batch", "The most tokens in one forward pass.")
+    max_queue = from_host("max_queue", "Requests allowed to wait for a slot.")
+    max_prompt_bytes = from_host("max_prompt_bytes", "See ``EngineHost.max_prompt_bytes``.")
 
     @property
     def chat_options(self) -> ChatOptions:
         """``chat()``'s defaults: ``tool_call_parser`` and ``reasoning_format``."""
         return self._chat_options
 
-    # -- the engine thread (Worker hooks) -------------------------------------------------
+    @property
+    def worker(self) -> Worker:
+        """The engine's thread (``worker.call(fn)`` runs ``fn`` on it between steps: for
+        tests, benchmarks and diagnostics)."""
+        return self._worker
 
-    def _has_work(self) -> bool:
-        core = self._core
-        return bool(self._inbox or self._cancels or (core is not None and core.has_unfinished()))
+    @property
+    def core(self) -> EngineCore:
+        """The engine core (touch it only on the engine thread: ``worker.call``)."""
+        return self._host.core
 
-    def _run_once(self) -> None:
-        core = self._core
-        assert core is not None
-        with self._cond:
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        if inbox:
-            core.add(inbox, check_room=False)  # room was checked at submit
-        for request in cancels:
-            core.abort(request)
-        events = core.step()
-        for request, text, token_ids, finish_reason in events:
-            request.publish(text, token_ids, finish_reason)
-        if inbox or core.waiting or any(e[3] is not None for e in events):
-            with self._cond:
-                self._cond.notify_all()  # room in the queue for blocked submitters
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called or the engine thread crashed."""
+        return self._worker.closed
 
-    def _fail_pending(self, error: BaseException) -> None:
-        core = self._core
-        if core is None:
-            return
-        with self._cond:
-            inbox, self._inbox = self._inbox, []
-            self._cancels.clear()
-        core.add(inbox, check_room=False)
-        # Closing cancels what is in flight; a crash fails it.
-        reason, message = ("cancelled", None) if isinstance(error, EngineClosed) else ("error", str(error))
-        for request, text, token_ids, finish_reason in core.fail_all(reason, message):
-            request.publish(text, token_ids, finish_reason)
+    @property
+    def on_worker_thread(self) -> bool:
+        """Whether the current thread is the engine's (listeners and strategies run there)."""
+        return self._worker.on_worker_thread
 
-    def _on_close(self) -> None:
-        self._free()
+    def call_on_engine_thread(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn()`` on the engine thread between steps and return its result (see
+        ``Worker.call``)."""
+        return self._worker.call(fn, timeout)
 
-    def _interrupt(self) -> None:
-        if self._core is not None:
-            self._core.stopping = True
-        if hasattr(self, "context"):
-            self.context.abort()  # stop a long decode early
+    # -- telemetry --------------------------------------------------------------------------
 
-    def _queue_depth(self) -> int:
-        core = self._core
-        return len(self._inbox) + (len(core.waiting) if core is not None else 0)
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` for every ``TickEvent`` and ``RequestEvent`` (on the
+        engine's thread: keep it quick)."""
+        self._host.add_listener(listener)
 
-    def _queued(self) -> int:
-        """What counts against ``max_queue`` (not the preempted requests waiting)."""
-        core = self._core
-        return len(self._inbox) + (core.n_queued if core is not None else 0)
+    def remove_listener(self, listener: Listener) -> None:
+        self._host.remove_listener(listener)
+
+    def stats(self) -> GenerationStats:
+        """Slots, queue depth, KV cells, ticks, tokens/s and other running totals."""
+        if self.closed:
+            raise EngineClosed("the engine is closed")
+        return self._host.stats(self._loop.queue_depth())
 
     # -- the model on callers' threads ----------------------------------------------------
 
     def _make_requests(self, *args: Any, **kwargs: Any) -> list[Request]:
-        with self._using_resources():
-            return EngineHost._make_requests(self, *args, **kwargs)
+        with self._worker.using_resources():
+            return self._host.make_requests(*args, **kwargs)
 
-    def _prompt_tokens(self, *args: Any, **kwargs: Any) -> tuple[list[int], str | None]:
-        with self._using_resources():
-            return EngineHost._prompt_tokens(self, *args, **kwargs)
+    def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> tuple[list[int], str | None]:
+        with self._worker.using_resources():
+            return self._host.prompt_tokens(prompt, params)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text`` under the model's vocabulary."""
-        with self._using_resources():
-            return EngineHost.tokenize(self, text, add_special, parse_special)
+        with self._worker.using_resources():
+            return self._host.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens``."""
-        with self._using_resources():
-            return EngineHost.detokenize(self, tokens)
+        with self._worker.using_resources():
+            return self._host.detokenize(tokens)
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids exactly as ``submit`` makes them (BOS added, special
+        tokens parsed)."""
+        with self._worker.using_resources():
+            return self._host.tokenize_prompt(text)
 
     def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
         """``PromptTooLong`` when ``text`` cannot fit the context, before tokenizing it."""
-        with self._using_resources():
-            EngineHost.check_prompt_bytes(self, text, max_tokens)
+        with self._worker.using_resources():
+            self._host.check_prompt_bytes(text, max_tokens)
 
     # -- requests (any thread) ------------------------------------------------------------
 
     def _enqueue(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
         """Queue requests (all or none). ``QueueFull`` beyond ``max_queue``, unless
         ``block``, which waits for room (not on the engine thread: it would wait forever)."""
-        if block and self.on_worker_thread:
+        worker, loop = self._worker, self._loop
+        if block and worker.on_worker_thread:
             block = False
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        max_queue = self._host.max_queue
+        with worker.cond:
             while True:
-                self._raise_if_closed()
-                if self._queued() + len(requests) <= self.max_queue:
-                    break
+                worker.raise_if_closed()
                 if not block:
-                    raise QueueFull(
-                        f"the request queue is full ({self._queued()} waiting, max_queue={self.max_queue})"
-                    )
+                    check_queue_room(loop.queued(), len(requests), max_queue)
+                    break
+                if loop.queued() + len(requests) <= max_queue:
+                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise QueueFull(f"no room in the queue within {timeout} s (max_queue={self.max_queue})")
-                self._cond.wait(left)
-            self._inbox.extend(requests)
-            self._cond.notify_all()
+                    raise QueueFull(f"no room in the queue within {timeout} s (max_queue={max_queue})")
+                worker.cond.wait(left)
+            loop.inbox.extend(requests)
+            worker.cond.notify_all()
 
     def _cancel(self, request: Request) -> None:
-        with self._cond:
-            if not self._closing:
-                self._cancels.append(request)
-                self._cond.notify_all()
+        worker = self._worker
+        with worker.cond:
+            if not worker.closed:
+                self._loop.cancels.append(request)
+                worker.cond.notify_all()
 
     def _check_can_wait(self, what: str) -> None:
         if self.on_worker_thread:
@@ -184,8 +253,8 @@ class LLM(EngineHost, Worker):
 
         Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
         prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""
-        with self._cond:
-            self._raise_if_closed()
+        with self._worker.cond:
+            self._worker.raise_if_closed()
         requests = self._make_requests(prompt, params, channel=Channel())
         self._enqueue(requests)
         return RequestHandle(requests, self._cancel)
@@ -282,8 +351,8 @@ class LLM(EngineHost, Worker):
         """Submit a prompt whose deltas go to an asyncio queue of the running loop. The
         prompt is tokenized and its samplers (grammars) built in a worker thread, so a heavy
         prompt or grammar does not stall the event loop."""
-        with self._cond:
-            self._raise_if_closed()
+        with self._worker.cond:
+            self._worker.raise_if_closed()
         channel = Channel()
         aqueue: asyncio.Queue[Any] = asyncio.Queue()
         channel.listen_from(asyncio.get_running_loop(), aqueue)
@@ -342,10 +411,10 @@ class LLM(EngineHost, Worker):
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
-        with self._using_resources():
+        with self._worker.using_resources():
             prepared = [
                 chat_request(
-                    self,
+                    self._host,
                     self._chat_options,
                     conversation,  # type: ignore[arg-type]
                     params,
@@ -376,7 +445,7 @@ class LLM(EngineHost, Worker):
     ) -> str:
         """The prompt text for ``messages`` under the model's chat template (the GGUF's
         Jinja ``tokenizer.chat_template``, rendered as HF transformers does)."""
-        with self._using_resources():
+        with self._worker.using_resources():
             return render_chat(
                 self.model,
                 messages,
@@ -400,11 +469,10 @@ class LLM(EngineHost, Worker):
         if len(tokens) < 2:
             raise ValueError("a prefix must be at least 2 tokens long to be worth pinning")
         kv = self._kv
-        seq_id = self.call(kv.new_pin_seq, timeout)
+        seq_id = self._worker.call(kv.new_pin_seq, timeout)
         pinned = PinnedPrefix(seq_id, tokens, text)
         # Computed like a prompt in a slot, then copied into its own sequence.
-        request = Request(tokens, params, streaming=False)
-        request.pin = pinned
+        request = Request(tokens, params, streaming=False, pin=pinned)
         self._enqueue([request], block=True, timeout=timeout)
         if not request.wait(timeout) or request.finish_reason != "stop":
 
@@ -416,21 +484,20 @@ class LLM(EngineHost, Worker):
                     kv.drop_pin_seq(seq_id)
 
             self._cancel(request)
-            self.call(give_back)
+            self._worker.call(give_back)
             reason = request.error or request.finish_reason or f"not computed within {timeout} s"
             raise RuntimeError(f"could not compute the prefix: {reason}")
         return PrefixHandle(self, pinned)
 
     def clear_prefix_cache(self) -> None:
         """Drop the prompt tokens idle slots keep for reuse (pinned prefixes stay)."""
-        self.call(self._kv.clear)
+        self._worker.call(self._kv.clear)
 
     @property
     def _kv(self) -> Any:
-        core = self._core
-        if core is None or self.closed:
+        if self.closed:
             raise EngineClosed("the LLM is closed")
-        return core.kv
+        return self._host.core.kv
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -439,7 +506,7 @@ class LLM(EngineHost, Worker):
 
         From a listener or strategy (the engine's thread) it takes effect when the current
         tick ends."""
-        Worker.close(self, timeout)
+        self._worker.close(timeout)
 
     def __enter__(self) -> LLM:
         return self
@@ -449,8 +516,9 @@ class LLM(EngineHost, Worker):
 
     def __del__(self) -> None:
         try:
-            if not self._closing:
-                self.close(timeout=5)
+            worker = self.__dict__.get("_worker")
+            if worker is not None and not worker.closed:
+                worker.close(timeout=5)
         except Exception:
             pass
 
@@ -476,7 +544,7 @@ class PrefixHandle:
             return
         try:
             kv = self._llm._kv
-            self._llm.call(lambda: kv.unpin(self._pinned))
+            self._llm.worker.call(lambda: kv.unpin(self._pinned))
         except EngineClosed:
             self._pinned.released = True
 

@@ -1,7 +1,7 @@
-"""``LLMEngine``: the engine core driven by the caller's own loop (``step()``), and the
-setup it shares with ``LLM`` (which drives the same core from a thread).
+"""``LLMEngine``: the engine core driven by the caller's own loop (``step()``), and
+``EngineHost``, which it and ``LLM`` (driving the same core from a thread) each own.
 
-Both build the model, the context and one ``EngineCore`` from the same options, turn
+Both build the model, the context and one ``EngineCore`` from one ``EngineConfig``, turn
 prompts into requests the same way, and report the same ``stats()``: nothing schedules
 twice, so the same requests give the same ticks and batches through either driver.
 """
@@ -12,22 +12,21 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, TypedDict
+from typing import Any
 
 from typing_extensions import Unpack
 
-from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
-from llamabatch.engine import EngineCore
+from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
-from llamabatch.grammar_check import get_grammar_limits
-from llamabatch.inputs import check_token_ids, normalize_prompt
+from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.request import Channel, Request
 from llamabatch.outputs import CompletionOutput, StepOutput
-from llamabatch.params import SamplingParams, check_positive_int
-from llamabatch.request import Channel, Request
-from llamabatch.strategies import Strategy, get_strategy
-from llamabatch.telemetry import GenerationStats, Listener, Telemetry
+from llamabatch.params import SamplingParams
+from llamabatch.prompts.grammar_check import get_grammar_limits
+from llamabatch.prompts.inputs import check_token_ids, normalize_prompt
+from llamabatch.runtime.telemetry import GenerationStats, Listener, Telemetry
 from llamabatch.toolcalls.host import (
     ChatOptions,
     ChatRequestOptions,
@@ -59,161 +58,62 @@ def prompt_bytes_bound(model: Model, n_tokens: int) -> int | None:
     return n_tokens * longest
 
 
-class EngineOptions(TypedDict, total=False):
-    """The keyword options of ``LLM`` and ``LLMEngine`` (documented on ``EngineHost``)."""
-
-    n_ctx: int
-    n_parallel: int
-    n_batch: int
-    n_ubatch: int | None
-    chunk_size: int
-    strategy: str | Strategy
-    max_queue: int
-    n_threads: int | None
-    n_threads_batch: int | None
-    n_gpu_layers: int
-    flash_attn: bool | str | None
-    load_mode: str
-    prefix_cache: bool
-    max_prefixes: int | None
-    kv_unified: bool
-    validate: bool
-
-
 class EngineHost:
-    """What ``LLM`` and ``LLMEngine`` share: the model, the context, the engine core, and
-    the path from a prompt to its requests.
+    """What ``LLM`` and ``LLMEngine`` each own (composition, not a base class): the model,
+    the context, the engine core, the telemetry, and the path from a prompt to its
+    requests. Built from one :class:`EngineConfig`."""
 
-    Args:
-        model_path: the ``.gguf`` file.
-        n_ctx: KV cache size in tokens, for all sequences together.
-        n_parallel: sequences decoded together (slots).
-        n_batch: the most tokens in one forward pass (the per-tick token budget).
-        n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
-        chunk_size: the most prompt tokens one sequence prefills per tick.
-        strategy: ``"decode_maximal"`` (default), ``"prefill_priority"``, ``"balanced"``,
-            or a strategy object (see ``llamabatch._core.strategies``).
-        max_queue: requests allowed to wait for a slot; beyond it ``submit`` raises
-            ``QueueFull``.
-        n_threads, n_threads_batch: CPU threads for llama.cpp (default: all cores).
-        n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
-        flash_attn: ``True``, ``False`` or ``None``/``"auto"``.
-        load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
-        prefix_cache: reuse the KV of a matching prompt prefix from any slot (busy or
-            idle) or pinned prefix, copied with ``llama_memory_seq_cp`` (default on).
-        max_prefixes: how many prefixes ``register_prefix`` may pin at once (default 4 with
-            a unified KV cache, 0 with one stream per sequence, where each pinned prefix
-            takes a stream of its own: ``n_ctx / (n_parallel + max_prefixes)`` cells).
-        kv_unified: ``False`` (default, as llama.cpp's server and llama-batched-bench):
-            one KV stream per sequence, ``n_ctx / n_parallel`` cells each; attention spans
-            only a sequence's own cells, the fastest layout. ``True``: one buffer shared by
-            all sequences, any request may use up to ``n_ctx`` cells; requests are admitted
-            while their prompts fit and preempted (recomputed later) when the cache fills.
-        validate: check the GGUF file before llama.cpp reads it (see ``gguf_check``).
-    """
-
-    def __init__(
-        self,
-        model_path: str | os.PathLike[str],
-        *,
-        n_ctx: int = 4096,
-        n_parallel: int = 8,
-        n_batch: int = 512,
-        n_ubatch: int | None = None,
-        chunk_size: int = 512,
-        strategy: str | Strategy = "decode_maximal",
-        max_queue: int = 1024,
-        n_threads: int | None = None,
-        n_threads_batch: int | None = None,
-        n_gpu_layers: int = 0,
-        flash_attn: bool | str | None = None,
-        load_mode: str = "mmap",
-        prefix_cache: bool = True,
-        max_prefixes: int | None = None,
-        kv_unified: bool = False,
-        validate: bool = True,
-    ) -> None:
-        self._core: EngineCore | None = None
-        for name, value in (
-            ("n_ctx", n_ctx),
-            ("n_parallel", n_parallel),
-            ("n_batch", n_batch),
-            ("chunk_size", chunk_size),
-            ("max_queue", max_queue),
-        ):
-            check_positive_int(name, value)
-        for name, flag in (
-            ("prefix_cache", prefix_cache),
-            ("kv_unified", kv_unified),
-            ("validate", validate),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if max_prefixes is None:
-            max_prefixes = 4 if kv_unified and prefix_cache else 0
-        if not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64:
-            raise ValueError(f"max_prefixes must be an int in [0, 64], got {max_prefixes!r}")
-        try:
-            get_strategy(strategy)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"strategy: {exc}") from None
-        n_seq_max = n_parallel + max_prefixes  # pinned prefixes live in sequences of their own
-        if n_seq_max > n_ctx:
-            raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({n_ctx})")
-        if n_batch < n_seq_max:
-            # llama.cpp sizes its output buffer by n_batch and aborts when a batch has more
-            # outputs (one per decoding sequence) than that
-            raise ValueError(f"n_batch ({n_batch}) must be >= n_parallel + max_prefixes ({n_seq_max})")
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, load_mode=load_mode, validate=validate)
+    def __init__(self, model_path: str | os.PathLike[str], config: EngineConfig) -> None:
+        self.config = config
+        self.model = Model(
+            model_path, n_gpu_layers=config.n_gpu_layers, load_mode=config.load_mode, validate=config.validate
+        )
         try:
             if not self.model.generates_text:
                 raise ValueError(
                     f"{self.model.path.name} is not a decoder-only model (it cannot generate text); "
                     "use llamabatch.Embedder (or `llamabatch embed`) for embedding models"
                 )
-            self.context = Context(
-                self.model,
-                n_ctx=n_ctx,
-                n_batch=n_batch,
-                n_ubatch=n_ubatch,
-                n_seq_max=n_seq_max,
-                n_threads=n_threads,
-                n_threads_batch=n_threads_batch,
-                flash_attn=flash_attn,
-                kv_unified=kv_unified,
-            )
-            if not kv_unified and max_prefixes:
-                logger.info(
-                    "llamabatch: %d pinned-prefix streams share the KV cache with %d slots: "
-                    "%d cells per sequence",
-                    max_prefixes,
-                    n_parallel,
-                    self.context.n_ctx_seq,
-                )
             self.telemetry = Telemetry()
-            self._core = EngineCore(
-                self.model,
-                self.context,
-                n_parallel=n_parallel,
-                n_batch=self.context.n_batch,  # llama.cpp caps it at n_ctx; a bigger batch aborts
-                chunk_size=chunk_size,
-                strategy=strategy,
-                max_queue=max_queue,
-                telemetry=self.telemetry,
-                prefix_cache=prefix_cache,
-                max_prefixes=max_prefixes,
-            )
+            self.context, self.core = build_engine(self.model, config, self.telemetry)
         except BaseException:
-            if hasattr(self, "context"):
-                self.context.close()
             self.model.close()
             raise
-        self.n_ctx: int = self.context.n_ctx
-        #: the most tokens one request may hold (prompt + max_tokens), checked at submit
-        self.n_ctx_seq: int = self.context.n_ctx_seq
-        self.n_parallel = n_parallel
-        self.n_batch = self.context.n_batch
-        self.max_queue = max_queue
+        if not config.kv_unified and config.n_prefixes:
+            logger.info(
+                "llamabatch: %d pinned-prefix streams share the KV cache with %d slots: "
+                "%d cells per sequence",
+                config.n_prefixes,
+                config.n_parallel,
+                self.context.n_ctx_seq,
+            )
+        self._max_prompt_bytes: int | bool | None = False
+
+    # The sizes: read from their one owner (the context for what llama.cpp decided, the
+    # config for the rest), never copied.
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cache cells, all sequences together."""
+        return self.context.n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """The most tokens one request may hold (prompt + max_tokens), checked at submit."""
+        return self.context.n_ctx_seq
+
+    @property
+    def n_batch(self) -> int:
+        """The most tokens in one forward pass (llama.cpp caps ``n_batch`` at ``n_ctx``)."""
+        return self.context.n_batch
+
+    @property
+    def n_parallel(self) -> int:
+        return self.config.n_parallel
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
 
     # -- prompts to requests ----------------------------------------------------------------
 
@@ -224,11 +124,10 @@ class EngineHost:
         ``PromptTooLong`` before it is tokenized (tokenizing a long run without whitespace
         costs time quadratic in its length). ``None`` for vocabularies that may drop input
         bytes (WordPiece, Unigram), where no such bound holds. Computed once, on first use."""
-        bound = self.__dict__.get("_max_prompt_bytes", False)
+        bound = self._max_prompt_bytes
         if bound is False:
-            bound = prompt_bytes_bound(self.model, self.n_ctx_seq)
-            self.__dict__["_max_prompt_bytes"] = bound
-        return bound
+            bound = self._max_prompt_bytes = prompt_bytes_bound(self.model, self.n_ctx_seq)
+        return bound  # type: ignore[return-value]
 
     def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
         """Raise ``PromptTooLong`` when ``text`` cannot fit the context whatever the
@@ -249,13 +148,18 @@ class EngineHost:
                 f"(max_tokens {max_tokens}); refused before tokenizing"
             )
 
-    def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> tuple[list[int], str | None]:
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids, the one rule for every request (BOS added, special
+        tokens parsed)."""
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def prompt_tokens(self, prompt: Any, params: SamplingParams) -> tuple[list[int], str | None]:
         """``(token ids, prompt text or None)``; raises for a bad or over-long prompt."""
         normalized = normalize_prompt(prompt)
         if isinstance(normalized, str):
             if not params.truncate:
                 self.check_prompt_bytes(normalized, params.max_tokens)
-            tokens = self.model.tokenize(normalized, add_special=True, parse_special=True)
+            tokens = self.tokenize_prompt(normalized)
             if not tokens:
                 raise ValueError("the prompt tokenizes to nothing")
             text: str | None = normalized
@@ -276,7 +180,7 @@ class EngineHost:
                 )
         return tokens, text
 
-    def _make_requests(
+    def make_requests(
         self,
         prompt: Any,
         params: SamplingParams | dict[str, Any] | None,
@@ -289,7 +193,7 @@ class EngineHost:
         params = SamplingParams.coerce(params) if params is not None else _DEFAULT_PARAMS
         if params.n > self.max_queue:  # refused before any sampler is built
             raise QueueFull(f"n={params.n} completions cannot wait in a queue of max_queue={self.max_queue}")
-        tokens, text = self._prompt_tokens(prompt, params)
+        tokens, text = self.prompt_tokens(prompt, params)
         requests: list[Request] = []
         for i in range(params.n):
             request = Request(
@@ -300,9 +204,9 @@ class EngineHost:
                 prompt=text,
                 streaming=streaming,
                 channel=channel,
+                # followers wait for the leader's prompt and copy its KV
+                leader=requests[0] if i else None,
             )
-            if i:  # followers wait for the leader's prompt and copy its KV
-                request.leader = requests[0]
             # Built on the caller's thread, so a bad grammar raises here.
             live_stacks = get_grammar_limits().max_live_stacks
             if not request.fast_greedy:
@@ -335,17 +239,15 @@ class EngineHost:
     def remove_listener(self, listener: Listener) -> None:
         self.telemetry.remove_listener(listener)
 
-    def stats(self) -> GenerationStats:
+    def stats(self, queue_depth: int) -> GenerationStats:
         """Slots, queue depth, KV cells, ticks, tokens/s and other running totals."""
-        core = self._core
-        if core is None or self.closed:
-            raise EngineClosed("the engine is closed")
+        core = self.core
         c = core.counters
         table = core.table
         return GenerationStats(
             n_parallel=self.n_parallel,
             busy_slots=core.busy_slots,
-            queue_depth=self._queue_depth(),
+            queue_depth=queue_depth,
             ticks=c.ticks,
             requests=c.requests,
             finish_reasons=dict(c.finish_reasons),
@@ -371,25 +273,33 @@ class EngineHost:
             kv_cells_total=table.cells_total,
         )
 
-    def _queue_depth(self) -> int:
-        core = self._core
-        return len(core.waiting) if core is not None else 0
-
-    def _free(self) -> None:
+    def free(self) -> None:
         """Free the core's buffers, the context and the model (after the last step)."""
-        if self._core is not None:
-            self._core.close()
-        if hasattr(self, "context"):
-            self.context.close()
-        if hasattr(self, "model"):
-            self.model.close()
+        self.core.close()
+        self.context.close()
+        self.model.close()
 
 
-class LLMEngine(EngineHost):
+def from_host(name: str, doc: str) -> Any:
+    """A read-only property of a facade reading its ``EngineHost``'s attribute ``name``."""
+
+    def get(self: Any) -> Any:
+        return getattr(self._host, name)
+
+    return property(get, doc=doc)
+
+
+def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
+    """The ``EngineConfig`` of a facade's ``config=`` and keyword options (keywords win)."""
+    return EngineConfig.from_options(config, **options)
+
+
+class LLMEngine:
     """The engine for a host loop: ``add_request``, then ``step()`` until done.
 
     Single-threaded: every call runs on the caller's thread (no engine thread, no locks).
-    Takes the same options as :class:`llamabatch.LLM`.
+    Takes the same options as :class:`llamabatch.LLM`: ``config=EngineConfig(...)`` and/or
+    the config's fields as keywords (keywords override the config's fields).
 
     >>> engine = LLMEngine("model.gguf")                                # doctest: +SKIP
     >>> rid = engine.add_request("Hello", SamplingParams(max_tokens=8))  # doctest: +SKIP
@@ -398,32 +308,70 @@ class LLMEngine(EngineHost):
     ...         print(out.request_id, out.text, out.finished)
     """
 
+    @options_signature
     def __init__(
         self,
         model_path: str | os.PathLike[str],
         *,
+        config: EngineConfig | None = None,
         tool_call_parser: str = "auto",
         reasoning_format: str = "auto",
-        **options: Unpack[EngineOptions],
+        **options: Any,
     ) -> None:
         # chat requests: the tool-call format ("auto": from the chat template), <think> splitting
         self.chat_options = ChatOptions(tool_call_parser, reasoning_format)
         self._chats: dict[Any, EngineChat] = {}
-        super().__init__(model_path, **options)
+        self._host = EngineHost(model_path, engine_config(config, options))
         self._by_id: dict[Any, list[Request]] = {}
         self._order: list[list[Request]] = []
         self._collecting = False
         self._closed = False
 
+    config = from_host("config", "The engine's ``EngineConfig``.")
+    model = from_host("model", "The loaded model.")
+    context = from_host("context", "The llama.cpp context.")
+    telemetry = from_host("telemetry", "Where ``TickEvent``s and ``RequestEvent``s go.")
+    n_ctx = from_host("n_ctx", "KV cache cells, all sequences together.")
+    n_ctx_seq = from_host("n_ctx_seq", "The most tokens one request may hold (prompt + max_tokens).")
+    n_parallel = from_host("n_parallel", "Slots.")
+    n_batch = from_host("n_batch", "The most tokens in one forward pass.")
+    max_queue = from_host("max_queue", "Requests allowed to wait for a slot.")
+    max_prompt_bytes = from_host("max_prompt_bytes", "See ``EngineHost.max_prompt_bytes``.")
+
     @property
     def core(self) -> EngineCore:
-        if self._closed or self._core is None:
+        """The engine core this engine drives."""
+        if self._closed:
             raise EngineClosed("the engine is closed")
-        return self._core
+        return self._host.core
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` under the model's vocabulary."""
+        return self._host.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens``."""
+        return self._host.detokenize(tokens)
+
+    def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
+        """``PromptTooLong`` when ``text`` cannot fit the context, before tokenizing it."""
+        self._host.check_prompt_bytes(text, max_tokens)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event)`` for every ``TickEvent`` and ``RequestEvent``."""
+        self._host.add_listener(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self._host.remove_listener(listener)
+
+    def stats(self) -> GenerationStats:
+        """Slots, queue depth, KV cells, ticks, tokens/s and other running totals."""
+        core = self.core
+        return self._host.stats(len(core.waiting))
 
     def add_request(
         self,
@@ -446,11 +394,11 @@ class LLMEngine(EngineHost):
             raise ValueError(f"request id {request_id!r} is already in use")
         setup = None
         if is_conversation(prompt):
-            prompt, setup = chat_request(self, self.chat_options, prompt, params, **chat)  # type: ignore[arg-type]
+            prompt, setup = chat_request(self._host, self.chat_options, prompt, params, **chat)  # type: ignore[arg-type]
             params = setup.params
         elif chat:
             raise ValueError(f"{', '.join(chat)}: only for a conversation (a list of chat messages)")
-        requests = self._make_requests(prompt, params, request_id=request_id)
+        requests = self._host.make_requests(prompt, params, request_id=request_id)
         core.add(requests)
         rid = requests[0].request_id
         self._by_id[rid] = requests
@@ -472,17 +420,19 @@ class LLMEngine(EngineHost):
         """Run one scheduling step (at most one ``llama_decode``); return each completion's
         new tokens and text, and the full output of those that finished."""
         outputs: list[StepOutput] = []
-        for request, text, token_ids, finish_reason in self.core.step():
+        for event in self.core.step():
+            request, token_ids, finish_reason = event.request, event.token_ids, event.finish_reason
             finished = finish_reason is not None
             step = StepOutput(
                 request.request_id,
                 token_ids,
-                text,
+                event.text,
                 finished,
                 finish_reason,
                 request.output if finished else None,
                 request.index,
                 request.token_logprobs(token_ids),
+                status=event.status,
             )
             chat = self._chats.get(request.request_id)
             outputs.append(chat.split(step) if chat is not None else step)
@@ -526,9 +476,8 @@ class LLMEngine(EngineHost):
         if self._closed:
             return
         self._closed = True
-        if self._core is not None:
-            self._core.fail_all("cancelled")
-        self._free()
+        self._host.core.fail_all("cancelled")
+        self._host.free()
 
     def __enter__(self) -> LLMEngine:
         return self

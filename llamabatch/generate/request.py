@@ -1,5 +1,7 @@
-"""A request's life: ``Request`` (one completion, engine side), the ``Channel`` its deltas
-travel through, and ``RequestHandle`` (the caller's side of one prompt's ``n`` completions).
+"""A request's life: ``RequestStatus`` (its named states and their allowed edges),
+``Request`` (one completion, engine side), its ``OutputState`` (text pipeline, delivery),
+the ``Channel`` its deltas travel through, and ``RequestHandle`` (the caller's side of one
+prompt's ``n`` completions).
 
 The engine's thread is the only writer of a request's progress (``EngineCore``). A driver
 (``LLM``'s thread, or ``LLMEngine.step()``) hands what each step produced to the callers;
@@ -9,6 +11,7 @@ The engine's thread is the only writer of a request's progress (``EngineCore``).
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import queue
 import threading
@@ -16,10 +19,24 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from llamabatch.detok import IncrementalDetokenizer, StopMatcher
 from llamabatch.errors import RequestCancelled
+from llamabatch.generate.detok import IncrementalDetokenizer, StopMatcher
 from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage
 from llamabatch.params import SamplingParams
+from llamabatch.status import STATUS_EDGES, InvalidTransition, RequestStatus
+
+__all__ = [
+    "END_OF_STREAM",
+    "STATUS_EDGES",
+    "Channel",
+    "InvalidTransition",
+    "OutputState",
+    "Request",
+    "RequestHandle",
+    "RequestKind",
+    "RequestStatus",
+    "request_output",
+]
 
 if TYPE_CHECKING:
     from llamabatch._ffi.sampler import SamplerChain
@@ -57,23 +74,114 @@ class Channel:
                 pass
 
 
+class RequestKind(enum.Enum):
+    """What a request computes: a completion of its own, a parallel-sampling follower
+    (``SamplingParams(n>1)``: it waits for its leader's prompt and copies its KV), or a
+    prefix to pin (``LLM.register_prefix``: its prompt is computed, nothing is sampled)."""
+
+    COMPLETION = "completion"
+    FOLLOWER = "follower"
+    PIN = "pin"
+
+
+class OutputState:
+    """The caller's side of one completion: the text pipeline (incremental detokenizer,
+    stop strings, log-probabilities), the text so far, the delivery channel, the done
+    event, and the finished ``CompletionOutput`` (vLLM's ``RequestState`` of its output
+    processor). The engine feeds it; the driver publishes what it made."""
+
+    __slots__ = ("_done", "channel", "detok", "logprobs", "output", "stop_matcher", "streaming", "text_parts")
+
+    def __init__(self, params: SamplingParams, *, streaming: bool, channel: Channel | None) -> None:
+        self.detok = IncrementalDetokenizer()
+        self.stop_matcher = StopMatcher(params.stop)
+        self.text_parts: list[str] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        #: per-token deltas wanted (off for callers that only wait for the result)
+        self.streaming = streaming
+        self.channel = channel
+        self.output: CompletionOutput | None = None
+        self._done = threading.Event()
+
+    def feed(self, piece: bytes) -> tuple[str, str | None]:
+        """A token's bytes in: ``(text safe to emit, the stop string matched or None)``."""
+        text = self.detok.feed(piece)
+        if text:
+            return self.stop_matcher.feed(text)
+        return text, None
+
+    def flush(self) -> tuple[str, str | None]:
+        """At the end: the text held back, and a stop string it completes (or None)."""
+        rest, matched = self.stop_matcher.feed(self.detok.flush())
+        if matched is None:
+            rest += self.stop_matcher.flush()
+        return rest, matched
+
+    def complete(self, request: Request, now: float) -> CompletionOutput:
+        """Build (and keep) the ``CompletionOutput`` of ``request``, which has just ended."""
+        queue_wait = (request.t_admitted if request.t_admitted is not None else now) - request.t_submitted
+        ttft = None if request.t_first_token is None else request.t_first_token - request.t_submitted
+        reason = request.finish_reason
+        assert reason is not None
+        self.output = CompletionOutput(
+            request_id=request.request_id,
+            text="".join(self.text_parts),
+            token_ids=list(request.output_tokens),
+            finish_reason=reason,
+            usage=Usage(len(request.prompt_tokens), len(request.output_tokens), request.reused_tokens),
+            timings=Timings(queue_wait, ttft, now - request.t_submitted, request.n_preemptions),
+            prompt_token_ids=request.prompt_tokens,
+            logprobs=self.logprobs,
+            index=request.index,
+            error=request.error,
+            stop_reason=request.stop_reason,
+        )
+        return self.output
+
+    def token_logprobs(self, token_ids: list[int]) -> list[dict[int, float]] | None:
+        """The log-probabilities of the last ``len(token_ids)`` generated tokens, if asked for."""
+        if self.logprobs is None or not token_ids:
+            return None
+        return self.logprobs[-len(token_ids) :]
+
+    def publish(
+        self, request_id: Any, index: int, text: str, token_ids: list[int], finish_reason: FinishReason | None
+    ) -> None:
+        """Hand a step's delta to the caller's channel (the last one ends the stream)."""
+        channel = self.channel
+        if finish_reason is None:
+            if channel is not None:
+                channel.put(
+                    Delta(request_id, text, token_ids, None, None, index, self.token_logprobs(token_ids))
+                )
+            return
+        if channel is not None:
+            channel.put(Delta(request_id, text, token_ids, finish_reason, self.output, index))
+            channel.put(END_OF_STREAM)
+        self._done.set()
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the end was handed to the caller."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._done.wait(timeout)
+
+
 class Request:
-    """One completion being served (one slot's worth of work)."""
+    """One completion being served, engine side: its prompt, parameters, sampler, progress
+    (generated tokens, preemptions, timings) and :class:`RequestStatus`; what the caller
+    sees is its :class:`OutputState` (``request.state``)."""
 
     __slots__ = (
-        "_done",
         "arrival",
-        "cancel_requested",
-        "channel",
-        "detok",
         "error",
         "fast_greedy",
-        "finish_reason",
         "index",
+        "kind",
         "leader",
-        "logprobs",
         "n_preemptions",
-        "output",
         "output_tokens",
         "params",
         "pin",
@@ -82,14 +190,13 @@ class Request:
         "request_id",
         "reused_tokens",
         "sampler",
+        "state",
+        "status",
         "stop_ids",
-        "stop_matcher",
         "stop_reason",
-        "streaming",
         "t_admitted",
         "t_first_token",
         "t_submitted",
-        "text_parts",
     )
 
     def __init__(
@@ -102,32 +209,34 @@ class Request:
         prompt: str | None = None,
         streaming: bool = True,
         channel: Channel | None = None,
+        leader: Request | None = None,
+        pin: Any = None,
     ) -> None:
         self.request_id = next_request_id() if request_id is None else request_id
-        self.arrival = next(_arrivals)  # submission order: who is preempted first
+        #: submission order (unique): the engine's key for the request, and who is preempted first
+        self.arrival = next(_arrivals)
         self.prompt = prompt
         self.prompt_tokens = prompt_tokens
         self.params = params
         self.index = index
+        self.status = RequestStatus.WAITING
+        #: the first completion of a parallel-sampling group (``kind`` FOLLOWER)
+        self.leader = leader
+        #: the ``PinnedPrefix`` this request computes (``kind`` PIN; ``LLM.register_prefix``)
+        self.pin = pin
+        self.kind = (
+            RequestKind.PIN
+            if pin is not None
+            else (RequestKind.FOLLOWER if leader is not None else RequestKind.COMPLETION)
+        )
         self.output_tokens: list[int] = []
-        self.text_parts: list[str] = []
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.detok = IncrementalDetokenizer()
-        self.stop_matcher = StopMatcher(params.stop)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.sampler: SamplerChain | None = None
         self.reused_tokens = 0  # prompt tokens reused from the KV cache at the first admission
         self.n_preemptions = 0
-        self.leader: Request | None = None  # the first completion of a parallel-sampling group
-        self.pin: Any = None  # a PinnedPrefix this request computes (LLM.register_prefix)
-        self.cancel_requested = False
-        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
-        self.output: CompletionOutput | None = None
-        #: per-token deltas wanted (off for callers that only wait for the result)
-        self.streaming = streaming
-        self.channel = channel
+        self.state = OutputState(params, streaming=streaming, channel=channel)
         #: plain greedy with no state in the sampler chain: the engine takes the argmax
         self.fast_greedy = (
             params.greedy
@@ -138,14 +247,50 @@ class Request:
             and params.presence_penalty == 0.0
             and params.min_tokens == 0
         )
-        self._done = threading.Event()
         self.t_submitted = time.perf_counter()
         self.t_admitted: float | None = None
         self.t_first_token: float | None = None
 
+    def transition(self, status: RequestStatus) -> None:
+        """Move to ``status``; ``InvalidTransition`` unless :data:`STATUS_EDGES` allows it."""
+        if status not in STATUS_EDGES[self.status]:
+            raise InvalidTransition(
+                f"request {self.request_id!r} (completion {self.index}): {self.status.name} -> {status.name}"
+            )
+        self.status = status
+
     @property
     def done(self) -> bool:
-        return self.output is not None
+        """Whether the request has ended (its ``output`` is set)."""
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    @property
+    def output(self) -> CompletionOutput | None:
+        """The finished result (None until the request ends)."""
+        return self.state.output
+
+    @property
+    def channel(self) -> Channel | None:
+        return self.state.channel
+
+    @property
+    def streaming(self) -> bool:
+        return self.state.streaming
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.state.logprobs
+
+    @property
+    def follower_waits(self) -> bool:
+        """A follower waits until its leader's prompt is computed (its first token), to copy
+        its KV; not once the leader has ended."""
+        leader = self.leader
+        return leader is not None and not leader.done and leader.t_first_token is None
 
     def tokens_to_compute(self) -> list[int]:
         """The sequence to prefill at admission: the prompt, plus what was generated before a
@@ -162,70 +307,34 @@ class Request:
 
         Text still held back (an incomplete character, a possible stop-string start) is
         released unless a stop string ended the request."""
-        if self.output is not None:
+        if self.status.finished:
             return None
         now = time.perf_counter()
+        state = self.state
         rest = ""
         if not isinstance(stop_reason, str):
-            rest, matched = self.stop_matcher.feed(self.detok.flush())
-            if matched is None:
-                rest += self.stop_matcher.flush()
-            else:
+            rest, matched = state.flush()
+            if matched is not None:
                 reason, stop_reason = "stop", matched
             if rest:
-                self.text_parts.append(rest)
+                state.text_parts.append(rest)
+        self.transition(RequestStatus.finished_with(reason))
         if self.sampler is not None:
             self.sampler.close()
-        self.finish_reason = reason
         self.error = error
         self.stop_reason = stop_reason
-        queue_wait = (self.t_admitted if self.t_admitted is not None else now) - self.t_submitted
-        ttft = None if self.t_first_token is None else self.t_first_token - self.t_submitted
-        self.output = CompletionOutput(
-            request_id=self.request_id,
-            text="".join(self.text_parts),
-            token_ids=list(self.output_tokens),
-            finish_reason=reason,
-            usage=Usage(len(self.prompt_tokens), len(self.output_tokens), self.reused_tokens),
-            timings=Timings(queue_wait, ttft, now - self.t_submitted, self.n_preemptions),
-            prompt_token_ids=self.prompt_tokens,
-            logprobs=self.logprobs,
-            index=self.index,
-            error=error,
-            stop_reason=stop_reason,
-        )
+        state.complete(self, now)
         return rest
 
     def publish(self, text: str, token_ids: list[int], finish_reason: FinishReason | None) -> None:
-        """Hand a step's delta to the caller's channel (the last one ends the stream)."""
-        channel = self.channel
-        if finish_reason is None:
-            if channel is not None:
-                channel.put(
-                    Delta(
-                        self.request_id,
-                        text,
-                        token_ids,
-                        None,
-                        None,
-                        self.index,
-                        self.token_logprobs(token_ids),
-                    )
-                )
-            return
-        if channel is not None:
-            channel.put(Delta(self.request_id, text, token_ids, finish_reason, self.output, self.index))
-            channel.put(END_OF_STREAM)
-        self._done.set()
+        """Hand a step's delta to the caller (see :meth:`OutputState.publish`)."""
+        self.state.publish(self.request_id, self.index, text, token_ids, finish_reason)
 
     def token_logprobs(self, token_ids: list[int]) -> list[dict[int, float]] | None:
-        """The log-probabilities of the last ``len(token_ids)`` generated tokens, if asked for."""
-        if self.logprobs is None or not token_ids:
-            return None
-        return self.logprobs[-len(token_ids) :]
+        return self.state.token_logprobs(token_ids)
 
     def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
+        return self.state.wait(timeout)
 
 
 def request_output(requests: list[Request]) -> RequestOutput:
@@ -261,7 +370,7 @@ class RequestHandle:
 
     @property
     def done(self) -> bool:
-        return all(r._done.is_set() for r in self._requests)
+        return all(r.state.delivered for r in self._requests)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request; its completions then end as ``"cancelled"``."""

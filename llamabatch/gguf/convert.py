@@ -548,18 +548,19 @@ def _read_tensors(model_dir: Path, cfg: BertConfig) -> tuple[ClassifierHead | No
     expected = _expected_shapes(cfg, head)
     found: dict[str, np.ndarray] = {}
     for hf_name, array in arrays.items():
-        name = _gguf_name(hf_name, head)
-        if name is None:
+        gguf_name = _gguf_name(hf_name, head)
+        if gguf_name is None:
             continue
-        if name not in expected:
+        if gguf_name not in expected:
             raise ValueError(f"unsupported tensor {hf_name!r}: layer index beyond num_hidden_layers")
-        if name in found:
+        if gguf_name in found:
             raise ValueError(f"tensor {hf_name!r} appears twice")
-        if tuple(array.shape) != expected[name]:
+        shape = expected[gguf_name]
+        if tuple(array.shape) != shape:
             raise ValueError(
-                f"tensor {hf_name!r} has shape {tuple(array.shape)}, config.json implies {expected[name]}"
+                f"tensor {hf_name!r} has shape {tuple(array.shape)}, config.json implies {shape}"
             )
-        found[name] = array
+        found[gguf_name] = array
     missing = [n for n in expected if n not in found]
     if missing:
         raise ValueError(f"model weights lack {len(missing)} BERT tensors, e.g. {missing[:3]}")

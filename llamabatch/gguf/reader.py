@@ -208,7 +208,7 @@ class _Parser:
             # Each string needs at least its 8-byte length: bound the count before looping.
             if count * 8 > self.size - self.pos:
                 raise self.fail(where, f"array of {count} strings does not fit in the file (truncated?)")
-            items = []
+            items: list[Any] = []
             append = items.append
             unpack = struct.Struct("<Q").unpack_from
             buf, size, pos = self.buf, self.size, self.pos

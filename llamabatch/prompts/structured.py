@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from llamabatch.grammar_check import GrammarLimits, check_grammar, get_grammar_limits
+from llamabatch.prompts.grammar_check import GrammarLimits, check_grammar, get_grammar_limits
 
 __all__ = [
     "check_schema",
@@ -48,7 +48,7 @@ def _grammar_module() -> ModuleType:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
             if callable(getattr(module, "_build_repetition", None)):
-                module._build_repetition = _build_repetition  # this private copy only
+                setattr(module, "_build_repetition", _build_repetition)  # noqa: B010 (this private copy only)
             return module
     raise ImportError(
         "structured output needs llama_cpp/llama_grammar.py from the llama-cpp-python package, "

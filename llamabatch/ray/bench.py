@@ -192,7 +192,8 @@ def ray_job(
     from the first batch an actor started to the last one it finished (``steady_s``)."""
     import ray.data
 
-    from llamabatch.ray.data import Embed, Generate, _actor_pool
+    from llamabatch.ray.common import actor_pool
+    from llamabatch.ray.data import Embed, Generate
 
     data_context = ray.data.DataContext.get_current()
     progress = data_context.enable_progress_bars
@@ -208,7 +209,7 @@ def ray_job(
         job = ds.map_batches(
             _timed(Generate if kind == "generate" else Embed),
             fn_constructor_kwargs=worker_options,
-            compute=_actor_pool(actors),
+            compute=actor_pool(actors),
             num_cpus=cpus_per_actor,
             batch_size=batch_size,
         )

@@ -19,274 +19,32 @@ added.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 import os
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from llamabatch.errors import EngineClosed, LlamaBatchError, PromptTooLong, QueueFull
 from llamabatch.params import SamplingParams
+from llamabatch.ray.common import (
+    OnError,
+    RowError,
+    RowWorker,
+    actor_pool,
+    assigned_cpus,
+    check_model_path,
+    column_values,
+    error_text,
+    is_missing,
+    object_array,
+    with_columns,
+)
 
 __all__ = ["Embed", "Generate", "OnError", "RowError", "embed", "generate"]
-
-#: What a row error does: ``"row"`` records it in the error column, ``"raise"`` fails the batch.
-OnError = Literal["row", "raise"]
-
-_ON_ERROR = ("row", "raise")
-
-
-class RowError(LlamaBatchError):
-    """A row could not be processed and ``on_error="raise"`` was asked for.
-
-    ``row`` is the row's index within its batch, ``reason`` the row's error message."""
-
-    def __init__(self, row: int, reason: str) -> None:
-        self.row = row
-        self.reason = reason
-        super().__init__(f"row {row} of the batch failed: {reason}")
-
-
-# -- batches: dict of numpy arrays, pandas.DataFrame or pyarrow.Table --------------------------
-
-
-def _kind(batch: Any) -> str:
-    if isinstance(batch, Mapping):
-        return "numpy"
-    module = type(batch).__module__
-    if module.startswith("pandas"):
-        return "pandas"
-    if module.startswith("pyarrow"):
-        return "pyarrow"
-    raise TypeError(
-        f"a batch must be a dict of numpy arrays, a pandas.DataFrame or a pyarrow.Table, "
-        f"got {type(batch).__name__}"
-    )
-
-
-def _names(batch: Any, kind: str) -> list[str]:
-    if kind == "numpy":
-        return list(batch)
-    if kind == "pandas":
-        return [str(c) for c in batch.columns]
-    return list(batch.column_names)
-
-
-def _column(batch: Any, name: str) -> list[Any]:
-    """The values of column ``name``, one per row; ``KeyError`` naming the columns there are."""
-    kind = _kind(batch)
-    if name not in _names(batch, kind):
-        raise KeyError(f"the batch has no column {name!r}; its columns: {_names(batch, kind)}")
-    if kind == "numpy":
-        return list(batch[name])
-    if kind == "pandas":
-        return list(batch[name])
-    return batch.column(name).to_pylist()
-
-
-def _n_rows(batch: Any) -> int:
-    kind = _kind(batch)
-    if kind == "numpy":
-        return len(next(iter(batch.values()))) if batch else 0
-    return len(batch)
-
-
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    # Filled item by item: np.array(list_of_lists) would make a 2-D array of equal-length rows.
-    out = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        out[i] = value
-    return out
-
-
-def _with_columns(batch: Any, columns: Mapping[str, Any]) -> Any:
-    """``batch`` (same format) with ``columns`` added or replaced. A value is a 1-D or 2-D
-    numpy array (one row per batch row) or a list of per-row Python objects."""
-    kind = _kind(batch)
-    if kind == "numpy":
-        out = dict(batch)
-        for name, values in columns.items():
-            out[name] = values if isinstance(values, np.ndarray) else _object_array(values)
-        return out
-    if kind == "pandas":
-        out = batch.copy(deep=False)
-        for name, values in columns.items():
-            if isinstance(values, np.ndarray) and values.ndim > 1:
-                values = list(values)  # one array per cell
-            out[name] = values if isinstance(values, np.ndarray) else _object_array(values)
-        return out
-    import pyarrow as pa
-
-    out = batch
-    for name, values in columns.items():
-        if isinstance(values, np.ndarray) and values.ndim == 2:
-            flat = pa.array(values.reshape(-1))
-            array = pa.FixedSizeListArray.from_arrays(flat, values.shape[1])
-        elif isinstance(values, np.ndarray) and values.dtype != object:
-            array = pa.array(values)
-        else:
-            array = pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in values])
-        if name in out.column_names:
-            out = out.set_column(out.column_names.index(name), name, array)
-        else:
-            out = out.append_column(name, array)
-    return out
-
-
-def _missing(value: Any) -> bool:
-    """None, or the NaN pandas and Arrow use for a missing value in an object column."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _plain(value: Any) -> Any:
-    """A cell as plain Python for ``pyarrow.array`` (numpy arrays and scalars converted)."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and math.isnan(value):  # pandas' missing value
-        return None
-    return value
-
-
-def _typed_block(batch: Any, types: Mapping[str, Any]) -> Any:
-    """``batch`` as an Arrow table whose columns named in ``types`` have exactly those types.
-
-    Left to inference, a column's type would depend on the block: ``null`` where every value
-    is None (a block without a failed row has an all-None error column), ``large_string``
-    from pandas, a tensor type from numpy arrays. Ray reconciles such blocks, but the Parquet
-    files it writes would then disagree, and other readers (pyarrow datasets, pandas) refuse
-    them. The other columns are converted as Ray converts them."""
-    import pyarrow as pa
-    from ray.data.block import BlockAccessor, BlockType
-
-    kind = _kind(batch)
-    names = _names(batch, kind)
-    ours = {name: [_plain(v) for v in _column(batch, name)] for name in names if name in types}
-    if kind == "numpy":
-        rest: Any = {k: v for k, v in batch.items() if k not in ours}
-    elif kind == "pandas":
-        rest = batch.drop(columns=list(ours))
-    else:
-        rest = batch.drop_columns(list(ours))
-    if _names(rest, kind):
-        table = rest if kind == "pyarrow" else BlockAccessor.batch_to_block(rest, block_type=BlockType.ARROW)
-        if not isinstance(table, pa.Table):  # Ray could not make Arrow of the rest: leave it all to Ray
-            return batch
-    else:
-        table = pa.table({"_": pa.nulls(_n_rows(batch))}).drop_columns(["_"])
-    for name in names:
-        if name in ours:
-            table = table.append_column(name, pa.array(ours[name], type=types[name]))
-    return table
-
-
-# -- the actor's resources ---------------------------------------------------------------------
-
-
-def _assigned_cpus() -> int | None:
-    """The CPUs Ray gave this actor (``num_cpus`` of ``map_batches``), or None outside Ray."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
-    except Exception:  # not in a Ray worker, or an API change: fall back to the default
-        return None
-    return max(1, int(cpus)) if cpus else None
-
-
-def _node_description() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return f" on node {ray.util.get_node_ip_address()}"
-    except Exception:
-        pass
-    return ""
-
-
-def _check_model_path(model: str | os.PathLike[str]) -> str:
-    path = Path(model).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"model file {str(path)!r} not found{_node_description()}: every node that runs an actor "
-            "must read the model at this path (put it on storage all nodes mount, or copy it to the "
-            "same path on every node)"
-        )
-    return str(path)
-
-
-class _Worker:
-    """What ``Generate`` and ``Embed`` share: batch plumbing, threads and the error policy."""
-
-    _executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-    def __init__(self, on_error: str, error_column: str | None, threads: int) -> None:
-        if on_error not in _ON_ERROR:
-            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-        if on_error == "row" and not error_column:
-            raise ValueError('on_error="row" needs an error_column to record row errors in')
-        self.on_error = on_error
-        self.error_column = error_column
-        self._threads = threads
-        self._lock = threading.Lock()
-
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        # Our own pool, not asyncio's default one: that one has only cpu_count + 4 threads, and a
-        # blocked batch holds its thread until every row is done.
-        with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self._threads, thread_name_prefix="llamabatch-ray"
-                )
-            return self._executor
-
-    async def __call__(self, batch: Any) -> Any:
-        """Process one batch for Ray Data (several batches may be in flight at once); the
-        result is an Arrow table whose output columns have the same types in every block."""
-        return _typed_block(await self.run(batch), self.arrow_types())
-
-    async def run(self, batch: Any) -> Any:
-        """``process(batch)`` on the worker's threads, awaited (batch in its own format)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool(), self.process, batch)
-
-    def process(self, batch: Any) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def arrow_types(self) -> dict[str, Any]:
-        """The Arrow type of each output column that may be all null in a block."""
-        import pyarrow as pa
-
-        return {self.error_column: pa.string()} if self.error_column else {}
-
-    def _row_failed(self, row: int, reason: str, errors: list[str | None]) -> None:
-        if self.on_error == "raise":
-            raise RowError(row, reason)
-        errors[row] = reason
-
-    def _error_columns(self, errors: list[str | None]) -> dict[str, Any]:
-        return {self.error_column: errors} if self.error_column else {}
-
-    def _shutdown_pool(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
 
 
 # -- generation --------------------------------------------------------------------------------
@@ -300,7 +58,7 @@ class _Generated:
     error: str | None = None
 
 
-class Generate(_Worker):
+class Generate(RowWorker):
     """A ``map_batches`` callable that generates a completion for every row.
 
     Use it as a class, so that Ray builds one model per actor::
@@ -359,16 +117,16 @@ class Generate(_Worker):
         self.return_token_ids = bool(return_token_ids) or self.params.logprobs is not None
         options = dict(llm_options)
         if options.get("n_threads") is None:
-            cpus = _assigned_cpus()
+            cpus = assigned_cpus()
             if cpus is not None:
                 options["n_threads"] = cpus
-        self.llm = LLM(_check_model_path(model), **options)
+        self.llm = LLM(check_model_path(model), **options)
 
     # -- rows -> prompts
 
     def _prompt(self, value: Any) -> Any:
         """A row's prompt as ``LLM`` takes it; ``ValueError``/``TypeError`` for a bad one."""
-        if _missing(value):
+        if is_missing(value):
             raise ValueError(f"the row has no prompt ({self.prompt_column!r} is missing)")
         if isinstance(value, str):
             return str(value)  # numpy.str_ -> str
@@ -385,11 +143,11 @@ class Generate(_Worker):
         return value  # LLM says what is wrong with it
 
     def _row_params(self, value: Any) -> SamplingParams:
-        if _missing(value):
+        if is_missing(value):
             return self.params
         if not isinstance(value, Mapping):
             raise TypeError(f"{self.params_column!r} must hold dicts of SamplingParams fields")
-        overrides = {k: v for k, v in value.items() if not _missing(v)}  # Arrow fills absent keys
+        overrides = {k: v for k, v in value.items() if not is_missing(v)}  # Arrow fills absent keys
         params = SamplingParams.from_dict({**self.params.to_dict(), **overrides})
         if (params.n > 1) != (self.params.n > 1):
             raise ValueError(
@@ -401,8 +159,8 @@ class Generate(_Worker):
 
     def process(self, batch: Any) -> Any:
         """Generate for every row of ``batch`` (any thread; blocks until all rows are done)."""
-        values = _column(batch, self.prompt_column)
-        params_values = _column(batch, self.params_column) if self.params_column else None
+        values = column_values(batch, self.prompt_column)
+        params_values = column_values(batch, self.params_column) if self.params_column else None
         n_rows = len(values)
         errors: list[str | None] = [None] * n_rows
         prompts: list[Any] = [None] * n_rows
@@ -414,12 +172,12 @@ class Generate(_Worker):
                 if params_values is not None:
                     row_params[i] = self._row_params(params_values[i])
             except (ValueError, TypeError, LlamaBatchError) as exc:
-                self._row_failed(i, _error_text(exc), errors)
+                self._row_failed(i, error_text(exc), errors)
                 continue
             valid.append(i)
         generated = self._generate(valid, prompts, row_params, errors)
         columns = self._columns(n_rows, generated, row_params)
-        return _with_columns(batch, {**columns, **self._error_columns(errors)})
+        return with_columns(batch, {**columns, **self._error_columns(errors)})
 
     def _generate(
         self, rows: list[int], prompts: list[Any], params: list[SamplingParams], errors: list[str | None]
@@ -455,7 +213,7 @@ class Generate(_Worker):
                     except EngineClosed:
                         raise
                     except (ValueError, TypeError, LlamaBatchError) as exc:
-                        self._row_failed(i, _error_text(exc), errors)
+                        self._row_failed(i, error_text(exc), errors)
                         break
             return {i: self._checked(i, h.result().outputs, errors) for i, h in handles.items()}
         except BaseException:
@@ -523,7 +281,7 @@ class Generate(_Worker):
         out["prompt_tokens"] = np.asarray(cols["prompt_tokens"], dtype=np.int64)
         if not many:
             out["completion_tokens"] = np.asarray(cols["completion_tokens"], dtype=np.int64)
-            out["finish_reason"] = _object_array(["error" if v is None else v for v in cols["finish_reason"]])
+            out["finish_reason"] = object_array(["error" if v is None else v for v in cols["finish_reason"]])
         return out
 
     def arrow_types(self) -> dict[str, Any]:
@@ -581,7 +339,7 @@ def _top_logprobs(completion: Any) -> list[list[dict[str, Any]]] | None:
 # -- embeddings --------------------------------------------------------------------------------
 
 
-class Embed(_Worker):
+class Embed(RowWorker):
     """A ``map_batches`` callable that embeds the text of every row.
 
     Use it as a class, so that Ray builds one model per actor::
@@ -623,14 +381,14 @@ class Embed(_Worker):
         self.output_column = output_column
         options = dict(embedder_options)
         if options.get("n_threads") is None:
-            cpus = _assigned_cpus()
+            cpus = assigned_cpus()
             if cpus is not None:
                 options["n_threads"] = cpus
-        self.embedder = Embedder(_check_model_path(model), **options)
+        self.embedder = Embedder(check_model_path(model), **options)
 
     def process(self, batch: Any) -> Any:
         """Embed every row of ``batch`` (any thread; blocks until all rows are done)."""
-        values = _column(batch, self.text_column)
+        values = column_values(batch, self.text_column)
         n_rows = len(values)
         errors: list[str | None] = [None] * n_rows
         rows: list[int] = []
@@ -639,12 +397,12 @@ class Embed(_Worker):
             if isinstance(value, str):
                 rows.append(i)
                 texts.append(str(value))
-            elif _missing(value):
+            elif is_missing(value):
                 self._row_failed(i, f"the row has no text ({self.text_column!r} is missing)", errors)
             else:
                 self._row_failed(i, f"TypeError: the text is a {type(value).__name__}, not a str", errors)
         vectors = self._embed(rows, texts, errors)
-        return _with_columns(
+        return with_columns(
             batch, {self.output_column: self._column(n_rows, rows, vectors), **self._error_columns(errors)}
         )
 
@@ -709,20 +467,7 @@ def _embed_error_text(exc: BaseException) -> str:
             f"PromptTooLong: the text has {n_tokens} tokens, more than the {limit} one text may have; "
             "pass truncate=True to cut it, or raise n_batch"
         )
-    return _error_text(exc)
-
-
-# -- one-line helpers --------------------------------------------------------------------------
-
-
-def _actor_pool(concurrency: int | tuple[int, int]) -> Any:
-    """Ray Data's actor pool: ``n`` actors, or an autoscaling ``(min, max)``."""
-    from ray.data import ActorPoolStrategy
-
-    if isinstance(concurrency, tuple):
-        low, high = concurrency
-        return ActorPoolStrategy(min_size=low, max_size=high)
-    return ActorPoolStrategy(size=concurrency)
+    return error_text(exc)
 
 
 def generate(
@@ -745,7 +490,7 @@ def generate(
     return dataset.map_batches(
         Generate,
         fn_constructor_kwargs=kwargs,
-        compute=_actor_pool(concurrency),
+        compute=actor_pool(concurrency),
         num_cpus=num_cpus,
         batch_size=batch_size,
         batch_format=batch_format,
@@ -772,7 +517,7 @@ def embed(
     return dataset.map_batches(
         Embed,
         fn_constructor_kwargs=kwargs,
-        compute=_actor_pool(concurrency),
+        compute=actor_pool(concurrency),
         num_cpus=num_cpus,
         batch_size=batch_size,
         batch_format=batch_format,

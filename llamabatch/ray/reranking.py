@@ -17,22 +17,22 @@ from typing import Any
 import numpy as np
 
 from llamabatch.errors import EngineClosed, LlamaBatchError
-from llamabatch.ray.data import (
+from llamabatch.ray.common import (
     OnError,
-    _actor_pool,
-    _assigned_cpus,
-    _check_model_path,
-    _column,
-    _error_text,
-    _missing,
-    _with_columns,
-    _Worker,
+    RowWorker,
+    actor_pool,
+    assigned_cpus,
+    check_model_path,
+    column_values,
+    error_text,
+    is_missing,
+    with_columns,
 )
 
 __all__ = ["Rerank", "rerank"]
 
 
-class Rerank(_Worker):
+class Rerank(RowWorker):
     """A ``map_batches`` callable that scores the (query, document) pair of every row.
 
     Use it as a class, so that Ray builds one model per actor::
@@ -74,14 +74,14 @@ class Rerank(_Worker):
         self.output_column = output_column
         options = dict(reranker_options)
         if options.get("n_threads") is None:
-            cpus = _assigned_cpus()
+            cpus = assigned_cpus()
             if cpus is not None:
                 options["n_threads"] = cpus
-        self.reranker = Reranker(_check_model_path(model), **options)
+        self.reranker = Reranker(check_model_path(model), **options)
 
     def _pair(self, query: Any, document: Any) -> tuple[str, str]:
         for name, value in ((self.query_column, query), (self.document_column, document)):
-            if _missing(value):
+            if is_missing(value):
                 raise ValueError(f"the row has no {name!r}")
             if not isinstance(value, str):
                 raise TypeError(f"{name!r} is a {type(value).__name__}, not a str")
@@ -89,8 +89,8 @@ class Rerank(_Worker):
 
     def process(self, batch: Any) -> Any:
         """Score every row of ``batch`` (any thread; blocks until all rows are done)."""
-        queries = _column(batch, self.query_column)
-        documents = _column(batch, self.document_column)
+        queries = column_values(batch, self.query_column)
+        documents = column_values(batch, self.document_column)
         n_rows = len(queries)
         errors: list[str | None] = [None] * n_rows
         rows: list[int] = []
@@ -99,7 +99,7 @@ class Rerank(_Worker):
             try:
                 pairs.append(self._pair(queries[i], documents[i]))
             except (ValueError, TypeError) as exc:
-                self._row_failed(i, _error_text(exc), errors)
+                self._row_failed(i, error_text(exc), errors)
                 continue
             rows.append(i)
         scores = self._scores(rows, pairs, errors)
@@ -108,7 +108,7 @@ class Rerank(_Worker):
         for i, score in scores.items():
             out[i] = score
         column = out[:, 0] if width == 1 else out
-        return _with_columns(batch, {self.output_column: column, **self._error_columns(errors)})
+        return with_columns(batch, {self.output_column: column, **self._error_columns(errors)})
 
     def _scores(
         self, rows: list[int], pairs: list[tuple[str, str]], errors: list[str | None]
@@ -133,7 +133,7 @@ class Rerank(_Worker):
             if isinstance(result, EngineClosed):
                 raise result
             if isinstance(result, BaseException):
-                self._row_failed(i, _error_text(result), errors)
+                self._row_failed(i, error_text(result), errors)
             else:
                 out[i] = np.asarray(result).reshape(-1)
         return out
@@ -170,7 +170,7 @@ def rerank(
     return dataset.map_batches(
         Rerank,
         fn_constructor_kwargs=kwargs,
-        compute=_actor_pool(concurrency),
+        compute=actor_pool(concurrency),
         num_cpus=num_cpus,
         batch_size=batch_size,
         batch_format=batch_format,

@@ -6,7 +6,7 @@ that reads ``stats()`` of the engines it watches at scrape time for the gauges. 
 itself in its own ``CollectorRegistry`` by default (pass ``registry=prometheus_client.REGISTRY``
 to join the process-wide one an app already exports)::
 
-    from llamabatch.metrics import PrometheusListener
+    from llamabatch.runtime.metrics import PrometheusListener
 
     metrics = PrometheusListener()
     metrics.attach(llm)                  # listener + gauges; also metrics.attach(embedder)
@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from llamabatch.telemetry import EmbedPackEvent, RequestEvent, TickEvent
+from llamabatch.runtime.telemetry import EmbedPackEvent, RequestEvent, TickEvent
 
 __all__ = ["PrometheusListener"]
 
@@ -238,11 +238,11 @@ class PrometheusListener:
                 success.add_metric([name, reason], n)
         yield success
         for key, (doc, _) in _HISTOGRAMS.items():
-            family = HistogramMetricFamily(PREFIX + key, doc, labels=label)
+            histogram = HistogramMetricFamily(PREFIX + key, doc, labels=label)
             for name, (_, _, histograms) in models.items():
                 buckets, total = histograms[key]
-                family.add_metric([name], buckets, total)
-            yield family
+                histogram.add_metric([name], buckets, total)
+            yield histogram
 
         yield from self._gauges(sources, GaugeMetricFamily)
 

@@ -1,40 +1,43 @@
-"""The worker skeleton shared by the embedder and the generation engine.
+"""The worker thread shared by the embedder and the generation engine.
 
 One thread owns one llama.cpp context; callers on any thread hand it work under one
-condition variable. This module holds what every such worker needs, so each engine keeps
-only what is specific to its work:
+condition variable (``Worker.cond``). A ``Worker`` drives a *task* (``WorkerTask``: the
+engine's loop, which owns the core and its queues) by composition: the facade (``LLM``,
+``Embedder``) owns a ``Worker``, the ``Worker`` owns the thread and calls the task. This
+module holds what every such worker needs, so each engine keeps only what is specific to
+its work:
 
 - the thread and its loop: sleep until there is work, a call or a close; run queued
-  *calls* (``call(fn)``), then one *unit of work* (``_run_once``: a pack, a tick);
+  *calls* (``call(fn)``), then one *unit of work* (``task.run_once()``: a pack, a tick);
 - ``call(fn, timeout)``: run ``fn`` on the worker thread and return its result (or raise
   its exception). From the worker thread itself it runs ``fn`` at once (no deadlock);
 - ``close(timeout)``: idempotent. From another thread it stops the worker and waits for it.
   From the worker thread itself (a telemetry listener, a strategy) it is *deferred*: the
   current unit of work finishes, then the loop ends. Either way the context is freed by
   the worker thread after its last unit, never under a running step;
-- crash containment: an unexpected exception out of ``_run_once`` is logged once, the
+- crash containment: an unexpected exception out of ``run_once`` is logged once, the
   worker is marked closed, and every pending job ends exactly once with an error: no
   caller is left waiting;
 - ``halve_and_retry``: the one policy for ``llama_decode`` codes that mean "no memory for
   this batch" (``DecodeCode.retryable``): free memory if the caller can, else halve.
 
-A subclass calls ``Worker.__init__(self, name)`` early in its constructor, ``self._start()``
-at its end, and implements the hooks:
+The owner makes ``Worker(name, task, kind=...)`` once its task is ready, then calls
+``start()``. The task implements (``WorkerTask``):
 
-- ``_has_work() -> bool``: is there a unit of work to run? Called with ``_cond`` held.
-- ``_run_once()``: run one unit of work on the worker thread (``_cond`` not held: take
-  ``with self._cond:`` to read what callers share, and release it before computing).
-- ``_fail_pending(error)``: end every job not finished yet (queued or in the unit that
+- ``has_work() -> bool``: is there a unit of work to run? Called with ``cond`` held.
+- ``run_once()``: run one unit of work on the worker thread (``cond`` not held: take
+  ``with worker.cond:`` to read what callers share, and release it before computing).
+- ``fail_pending(error)``: end every job not finished yet (queued or in the unit that
   was running) with ``error``. Called exactly once, on the worker thread after its last
   unit (or on the closing thread if the worker never started). Take what you fail from
-  the shared queues under ``_cond``; ending a job must be idempotent (exactly once).
-- ``_on_close()``: free resources (context, batches, model). Called once, after
-  ``_fail_pending``.
-- ``_interrupt()`` (optional): make a running unit end early (``Context.abort()``).
-  Called by ``close()`` on the closing thread, so it must be safe from any thread at
-  any time, even after ``_on_close``: set a flag, touch nothing else.
+  the shared queues under ``cond``; ending a job must be idempotent (exactly once).
+- ``on_close()``: free resources (context, batches, model). Called once, after
+  ``fail_pending``.
+- ``interrupt()``: make a running unit end early (``Context.abort()``). Called by
+  ``close()`` on the closing thread, so it must be safe from any thread at any time,
+  even after ``on_close``: set a flag, touch nothing else.
 
-Callers' submission paths check ``_raise_if_closed()`` under ``_cond`` before queueing, so
+Callers' submission paths check ``raise_if_closed()`` under ``cond`` before queueing, so
 nothing is queued after the worker stopped taking work.
 """
 
@@ -47,61 +50,88 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from llamabatch._ffi.context import DecodeCode
 from llamabatch.errors import EngineClosed, LlamaBatchError
 
-__all__ = ["RetryOutcome", "Worker", "halve_and_retry"]
+__all__ = ["RetryOutcome", "Worker", "WorkerTask", "halve_and_retry"]
 
 logger = logging.getLogger("llamabatch")
 
 T = TypeVar("T")
 
 
-class Worker:
-    """One thread that owns a llama.cpp context and runs units of work (see the module doc).
+class WorkerTask(Protocol):
+    """What a ``Worker`` runs (see the module doc): the engine's side of the thread."""
 
-    ``_cond`` guards everything callers share with the worker; ``closed`` is True once
+    def has_work(self) -> bool:
+        """Whether a unit of work is waiting (``Worker.cond`` is held)."""
+        ...
+
+    def run_once(self) -> None:
+        """Run one unit of work on the worker thread."""
+        ...
+
+    def fail_pending(self, error: BaseException) -> None:
+        """End every unfinished job with ``error`` (exactly once per job)."""
+        ...
+
+    def on_close(self) -> None:
+        """Free the resources (after ``fail_pending``)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Make a running unit of work end early; safe from any thread at any time."""
+        ...
+
+
+class Worker:
+    """One thread that owns a llama.cpp context and runs a task's units of work (see the
+    module doc).
+
+    ``cond`` guards everything callers share with the worker; ``closed`` is True once
     ``close()`` was called or the worker crashed (no more work is accepted).
     """
 
-    #: what the worker is, in messages ("the embedder is closed")
+    #: what the worker is, in messages ("the embedder is closed"); see ``kind``
     _kind = "worker"
 
-    def __init__(self, name: str) -> None:
-        self._cond = threading.Condition()
+    def __init__(self, name: str, task: WorkerTask, *, kind: str | None = None) -> None:
+        self.cond = threading.Condition()
+        self.task = task
+        if kind is not None:
+            self._kind = kind
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._closing = False  # no more work accepted: close() was called, or the worker crashed
-        self._shut_down = False  # _fail_pending and _on_close have run
-        self._resource_users = 0  # callers' threads inside _using_resources()
+        self._shut_down = False  # fail_pending and on_close have run
+        self._resource_users = 0  # callers' threads inside using_resources()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
-    # -- hooks ------------------------------------------------------------------------------
-
-    def _has_work(self) -> bool:
-        """Whether a unit of work is waiting (``_cond`` is held)."""
-        raise NotImplementedError
-
-    def _run_once(self) -> None:
-        """Run one unit of work on the worker thread."""
-        raise NotImplementedError
-
-    def _fail_pending(self, error: BaseException) -> None:
-        """End every unfinished job with ``error`` (exactly once per job)."""
-        raise NotImplementedError
-
-    def _on_close(self) -> None:
-        """Free the resources (after ``_fail_pending``)."""
-
-    def _interrupt(self) -> None:
-        """Make a running unit of work end early; safe from any thread at any time."""
+    @property
+    def kind(self) -> str:
+        """What the worker is, in messages (``"LLM"``, ``"embedder"``)."""
+        return self._kind
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def _start(self) -> None:
-        """Start the thread (the subclass's constructor, when everything is set up)."""
+    def start(self) -> None:
+        """Start the thread (once the task is set up)."""
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the thread was started."""
+        return self._thread.ident is not None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is running (started, and its loop not ended)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after ``close()``)."""
+        self._thread.join(timeout)
 
     @property
     def closed(self) -> bool:
@@ -113,27 +143,27 @@ class Worker:
         """Whether the current thread is the worker thread (listeners, strategies run there)."""
         return threading.current_thread() is self._thread
 
-    def _raise_if_closed(self) -> None:
-        """``EngineClosed`` when no more work is accepted (call with ``_cond`` held)."""
+    def raise_if_closed(self) -> None:
+        """``EngineClosed`` when no more work is accepted (call with ``cond`` held)."""
         if self._closing:
             raise EngineClosed(f"the {self._kind} is closed")
 
     @contextlib.contextmanager
-    def _using_resources(self) -> Iterator[None]:
+    def using_resources(self) -> Iterator[None]:
         """Keep the resources (the model) alive while a caller's thread uses them
         (tokenizing, building a sampler): ``EngineClosed`` once closing, and ``_on_close``
         runs only after every such user has left (freeing the model under a running
         ``llama_tokenize`` was a segfault)."""
-        with self._cond:
-            self._raise_if_closed()
+        with self.cond:
+            self.raise_if_closed()
             self._resource_users += 1
         try:
             yield
         finally:
-            with self._cond:
+            with self.cond:
                 self._resource_users -= 1
                 if not self._resource_users:
-                    self._cond.notify_all()
+                    self.cond.notify_all()
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn()`` on the worker thread (the context's only user); return its result.
@@ -151,10 +181,10 @@ class Worker:
         if self._thread.ident is None:
             raise RuntimeError(f"the {self._kind}'s worker thread was never started")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._cond:
-            self._raise_if_closed()
+        with self.cond:
+            self.raise_if_closed()
             self._calls.append((fn, future))
-            self._cond.notify_all()
+            self.cond.notify_all()
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -168,12 +198,12 @@ class Worker:
         free its resources. From the worker thread (a listener, a strategy): returns at
         once; the current unit of work finishes, then the worker ends and frees them.
         """
-        with self._cond:
+        with self.cond:
             first = not self._closing
             self._closing = True
-            self._cond.notify_all()
+            self.cond.notify_all()
         if first:
-            self._interrupt()
+            self.task.interrupt()
         if self._thread.ident is None:  # never started: nothing runs, end it all here
             self._shutdown(EngineClosed(f"the {self._kind} was closed"))
             return
@@ -185,16 +215,18 @@ class Worker:
 
     def _loop(self) -> None:
         error: BaseException | None = None
+        task = self.task
+        cond = self.cond
         try:
             while True:
-                with self._cond:
-                    while not (self._calls or self._closing or self._has_work()):
-                        self._cond.wait()
+                with cond:
+                    while not (self._calls or self._closing or task.has_work()):
+                        cond.wait()
                     if self._closing:
                         break
                     calls = list(self._calls)
                     self._calls.clear()
-                    work = self._has_work()
+                    work = task.has_work()
                 for fn, future in calls:
                     if future.set_running_or_notify_cancel():  # False: cancelled by a timeout
                         try:
@@ -202,7 +234,7 @@ class Worker:
                         except BaseException as exc:
                             future.set_exception(exc)
                 if work and not self._closing:
-                    self._run_once()
+                    task.run_once()
         except BaseException as exc:  # a bug: contain it, never leave a caller hanging
             logger.critical("llamabatch: the %s's worker thread crashed", self._kind, exc_info=True)
             error = LlamaBatchError(
@@ -213,27 +245,27 @@ class Worker:
 
     def _shutdown(self, error: BaseException) -> None:
         """End all pending work with ``error`` and free the resources; runs once."""
-        with self._cond:
+        with self.cond:
             if self._shut_down:
                 return
             self._shut_down = True
             self._closing = True
             calls = list(self._calls)
             self._calls.clear()
-            self._cond.notify_all()  # wake callers blocked on the condition (e.g. waiting for room)
+            self.cond.notify_all()  # wake callers blocked on the condition (e.g. waiting for room)
         for _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         try:
-            self._fail_pending(error)
-        except Exception:  # pragma: no cover - a bug in a subclass
+            self.task.fail_pending(error)
+        except Exception:  # pragma: no cover - a bug in a task
             logger.exception("llamabatch: ending the %s's pending work failed", self._kind)
-        with self._cond:  # callers' threads may still be using the model: let them finish
+        with self.cond:  # callers' threads may still be using the model: let them finish
             while self._resource_users:
-                self._cond.wait()
+                self.cond.wait()
         try:
-            self._on_close()
-        except Exception:  # pragma: no cover - a bug in a subclass
+            self.task.on_close()
+        except Exception:  # pragma: no cover - a bug in a task
             logger.exception("llamabatch: freeing the %s failed", self._kind)
 
 

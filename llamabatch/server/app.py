@@ -1,8 +1,15 @@
 """The OpenAI-compatible ASGI app (Starlette) over an ``LLM`` and/or an ``Embedder``.
 
+This module composes the app: ``OpenAIServer`` (the engines, names, key, metrics and the
+plumbing every endpoint uses) and ``create_app`` (routes, middleware). One module per endpoint
+family holds the handlers: ``completions.py``, ``chat.py`` (tool calls: ``chat_tools.py``),
+``embeddings.py``, ``rerank.py``, ``tokenize.py`` and ``models.py`` (``/health``, ``/metrics``,
+``/v1/models``); ``protocol.py`` reads requests, ``prepare.py`` does their CPU work,
+``streaming.py`` writes responses and ``limits.py`` guards the HTTP edge.
+
 Built on llamabatch's public API only: ``LLM.astream``/``agenerate`` and
 ``apply_chat_template``, ``Embedder.aembed``, ``SamplingParams`` and
-``llamabatch.metrics``. Every request runs on the event loop; the engines' own threads do
+``llamabatch.runtime.metrics``. Every request runs on the event loop; the engines' own threads do
 the work, so one process serves many clients with one batched forward pass per tick.
 Nothing heavier than parsing a bounded body runs on the loop: tokenizing, rendering chat
 templates and building samplers (grammars) happen in worker threads (``asyncio.to_thread``;
@@ -17,9 +24,10 @@ request in the engine before its next tick.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,39 +38,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llamabatch import LLM, Embedder, PromptTooLong, SamplingParams
-from llamabatch.metrics import PrometheusListener
-from llamabatch.server import prepare
-from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
+from llamabatch import LLM, Embedder, SamplingParams
+from llamabatch.embed.reranker import Reranker
+from llamabatch.runtime.metrics import PrometheusListener
+from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
 from llamabatch.server.limits import EdgeGuard, ServerLimits, read_json
 from llamabatch.server.protocol import (
     APIError,
     Body,
     TokenText,
     bad_request,
-    chat_logprobs,
-    chat_messages,
-    completion_logprobs,
-    completion_prompts,
-    finish_reason,
-    new_id,
     now,
-    sampling_params,
-    usage,
 )
-from llamabatch.server.rerank import Reranker, rerank_endpoint  # /v1/rerank (issue 25)
 from llamabatch.server.streaming import (
-    _DONE_EVENT,
-    EventStream,
-    _chunk,
-    _generate,
     _json_response,
-    _primed,
-    _sse,
     error_response,
-    until_disconnect,
 )
-from llamabatch.toolcalls.chat import ChatSetup
 
 logger = logging.getLogger("llamabatch.server")
 
@@ -142,20 +133,13 @@ class OpenAIServer:
             )
 
     @staticmethod
-    async def _body(request: Request, endpoint: str) -> Body:
+    async def read_body(request: Request, endpoint: str) -> Body:
         """The request's JSON body (size and time bounded by ``EdgeGuard``), parsed strictly
         (``limits.parse_json``: 400 for bad JSON, NaN/Infinity, deep nesting)."""
         body = request.state.body = Body(await read_json(request), endpoint)
         return body
 
-    # the CPU work and its bounds (server/prepare.py); worker threads run the heavy ones
-    _check_queue_room = staticmethod(prepare.check_queue_room)
-    _prompt_fits = staticmethod(prepare.prompt_fits)
-    _tokenize_prompts = staticmethod(prepare.tokenize_prompts)
-    _chat_tokens = staticmethod(prepare.chat_tokens)
-    _count_embedding_tokens = staticmethod(prepare.count_embedding_tokens)
-
-    def _need_llm(self) -> LLM:
+    def need_llm(self) -> LLM:
         if self.llm is None:
             raise APIError(
                 404,
@@ -164,7 +148,7 @@ class OpenAIServer:
             )
         return self.llm
 
-    def _stream_options(self, body: Body) -> tuple[bool, bool]:
+    def stream_options(self, body: Body) -> tuple[bool, bool]:
         stream = body.get("stream", "bool", False)
         options = body.get("stream_options", "dict")
         if options is None:
@@ -177,7 +161,7 @@ class OpenAIServer:
         return stream, include
 
     @staticmethod
-    async def _collect(llm: LLM, prompts: Sequence[Any], params: SamplingParams) -> list[Any]:
+    async def collect(llm: LLM, prompts: Sequence[Any], params: SamplingParams) -> list[Any]:
         tasks = [asyncio.ensure_future(llm.agenerate(p, params)) for p in prompts]
         try:
             return list(await asyncio.gather(*tasks))
@@ -187,423 +171,10 @@ class OpenAIServer:
                     task.cancel()
 
     @staticmethod
-    def _raise_for_errors(outputs: Sequence[Any]) -> None:
+    def raise_for_errors(outputs: Sequence[Any]) -> None:
         for out in outputs:
             if out.finish_reason == "error":
                 raise APIError(500, f"generation failed: {out.error}", type="server_error")
-
-    # -- endpoints -----------------------------------------------------------------------
-
-    async def health(self, request: Request) -> Response:
-        engines = [e for e in (self.llm, self.embedder, self.reranker) if e is not None]
-        if any(e.closed for e in engines):
-            return _json_response({"status": "unavailable"}, 503)
-        return _json_response({"status": "ok"})
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(self.metrics.generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    async def models(self, request: Request) -> Response:
-        data = []
-        if self.llm is not None:
-            data.append(self._model_card(self.model_name, self.llm.n_ctx_seq))
-        if self.embedder is not None:
-            data.append(self._model_card(self.embedding_model_name, self.embedder.max_tokens))
-        if self.reranker is not None:
-            data.append(self._model_card(self.rerank_model_name, self.reranker.max_length))
-        return _json_response({"object": "list", "data": data})
-
-    def _model_card(self, name: str | None, max_len: int) -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "llamabatch",
-            "max_model_len": max_len,
-        }
-
-    async def completions(self, request: Request) -> Any:
-        body = await self._body(request, "/v1/completions")
-        llm = self._need_llm()
-        prompts = completion_prompts(body)
-        self._check_queue_room(llm, len(prompts), 1)
-        token_prompts = await asyncio.to_thread(self._tokenize_prompts, llm, prompts)
-        logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
-        params = await asyncio.to_thread(
-            sampling_params,
-            body,
-            chat=False,
-            prompt_tokens=max(map(len, token_prompts)),
-            n_ctx_seq=llm.n_ctx_seq,
-            logprobs=logprobs,
-        )
-        self._check_queue_room(llm, len(prompts), params.n)
-        echo = body.get("echo", "bool", False)
-        if body.get("suffix", "str"):
-            raise bad_request("'suffix' is not supported", param="suffix")
-        best_of = body.get("best_of", "int")
-        if best_of is not None and best_of != params.n:
-            raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
-        stream, include_usage = self._stream_options(body)
-        body.warn_unknown()
-        detokenize = llm.model.detokenize
-        texts = (
-            await asyncio.to_thread(
-                lambda: [p if isinstance(p, str) else detokenize(p, unparse_special=True) for p in prompts]
-            )
-            if echo
-            else None
-        )
-        if stream:
-            gen = await _primed(_generate(llm, token_prompts, params), request.receive)
-            return EventStream(self._completion_events(gen, params, texts, include_usage))
-        results = await until_disconnect(request.receive, self._collect(llm, token_prompts, params))
-        choices, n_prompt, n_completion, cached = [], 0, 0, 0
-        for p, result in enumerate(results):
-            self._raise_for_errors(result.outputs)
-            n_prompt += len(result.prompt_token_ids)
-            cached += result.outputs[0].usage.reused_tokens
-            prefix = texts[p] if texts is not None else ""
-            for out in result.outputs:
-                n_completion += out.usage.completion_tokens
-                lp = None
-                if logprobs is not None and out.logprobs is not None:
-                    assert self.token_text is not None
-                    lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs, len(prefix))
-                choices.append(
-                    {
-                        "index": p * params.n + out.index,
-                        "text": prefix + out.text,
-                        "logprobs": lp,
-                        "finish_reason": finish_reason(out.finish_reason),
-                    }
-                )
-        return _json_response(
-            {
-                "id": new_id("cmpl"),
-                "object": "text_completion",
-                "created": now(),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage(n_prompt, n_completion, cached),
-            }
-        )
-
-    async def _completion_events(
-        self,
-        gen: AsyncIterator[tuple[int, Any]],
-        params: SamplingParams,
-        echo: list[str] | None,
-        include_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        rid, created, n = new_id("cmpl"), now(), params.n
-        offsets: dict[int, int] = {}
-        n_prompt = n_completion = cached = 0
-
-        def chunk(choice: dict[str, Any]) -> bytes:
-            return _chunk("text_completion", rid, created, self.model_name, choice, include_usage)
-
-        async for p, delta in gen:
-            index = p * n + delta.index
-            text = delta.text
-            if index not in offsets:
-                offsets[index] = 0
-                if echo is not None:
-                    text = echo[p] + text
-            out = delta.output
-            lp = None
-            if out is not None and params.logprobs is not None and out.logprobs is not None:
-                assert self.token_text is not None
-                lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs, 0)
-            offsets[index] += len(text)
-            if text or out is not None:
-                if out is not None and out.finish_reason == "error":
-                    yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
-                    continue
-                yield chunk(
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": finish_reason(delta.finish_reason),
-                    }
-                )
-            if out is not None:
-                n_completion += out.usage.completion_tokens
-                if out.index == 0:
-                    n_prompt += out.usage.prompt_tokens
-                    cached += out.usage.reused_tokens
-        if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": usage(n_prompt, n_completion, cached),
-                }
-            )
-        yield _DONE_EVENT
-
-    async def chat_completions(self, request: Request) -> Any:
-        body = await self._body(request, "/v1/chat/completions")
-        llm = self._need_llm()
-        messages = chat_messages(body)
-        tool_request = read_tool_request(body)  # tools, tool_choice: server/chat_tools.py
-        add_generation_prompt = body.get("add_generation_prompt", "bool", True)
-        template_kwargs = body.get("chat_template_kwargs", "dict")
-
-        def render() -> tuple[list[int], str]:  # in a worker thread: Jinja and the tokenizer are CPU work
-            try:
-                text = llm.apply_chat_template(
-                    messages,
-                    tools=tool_request.template_tools,
-                    chat_template=self.chat_template,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template_kwargs=template_kwargs,
-                )
-            except ValueError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            return self._chat_tokens(llm, text), text
-
-        tokens, prompt_text = await asyncio.to_thread(render)
-        want_logprobs = body.get("logprobs", "bool", False)
-        top = body.get("top_logprobs", "int", minimum=0, maximum=20)
-        if top is not None and not want_logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        params = await asyncio.to_thread(
-            sampling_params,
-            body,
-            chat=True,
-            prompt_tokens=len(tokens),
-            n_ctx_seq=llm.n_ctx_seq,
-            logprobs=(top or 0) if want_logprobs else None,
-        )
-        template = self.chat_template if self.chat_template is not None else llm.model.chat_template
-        setup = await asyncio.to_thread(  # tool-call grammars and the answer's parser
-            setup_chat, params, tool_request, llm.chat_options, template, prompt_text
-        )
-        params = setup.params
-        self._check_queue_room(llm, 1, params.n)
-        stream, include_usage = self._stream_options(body)
-        body.warn_unknown()
-        if stream:
-            gen = await _primed(_generate(llm, [tokens], params), request.receive)
-            return EventStream(self._chat_events(gen, params, top or 0, include_usage, setup))
-        (result,) = await until_disconnect(request.receive, self._collect(llm, [tokens], params))
-        self._raise_for_errors(result.outputs)
-        choices = []
-        for out in result.outputs:
-            out = setup.finish_output(out)  # content, reasoning_content, tool_calls
-            lp = None
-            if want_logprobs and out.logprobs is not None:
-                assert self.token_text is not None
-                lp = {"content": chat_logprobs(self.token_text, out.token_ids, out.logprobs, top or 0)}
-            choices.append(
-                {
-                    "index": out.index,
-                    "message": chat_message(out),
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(out.finish_reason),
-                }
-            )
-        n_completion = sum(o.usage.completion_tokens for o in result.outputs)
-        return _json_response(
-            {
-                "id": new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": now(),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
-            }
-        )
-
-    async def _chat_events(
-        self,
-        gen: AsyncIterator[tuple[int, Any]],
-        params: SamplingParams,
-        top: int,
-        include_usage: bool,
-        setup: ChatSetup,
-    ) -> AsyncIterator[bytes]:
-        rid, created = new_id("chatcmpl"), now()
-        started: set[int] = set()
-        streams: dict[int, ChatStream] = {}  # per choice: reasoning / content / tool calls
-        n_prompt = n_completion = cached = 0
-
-        def chunk(choice: dict[str, Any]) -> bytes:
-            return _chunk("chat.completion.chunk", rid, created, self.model_name, choice, include_usage)
-
-        async for _, delta in gen:
-            index = delta.index
-            if index not in started:
-                started.add(index)
-                yield chunk(
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            if index not in streams:
-                streams[index] = ChatStream(setup)
-            split = streams[index]
-            pieces = split.feed(delta.text) if delta.text else []
-            if delta.output is not None and delta.output.finish_reason != "error":
-                pieces += split.finish()
-            for piece in pieces:
-                yield chunk({"index": index, "delta": piece, "logprobs": None, "finish_reason": None})
-            out = delta.output
-            if out is None:
-                continue
-            if out.finish_reason == "error":
-                yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
-                continue
-            lp = None
-            if params.logprobs is not None and out.logprobs is not None:
-                assert self.token_text is not None
-                lp = {"content": chat_logprobs(self.token_text, out.token_ids, out.logprobs, top)}
-            yield chunk(
-                {
-                    "index": index,
-                    "delta": {},
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(split.finish_reason(out.finish_reason)),
-                }
-            )
-            n_completion += out.usage.completion_tokens
-            if out.index == 0:
-                n_prompt, cached = out.usage.prompt_tokens, out.usage.reused_tokens
-        if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": usage(n_prompt, n_completion, cached),
-                }
-            )
-        yield _DONE_EVENT
-
-    async def embeddings(self, request: Request) -> Response:
-        body = await self._body(request, "/v1/embeddings")
-        embedder = self.embedder
-        if embedder is None:
-            raise APIError(
-                404,
-                "this server has no embedding model (start it with --embedding-model EMB.gguf)",
-                code="model_not_found",
-            )
-        data = body.data.get("input")
-        body.read.add("input")
-        texts = [data] if isinstance(data, str) else data
-        if not isinstance(texts, list) or not texts or len(texts) > prepare.MAX_EMBEDDING_INPUTS:
-            raise bad_request(
-                f"'input' must be a string or an array of 1 to {prepare.MAX_EMBEDDING_INPUTS} strings",
-                param="input",
-            )
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise bad_request(
-                    f"'input[{i}]' must be a string (token-id inputs are not supported)", param="input"
-                )
-            if not text:
-                raise bad_request(f"'input[{i}]' is empty", param="input")
-        encoding = body.get("encoding_format", "str", "float")
-        if encoding not in ("float", "base64"):
-            raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-        dimensions = body.get("dimensions", "int")
-        if dimensions is not None and dimensions != embedder.n_out:
-            raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
-        body.warn_unknown()
-        try:
-            n_tokens = await asyncio.to_thread(self._count_embedding_tokens, embedder, texts)
-            vectors = await until_disconnect(request.receive, embedder.aembed(texts))
-        except PromptTooLong as exc:
-            raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
-        except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param="input") from None
-        payload = await asyncio.to_thread(  # vector by vector: JSON-encoding floats holds the GIL
-            prepare.embedding_response, vectors, encoding, self.embedding_model_name, n_tokens
-        )
-        return Response(payload, media_type="application/json")
-
-    async def rerank(self, request: Request) -> Response:
-        """``/v1/rerank`` and ``/rerank`` (issue 25; the logic is in llamabatch.server.rerank)."""
-        body = await self._body(request, "/v1/rerank")
-        answer = await rerank_endpoint(self.reranker, self.rerank_model_name, body, request.receive)
-        return _json_response(answer)
-
-    async def tokenize(self, request: Request) -> Response:
-        body = await self._body(request, "/tokenize")
-        text = body.get("prompt", "str")
-        if text is None:
-            text = body.get("content", "str")  # llama.cpp server's name
-        add_special = body.get("add_special_tokens", "bool")
-        if add_special is None:
-            add_special = body.get("add_special", "bool", True)
-        with_pieces = body.get("with_pieces", "bool", False)
-        messages = body.get("messages", "list")
-        if (text is None) == (messages is None):
-            raise bad_request("give either 'prompt' (or 'content') or 'messages'", param="prompt")
-        if self.llm is not None:
-            model, max_len = self.llm.model, self.llm.n_ctx_seq
-        elif self.embedder is not None:
-            model, max_len = self.embedder.model, self.embedder.max_tokens
-        else:
-            assert self.reranker is not None
-            model, max_len = self.reranker.model, self.reranker.max_length
-        add_generation_prompt = body.get("add_generation_prompt", "bool", True)
-        llm = self._need_llm() if messages is not None else self.llm
-        body.warn_unknown()
-
-        def run() -> list[Any]:  # in a worker thread: rendering and tokenizing are CPU work
-            if messages is not None:
-                assert llm is not None
-                try:
-                    rendered = llm.apply_chat_template(
-                        messages,
-                        chat_template=self.chat_template,
-                        add_generation_prompt=add_generation_prompt,
-                    )
-                except ValueError as exc:
-                    raise bad_request(str(exc), param="messages") from None
-                tokens = self._chat_tokens(llm, rendered)
-            elif llm is not None:
-                self._prompt_fits(llm, text, "prompt")
-                tokens = llm.tokenize(text, add_special=add_special, parse_special=True)
-            else:
-                tokens = model.tokenize(text, add_special=add_special, parse_special=True)
-            if not with_pieces:
-                return tokens
-            return [
-                {"id": t, "piece": model.token_to_piece(t, special=True).decode("utf-8", "replace")}
-                for t in tokens
-            ]
-
-        out = await asyncio.to_thread(run)
-        return _json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
-
-    async def detokenize(self, request: Request) -> Response:
-        body = await self._body(request, "/detokenize")
-        tokens = body.get("tokens", "list")
-        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad_request("'tokens' must be an array of token ids", param="tokens")
-        body.warn_unknown()
-        engine = self.llm or self.embedder or self.reranker
-        model = engine.model  # type: ignore[union-attr]
-        try:  # special tokens as text, in a worker thread
-            text = await asyncio.to_thread(model.detokenize, tokens, unparse_special=True)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="tokens") from None
-        return _json_response({"prompt": text, "content": text})
 
 
 def create_app(
@@ -654,19 +225,25 @@ def create_app(
         rerank_model_name=rerank_model_name,
     )
     ep = server.endpoint
+
+    def handler(
+        endpoint: Callable[[OpenAIServer, Request], Awaitable[Any]],
+    ) -> Callable[[Request], Awaitable[Any]]:
+        return functools.partial(endpoint, server)
+
     routes = [
-        Route("/health", ep(server.health, auth=False), methods=["GET"]),
-        Route("/metrics", ep(server.metrics_endpoint, auth=False), methods=["GET"]),
-        Route("/tokenize", ep(server.tokenize), methods=["POST"]),
-        Route("/detokenize", ep(server.detokenize), methods=["POST"]),
+        Route("/health", ep(handler(models.health), auth=False), methods=["GET"]),
+        Route("/metrics", ep(handler(models.metrics_endpoint), auth=False), methods=["GET"]),
+        Route("/tokenize", ep(handler(tokenize.tokenize)), methods=["POST"]),
+        Route("/detokenize", ep(handler(tokenize.detokenize)), methods=["POST"]),
     ]
     for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
         routes += [
-            Route(f"{prefix}/models", ep(server.models), methods=["GET"]),
-            Route(f"{prefix}/completions", ep(server.completions), methods=["POST"]),
-            Route(f"{prefix}/chat/completions", ep(server.chat_completions), methods=["POST"]),
-            Route(f"{prefix}/embeddings", ep(server.embeddings), methods=["POST"]),
-            Route(f"{prefix}/rerank", ep(server.rerank), methods=["POST"]),  # issue 25
+            Route(f"{prefix}/models", ep(handler(models.models)), methods=["GET"]),
+            Route(f"{prefix}/completions", ep(handler(completions.completions)), methods=["POST"]),
+            Route(f"{prefix}/chat/completions", ep(handler(chat.chat_completions)), methods=["POST"]),
+            Route(f"{prefix}/embeddings", ep(handler(embeddings.embeddings)), methods=["POST"]),
+            Route(f"{prefix}/rerank", ep(handler(rerank.rerank)), methods=["POST"]),  # issue 25
         ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llamabatch.config import EngineConfig
 from llamabatch.toolcalls import TOOL_CALL_PARSERS
 from llamabatch.toolcalls.reasoning import REASONING_FORMATS
 
@@ -25,10 +26,6 @@ DESCRIPTION = (
     "/tokenize and /detokenize. "
     "Needs: pip install 'llamabatch[server]'."
 )
-
-
-def _flash_attn(value: str) -> bool | None:
-    return {"on": True, "off": False, "auto": None}[value]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,28 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_FORMATS,
         help="auto: <think> blocks go to reasoning_content; none: they stay in the content",
     )
-    g = parser.add_argument_group("generation engine (LLM)")
-    g.add_argument(
-        "-np", "--n-parallel", "--parallel", type=int, default=8, help="sequences decoded together"
+    # the engine's options, generated from EngineConfig (llama-server's names and aliases)
+    EngineConfig.add_cli_args(
+        parser.add_argument_group("generation engine (LLM)"),
+        overrides={"max_queue": {"help": "requests waiting for a slot before 503s"}},
     )
-    g.add_argument(
-        "-c", "--n-ctx", "--ctx-size", type=int, default=4096, help="KV cache tokens, all sequences"
-    )
-    g.add_argument(
-        "-b", "--n-batch", "--batch-size", type=int, default=512, help="most tokens per forward pass"
-    )
-    g.add_argument("-ub", "--n-ubatch", "--ubatch-size", type=int, default=None, help="physical micro-batch")
-    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    g.add_argument("-tb", "--threads-batch", type=int, default=None, help="CPU threads for prompt batches")
-    g.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto")
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU (-1: all)")
-    g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 503s")
-    g.add_argument("--chunk-size", type=int, default=512, help="most prompt tokens per sequence per tick")
-    g.add_argument(
-        "--strategy", default="decode_maximal", choices=("decode_maximal", "prefill_priority", "balanced")
-    )
-    g.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
-    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     e = parser.add_argument_group("embedding engine (Embedder)")
     e.add_argument(
         "--embedding-batch-size", type=int, default=512, help="tokens per embedding pack (n_batch)"
@@ -196,26 +176,26 @@ def main(args: argparse.Namespace) -> int:
         if args.model:
             llm = LLM(
                 args.model,
+                config=EngineConfig.from_cli_args(args),
                 tool_call_parser=args.tool_call_parser,
                 reasoning_format=args.reasoning_format,
-                **_llm_options(args),
             )
         if args.embedding_model:
             embedder = Embedder(
                 args.embedding_model,
                 n_batch=args.embedding_batch_size,
                 n_seq_max=args.embedding_n_seq_max,
-                n_threads=args.embedding_threads or args.threads,
+                n_threads=args.embedding_threads or args.n_threads,
                 n_gpu_layers=args.n_gpu_layers,
             )
         if args.rerank_model:  # issue 25
-            from llamabatch.reranker import Reranker
+            from llamabatch.embed.reranker import Reranker
 
             reranker = Reranker(
                 args.rerank_model,
                 n_batch=args.embedding_batch_size,
                 n_seq_max=args.embedding_n_seq_max,
-                n_threads=args.embedding_threads or args.threads,
+                n_threads=args.embedding_threads or args.n_threads,
                 n_gpu_layers=args.n_gpu_layers,
             )
         app = create_app(
@@ -280,22 +260,4 @@ def _http_options(args: argparse.Namespace) -> dict[str, Any]:
         "limit_concurrency": args.max_connections,
         "proxy_headers": bool(args.forwarded_allow_ips),
         "forwarded_allow_ips": args.forwarded_allow_ips or None,
-    }
-
-
-def _llm_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "n_ctx": args.n_ctx,
-        "n_parallel": args.n_parallel,
-        "n_batch": args.n_batch,
-        "n_ubatch": args.n_ubatch,
-        "n_threads": args.threads,
-        "n_threads_batch": args.threads_batch,
-        "flash_attn": _flash_attn(args.flash_attn),
-        "n_gpu_layers": args.n_gpu_layers,
-        "max_queue": args.max_queue,
-        "chunk_size": args.chunk_size,
-        "strategy": args.strategy,
-        "kv_unified": args.kv_unified,
-        "prefix_cache": not args.no_prefix_cache,
     }

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from llamabatch import LLM, Embedder, PromptTooLong
-from llamabatch.chat_template import special_token_text
-from llamabatch.llm_engine import prompt_bytes_bound
+from llamabatch.generate.llm_engine import prompt_bytes_bound
+from llamabatch.prompts.chat_template import special_token_text
 from llamabatch.server.protocol import bad_request, encode_embedding
 from llamabatch.server.streaming import _dumps
 

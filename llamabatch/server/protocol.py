@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from llamabatch import SamplingParams
 
@@ -124,12 +124,13 @@ class Body:
     ) -> Any:
         """The field's value (``default`` when absent or null), type- and range-checked."""
         self.read.add(name)
-        value = self.data.get(name)
+        value: Any = self.data.get(name)
         if value is None:
             return default
         types, what = _KINDS[kind]
         if (isinstance(value, bool) and kind != "bool") or not isinstance(value, types):
             raise bad_request(f"'{name}' must be {what}, got {_json_type(value)}", param=name)
+        value = cast(Any, value)  # a JSON number, bool, str, list or dict: checked above
         if kind == "number" and not math.isfinite(value):
             raise bad_request(f"'{name}' must be a finite number", param=name)
         if minimum is not None and value < minimum:
@@ -229,14 +230,14 @@ def sampling_params(
     try:
         return SamplingParams(**kw)
     except ValueError as exc:
-        param = param_of_error(str(exc))
-        if param == "max_tokens":
-            param = max_field
-        elif param == "logprobs":
-            param = "top_logprobs" if chat else "logprobs"
+        field = param_of_error(str(exc))
+        if field == "max_tokens":
+            field = max_field
+        elif field == "logprobs":
+            field = "top_logprobs" if chat else "logprobs"
         else:
-            param = request_field(body, param)
-        raise bad_request(str(exc), param=param) from None
+            field = request_field(body, field)
+        raise bad_request(str(exc), param=field) from None
 
 
 def request_field(body: Body, param: str | None) -> str | None:

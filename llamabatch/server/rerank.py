@@ -13,14 +13,21 @@ Built on the public API (``Reranker.arank``, ``Reranker.tokenize``); the route i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
+from starlette.requests import Request
+from starlette.responses import Response
+
+from llamabatch.embed.reranker import Reranker
 from llamabatch.errors import PromptTooLong
-from llamabatch.reranker import Reranker
 from llamabatch.server.protocol import Body, bad_request
+from llamabatch.server.streaming import _json_response
 
-__all__ = ["rerank_endpoint"]
+if TYPE_CHECKING:
+    from llamabatch.server.app import OpenAIServer
+
+__all__ = ["rerank", "rerank_endpoint"]
 
 #: the most documents one request may rank (a bound on the request's work)
 MAX_DOCUMENTS = 4096
@@ -51,7 +58,7 @@ async def rerank_endpoint(
     reranker: Reranker | None,
     model_name: str | None,
     body: Body,
-    receive: Callable[[], Awaitable[dict[str, Any]]],
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
 ) -> dict[str, Any]:
     """The response body of one rerank request (raises ``APIError`` for a 4xx)."""
     from llamabatch.server.protocol import APIError
@@ -91,3 +98,10 @@ async def rerank_endpoint(
         "results": results,
         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
     }
+
+
+async def rerank(server: OpenAIServer, request: Request) -> Response:
+    """``/v1/rerank`` and ``/rerank`` (issue 25): the handler ``create_app`` routes."""
+    body = await server.read_body(request, "/v1/rerank")
+    answer = await rerank_endpoint(server.reranker, server.rerank_model_name, body, request.receive)
+    return _json_response(answer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -39,7 +39,7 @@ def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def _chunk(
-    kind: str, rid: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
+    kind: str, rid: str, created: int, model: str | None, choice: dict[str, Any], include_usage: bool
 ) -> bytes:
     """One streamed chunk of a completion (``kind``: its OpenAI object type) with one choice;
     ``usage`` is null on every chunk but the last when the client asked for it."""
@@ -56,12 +56,14 @@ def _sse(obj: Any) -> bytes:
 _DONE_EVENT = b"data: [DONE]\n\n"
 
 
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def _wait_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[Any]) -> Any:
+async def until_disconnect(
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Awaitable[Any]
+) -> Any:
     """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))

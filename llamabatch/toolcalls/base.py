@@ -4,7 +4,7 @@ calls, JSON scanning and the GBNF helpers the formats build their grammars with.
 A format is one small module (``hermes.py``, ``llama3.py``, ...) defining a ``ToolFormat``
 subclass: the markers that identify it in a chat template, the markers that open a call in an
 answer, a parser of one call section, and the grammar of a section (from the tools' parameter
-schemas, through :func:`llamabatch.structured.json_schema_grammar`).
+schemas, through :func:`llamabatch.prompts.structured.json_schema_grammar`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from llamabatch.structured import json_schema_grammar
+from llamabatch.prompts.structured import json_schema_grammar
 
 __all__ = [
     "ParsedCall",

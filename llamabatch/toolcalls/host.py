@@ -7,9 +7,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from llamabatch.chat_template import chat_prompt_tokens, render_chat
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
+from llamabatch.prompts.chat_template import chat_prompt_tokens, render_chat
+from llamabatch.status import RequestStatus
 from llamabatch.toolcalls import check_tool_call_parser
 from llamabatch.toolcalls.chat import ChatSetup, prepare_chat
 from llamabatch.toolcalls.reasoning import check_reasoning_format
@@ -108,7 +109,7 @@ class EngineChat:
             delta.tool_calls += tail.tool_calls
             if parser.tool_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-            if output is not None:
+            if output is not None and finish_reason is not None:
                 output = dataclasses.replace(
                     output,
                     text=parser.content,
@@ -124,4 +125,5 @@ class EngineChat:
             tool_calls=[call for _, call in delta.tool_calls],
             finish_reason=finish_reason,
             output=output,
+            status=RequestStatus.FINISHED_TOOL_CALLS if finish_reason == "tool_calls" else step.status,
         )

@@ -1,0 +1,325 @@
+"""``EngineConfig``: every option of the generation engine, its default and its check, once.
+
+``LLM``, ``LLMEngine``, ``llamabatch generate``, ``serve``, ``bench`` and ``bench-soak`` take
+their engine options from here (as vLLM's ``EngineArgs``):
+
+>>> config = EngineConfig(n_parallel=4, kv_unified=True)
+>>> config.n_prefixes  # max_prefixes=None: 4 with a unified KV cache and the prefix cache
+4
+
+The command-line flags are generated from the fields' metadata by :meth:`EngineConfig.add_cli_args`
+(names and aliases follow llama.cpp's ``llama-server``), and :meth:`EngineConfig.from_cli_args`
+reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llamabatch.params import check_positive_int
+
+if TYPE_CHECKING:
+    from llamabatch.strategies import Strategy
+
+__all__ = ["STRATEGY_NAMES", "EngineConfig", "on_off", "parse_flash_attn", "positive_int"]
+
+#: the built-in batching strategies, by name
+STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def on_off(text: str) -> bool:
+    """An argparse type: ``on`` or ``off`` as a bool."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def parse_flash_attn(text: str) -> bool | None:
+    """An argparse type: ``on`` / ``off`` / ``auto`` as ``True`` / ``False`` / ``None``."""
+    try:
+        return {"on": True, "off": False, "auto": None}[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from on, off, auto)") from None
+
+
+def _cli(*flags: str, **kwargs: Any) -> dict[str, Any]:
+    """A field's command-line flag: its names (the first long one is the main one) and the
+    ``add_argument`` keywords (``type``, ``help``, ``action``, ``metavar``, ``choices``)."""
+    return {"cli": (flags, kwargs)}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of the generation engine (``LLM``, ``LLMEngine``), checked at construction.
+
+    Args:
+        n_ctx: KV cache size in tokens, for all sequences together.
+        n_parallel: sequences decoded together (slots).
+        n_batch: the most tokens in one forward pass (the per-tick token budget).
+        n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
+        chunk_size: the most prompt tokens one sequence prefills per tick.
+        strategy: ``"decode_maximal"`` (default), ``"prefill_priority"``, ``"balanced"``,
+            or a strategy object (see ``llamabatch.strategies``).
+        max_queue: requests allowed to wait for a slot; beyond it ``submit`` raises
+            ``QueueFull``.
+        n_threads, n_threads_batch: CPU threads for llama.cpp (default: all cores).
+        n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
+        flash_attn: ``True``, ``False`` or ``None``/``"auto"``.
+        load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
+        prefix_cache: reuse the KV of a matching prompt prefix from any slot (busy or
+            idle) or pinned prefix, copied with ``llama_memory_seq_cp`` (default on).
+        max_prefixes: how many prefixes ``register_prefix`` may pin at once (default 4 with
+            a unified KV cache, 0 with one stream per sequence, where each pinned prefix
+            takes a stream of its own: ``n_ctx / (n_parallel + max_prefixes)`` cells);
+            :attr:`n_prefixes` is the resolved number.
+        kv_unified: ``False`` (default, as llama.cpp's server and llama-batched-bench):
+            one KV stream per sequence, ``n_ctx / n_parallel`` cells each; attention spans
+            only a sequence's own cells, the fastest layout. ``True``: one buffer shared by
+            all sequences, any request may use up to ``n_ctx`` cells; requests are admitted
+            while their prompts fit and preempted (recomputed later) when the cache fills.
+        validate: check the GGUF file before llama.cpp reads it (see ``gguf_check``).
+
+    Raises:
+        ValueError: an option out of range, of the wrong type, or options that do not fit
+            together (``n_parallel + max_prefixes`` over ``n_ctx`` or ``n_batch``).
+    """
+
+    n_ctx: int = field(
+        default=4096,
+        metadata=_cli(
+            "-c", "--n-ctx", "--ctx-size", type=positive_int, help="KV cache tokens, all sequences"
+        ),
+    )
+    n_parallel: int = field(
+        default=8,
+        metadata=_cli(
+            "-np", "--n-parallel", "--parallel", type=positive_int, help="sequences decoded together"
+        ),
+    )
+    n_batch: int = field(
+        default=512,
+        metadata=_cli(
+            "-b", "--n-batch", "--batch-size", type=positive_int, help="most tokens per forward pass"
+        ),
+    )
+    n_ubatch: int | None = field(
+        default=None,
+        metadata=_cli("-ub", "--n-ubatch", "--ubatch-size", type=positive_int, help="physical micro-batch"),
+    )
+    chunk_size: int = field(
+        default=512,
+        metadata=_cli("--chunk-size", type=positive_int, help="most prompt tokens per sequence per tick"),
+    )
+    strategy: str | Strategy = field(
+        default="decode_maximal",
+        metadata=_cli("--strategy", choices=STRATEGY_NAMES, help="how each tick's token budget is shared"),
+    )
+    max_queue: int = field(
+        default=1024,
+        metadata=_cli("--max-queue", type=positive_int, help="requests waiting for a slot (then QueueFull)"),
+    )
+    n_threads: int | None = field(
+        default=None,
+        metadata=_cli("-t", "--threads", type=positive_int, help="CPU threads (default: all cores)"),
+    )
+    n_threads_batch: int | None = field(
+        default=None,
+        metadata=_cli("-tb", "--threads-batch", type=positive_int, help="CPU threads for prompt batches"),
+    )
+    n_gpu_layers: int = field(
+        default=0,
+        metadata=_cli("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
+    )
+    flash_attn: bool | str | None = field(
+        default=None,
+        metadata=_cli(
+            "-fa", "--flash-attn", type=parse_flash_attn, metavar="{on,off,auto}", help="flash attention"
+        ),
+    )
+    load_mode: str = "mmap"
+    prefix_cache: bool = field(
+        default=True,
+        metadata=_cli(
+            "--prefix-cache",
+            action=argparse.BooleanOptionalAction,
+            help="reuse cached prompt prefixes (--no-prefix-cache: do not)",
+        ),
+    )
+    max_prefixes: int | None = None
+    kv_unified: bool = field(
+        default=False,
+        metadata=_cli(
+            "--kv-unified",
+            action=argparse.BooleanOptionalAction,
+            help="one KV buffer shared by all sequences (off: one stream per sequence)",
+        ),
+    )
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        from llamabatch.strategies import get_strategy
+
+        for name in ("n_ctx", "n_parallel", "n_batch", "chunk_size", "max_queue"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("prefix_cache", "kv_unified", "validate"):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        max_prefixes = self.max_prefixes
+        if max_prefixes is not None and (
+            not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64
+        ):
+            raise ValueError(f"max_prefixes must be an int in [0, 64], got {max_prefixes!r}")
+        try:
+            get_strategy(self.strategy)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        n_seq_max = self.n_seq_max
+        if n_seq_max > self.n_ctx:
+            raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({self.n_ctx})")
+        if self.n_batch < n_seq_max:
+            # llama.cpp sizes its output buffer by n_batch and aborts when a batch has more
+            # outputs (one per decoding sequence) than that
+            raise ValueError(f"n_batch ({self.n_batch}) must be >= n_parallel + max_prefixes ({n_seq_max})")
+
+    @property
+    def n_prefixes(self) -> int:
+        """``max_prefixes`` resolved: 4 with a unified KV cache and the prefix cache, else 0."""
+        if self.max_prefixes is not None:
+            return self.max_prefixes
+        return 4 if self.kv_unified and self.prefix_cache else 0
+
+    @property
+    def n_seq_max(self) -> int:
+        """llama.cpp sequences: the slots, plus one per pinned prefix."""
+        return self.n_parallel + self.n_prefixes
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """``config`` (default: the defaults) with the keyword ``options`` applied over it:
+        keywords win. ``TypeError`` names an unknown option."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        return dataclasses.replace(config, **options) if options else config
+
+    # -- the command line -----------------------------------------------------------------
+
+    @classmethod
+    def cli_fields(cls) -> list[str]:
+        """The fields that have a command-line flag, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser | Any,
+        *,
+        only: Iterable[str] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Add the engine's flags to ``parser`` (or an argument group), each with its field's
+        name as ``dest`` and its default (shown in ``--help``).
+
+        ``only`` picks fields (default: every field that has a flag); ``overrides`` replaces
+        ``add_argument`` keywords per field (a benchmark's own default, say), and ``"flags"``
+        the option strings (a subcommand that always spelled a flag its own way)."""
+        names = list(only) if only is not None else cls.cli_fields()
+        overrides = overrides or {}
+        defaults = {f.name: f for f in dataclasses.fields(cls)}
+        for name in names:
+            spec = defaults[name]
+            if "cli" not in spec.metadata:
+                raise ValueError(f"EngineConfig.{name} has no command-line flag")
+            flags, kwargs = spec.metadata["cli"]
+            kwargs = {"default": spec.default, **kwargs, **overrides.get(name, {})}
+            flags = kwargs.pop("flags", flags)
+            if kwargs.get("action") is not None:
+                kwargs.pop("type", None)
+                kwargs.pop("metavar", None)
+            else:
+                kwargs.pop("action", None)
+                if "metavar" not in kwargs and "choices" not in kwargs:  # as argparse names the flag
+                    main = next(f for f in flags if f.startswith("--"))
+                    kwargs["metavar"] = main[2:].upper().replace("-", "_")
+            help_text = kwargs.get("help")
+            if help_text is not None and "default" not in help_text:
+                kwargs["help"] = f"{help_text} (default: {_shown(name, kwargs['default'])})"
+            parser.add_argument(*flags, dest=name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **options: Any) -> EngineConfig:
+        """The config of parsed arguments (fields whose flags were not added keep their
+        defaults); ``options`` override them."""
+        values = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
+        return cls(**{**values, **options})
+
+    def to_cli_args(self, only: Iterable[str] | None = None) -> list[str]:
+        """The command line that :meth:`from_cli_args` reads back as this config (the fields
+        with a flag; a strategy object has none)."""
+        argv: list[str] = []
+        for name in only if only is not None else self.cli_fields():
+            flags, kwargs = _field(name).metadata["cli"]
+            main = next(f for f in flags if f.startswith("--"))
+            value = getattr(self, name)
+            if kwargs.get("action") is argparse.BooleanOptionalAction:
+                argv.append(main if value else "--no-" + main[2:])
+            elif value is None:
+                continue
+            elif name == "flash_attn":
+                argv += [main, "on" if value is True else "off" if value is False else "auto"]
+            elif name == "strategy" and not isinstance(value, str):
+                raise ValueError("a strategy object has no command-line form")
+            else:
+                argv += [main, str(value)]
+        return argv
+
+
+def options_signature(init: Callable[..., None]) -> Callable[..., None]:
+    """Show ``init(self, model_path, *, config=None, ..., **options)`` with ``EngineConfig``'s
+    fields as keyword parameters (``help()``, ``inspect.signature``): the options spelt out."""
+    signature = inspect.signature(init)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(EngineConfig)
+    ]
+    init.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return init
+
+
+def _shown(name: str, default: Any) -> str:
+    """A default as ``--help`` shows it."""
+    if default is None:
+        return "auto" if name == "flash_attn" else "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def _field(name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(EngineConfig) if f.name == name)

@@ -1,0 +1,188 @@
+"""``/v1/chat/completions``: chat completions (with tool calls, ``chat_tools.py``), whole or
+streamed.
+
+The handlers take the ``OpenAIServer`` of ``app.py`` (the engines, names, key, metrics) and
+the request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+
+from llamabatch import SamplingParams
+from llamabatch.server import prepare
+from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
+from llamabatch.server.protocol import (
+    APIError,
+    bad_request,
+    chat_logprobs,
+    chat_messages,
+    finish_reason,
+    new_id,
+    now,
+    sampling_params,
+    usage,
+)
+from llamabatch.server.streaming import (
+    _DONE_EVENT,
+    EventStream,
+    _chunk,
+    _generate,
+    _json_response,
+    _primed,
+    _sse,
+    until_disconnect,
+)
+from llamabatch.toolcalls.chat import ChatSetup
+
+if TYPE_CHECKING:
+    from llamabatch.server.app import OpenAIServer
+
+
+async def chat_completions(server: OpenAIServer, request: Request) -> Any:
+    body = await server.read_body(request, "/v1/chat/completions")
+    llm = server.need_llm()
+    messages = chat_messages(body)
+    tool_request = read_tool_request(body)  # tools, tool_choice: server/chat_tools.py
+    add_generation_prompt = body.get("add_generation_prompt", "bool", True)
+    template_kwargs = body.get("chat_template_kwargs", "dict")
+
+    def render() -> tuple[list[int], str]:  # in a worker thread: Jinja and the tokenizer are CPU work
+        try:
+            text = llm.apply_chat_template(
+                messages,
+                tools=tool_request.template_tools,
+                chat_template=server.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=template_kwargs,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return prepare.chat_tokens(llm, text), text
+
+    tokens, prompt_text = await asyncio.to_thread(render)
+    want_logprobs = body.get("logprobs", "bool", False)
+    top = body.get("top_logprobs", "int", minimum=0, maximum=20)
+    if top is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    params = await asyncio.to_thread(
+        sampling_params,
+        body,
+        chat=True,
+        prompt_tokens=len(tokens),
+        n_ctx_seq=llm.n_ctx_seq,
+        logprobs=(top or 0) if want_logprobs else None,
+    )
+    template = server.chat_template if server.chat_template is not None else llm.model.chat_template
+    setup = await asyncio.to_thread(  # tool-call grammars and the answer's parser
+        setup_chat, params, tool_request, llm.chat_options, template, prompt_text
+    )
+    params = setup.params
+    prepare.check_queue_room(llm, 1, params.n)
+    stream, include_usage = server.stream_options(body)
+    body.warn_unknown()
+    if stream:
+        gen = await _primed(_generate(llm, [tokens], params), request.receive)
+        return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup))
+    (result,) = await until_disconnect(request.receive, server.collect(llm, [tokens], params))
+    server.raise_for_errors(result.outputs)
+    choices = []
+    for out in result.outputs:
+        out = setup.finish_output(out)  # content, reasoning_content, tool_calls
+        lp = None
+        if want_logprobs and out.logprobs is not None:
+            assert server.token_text is not None
+            lp = {"content": chat_logprobs(server.token_text, out.token_ids, out.logprobs, top or 0)}
+        choices.append(
+            {
+                "index": out.index,
+                "message": chat_message(out),
+                "logprobs": lp,
+                "finish_reason": finish_reason(out.finish_reason),
+            }
+        )
+    n_completion = sum(o.usage.completion_tokens for o in result.outputs)
+    return _json_response(
+        {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": server.model_name,
+            "choices": choices,
+            "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
+        }
+    )
+
+
+async def chat_events(
+    server: OpenAIServer,
+    gen: AsyncIterator[tuple[int, Any]],
+    params: SamplingParams,
+    top: int,
+    include_usage: bool,
+    setup: ChatSetup,
+) -> AsyncIterator[bytes]:
+    rid, created = new_id("chatcmpl"), now()
+    started: set[int] = set()
+    streams: dict[int, ChatStream] = {}  # per choice: reasoning / content / tool calls
+    n_prompt = n_completion = cached = 0
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return _chunk("chat.completion.chunk", rid, created, server.model_name, choice, include_usage)
+
+    async for _, delta in gen:
+        index = delta.index
+        if index not in started:
+            started.add(index)
+            yield chunk(
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+        if index not in streams:
+            streams[index] = ChatStream(setup)
+        split = streams[index]
+        pieces = split.feed(delta.text) if delta.text else []
+        if delta.output is not None and delta.output.finish_reason != "error":
+            pieces += split.finish()
+        for piece in pieces:
+            yield chunk({"index": index, "delta": piece, "logprobs": None, "finish_reason": None})
+        out = delta.output
+        if out is None:
+            continue
+        if out.finish_reason == "error":
+            yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+            continue
+        lp = None
+        if params.logprobs is not None and out.logprobs is not None:
+            assert server.token_text is not None
+            lp = {"content": chat_logprobs(server.token_text, out.token_ids, out.logprobs, top)}
+        yield chunk(
+            {
+                "index": index,
+                "delta": {},
+                "logprobs": lp,
+                "finish_reason": finish_reason(split.finish_reason(out.finish_reason)),
+            }
+        )
+        n_completion += out.usage.completion_tokens
+        if out.index == 0:
+            n_prompt, cached = out.usage.prompt_tokens, out.usage.reused_tokens
+    if include_usage:
+        yield _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": server.model_name,
+                "choices": [],
+                "usage": usage(n_prompt, n_completion, cached),
+            }
+        )
+    yield _DONE_EVENT

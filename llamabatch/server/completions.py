@@ -1,0 +1,165 @@
+"""``/v1/completions``: text completions, whole or streamed.
+
+The handlers take the ``OpenAIServer`` of ``app.py`` (the engines, names, key, metrics) and
+the request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+
+from llamabatch import SamplingParams
+from llamabatch.server import prepare
+from llamabatch.server.protocol import (
+    APIError,
+    bad_request,
+    completion_logprobs,
+    completion_prompts,
+    finish_reason,
+    new_id,
+    now,
+    sampling_params,
+    usage,
+)
+from llamabatch.server.streaming import (
+    _DONE_EVENT,
+    EventStream,
+    _chunk,
+    _generate,
+    _json_response,
+    _primed,
+    _sse,
+    until_disconnect,
+)
+
+if TYPE_CHECKING:
+    from llamabatch.server.app import OpenAIServer
+
+
+async def completions(server: OpenAIServer, request: Request) -> Any:
+    body = await server.read_body(request, "/v1/completions")
+    llm = server.need_llm()
+    prompts = completion_prompts(body)
+    prepare.check_queue_room(llm, len(prompts), 1)
+    token_prompts = await asyncio.to_thread(prepare.tokenize_prompts, llm, prompts)
+    logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
+    params = await asyncio.to_thread(
+        sampling_params,
+        body,
+        chat=False,
+        prompt_tokens=max(map(len, token_prompts)),
+        n_ctx_seq=llm.n_ctx_seq,
+        logprobs=logprobs,
+    )
+    prepare.check_queue_room(llm, len(prompts), params.n)
+    echo = body.get("echo", "bool", False)
+    if body.get("suffix", "str"):
+        raise bad_request("'suffix' is not supported", param="suffix")
+    best_of = body.get("best_of", "int")
+    if best_of is not None and best_of != params.n:
+        raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
+    stream, include_usage = server.stream_options(body)
+    body.warn_unknown()
+    detokenize = llm.model.detokenize
+    texts = (
+        await asyncio.to_thread(
+            lambda: [p if isinstance(p, str) else detokenize(p, unparse_special=True) for p in prompts]
+        )
+        if echo
+        else None
+    )
+    if stream:
+        gen = await _primed(_generate(llm, token_prompts, params), request.receive)
+        return EventStream(completion_events(server, gen, params, texts, include_usage))
+    results = await until_disconnect(request.receive, server.collect(llm, token_prompts, params))
+    choices, n_prompt, n_completion, cached = [], 0, 0, 0
+    for p, result in enumerate(results):
+        server.raise_for_errors(result.outputs)
+        n_prompt += len(result.prompt_token_ids)
+        cached += result.outputs[0].usage.reused_tokens
+        prefix = texts[p] if texts is not None else ""
+        for out in result.outputs:
+            n_completion += out.usage.completion_tokens
+            lp = None
+            if logprobs is not None and out.logprobs is not None:
+                assert server.token_text is not None
+                lp = completion_logprobs(server.token_text, out.token_ids, out.logprobs, len(prefix))
+            choices.append(
+                {
+                    "index": p * params.n + out.index,
+                    "text": prefix + out.text,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+            )
+    return _json_response(
+        {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": server.model_name,
+            "choices": choices,
+            "usage": usage(n_prompt, n_completion, cached),
+        }
+    )
+
+
+async def completion_events(
+    server: OpenAIServer,
+    gen: AsyncIterator[tuple[int, Any]],
+    params: SamplingParams,
+    echo: list[str] | None,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    rid, created, n = new_id("cmpl"), now(), params.n
+    offsets: dict[int, int] = {}
+    n_prompt = n_completion = cached = 0
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return _chunk("text_completion", rid, created, server.model_name, choice, include_usage)
+
+    async for p, delta in gen:
+        index = p * n + delta.index
+        text = delta.text
+        if index not in offsets:
+            offsets[index] = 0
+            if echo is not None:
+                text = echo[p] + text
+        out = delta.output
+        lp = None
+        if out is not None and params.logprobs is not None and out.logprobs is not None:
+            assert server.token_text is not None
+            lp = completion_logprobs(server.token_text, out.token_ids, out.logprobs, 0)
+        offsets[index] += len(text)
+        if text or out is not None:
+            if out is not None and out.finish_reason == "error":
+                yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+                continue
+            yield chunk(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(delta.finish_reason),
+                }
+            )
+        if out is not None:
+            n_completion += out.usage.completion_tokens
+            if out.index == 0:
+                n_prompt += out.usage.prompt_tokens
+                cached += out.usage.reused_tokens
+    if include_usage:
+        yield _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.model_name,
+                "choices": [],
+                "usage": usage(n_prompt, n_completion, cached),
+            }
+        )
+    yield _DONE_EVENT
