@@ -53,8 +53,19 @@ def test_close_from_a_tick_listener_is_deferred(tiny_path):
 
 def test_close_from_a_request_listener(tiny_path):
     llm = _small(tiny_path)
-    llm.add_listener(lambda e: isinstance(e, RequestEvent) and llm.close())
+    submitted = threading.Event()
+
+    def listener(event):
+        if isinstance(event, TickEvent):
+            # the first tick waits for every submission: no request can end (and close the LLM,
+            # making a later submit raise EngineClosed) before all five are queued
+            assert submitted.wait(60)
+        elif isinstance(event, RequestEvent):
+            llm.close()
+
+    llm.add_listener(listener)
     handles = [llm.submit(f"p{i}", SamplingParams(max_tokens=2 + i, temperature=0)) for i in range(5)]
+    submitted.set()
     _ended_once(handles)
     assert llm.closed
 
