@@ -53,6 +53,8 @@ from llamabatch.runtime.worker import halve_and_retry
 
 logger = logging.getLogger("llamabatch")
 
+_RUNNING = RequestStatus.RUNNING
+
 
 def check_queue_room(n_queued: int, n_new: int, max_queue: int) -> None:
     """``QueueFull`` unless ``n_new`` more requests fit a queue of ``max_queue`` holding
@@ -495,9 +497,10 @@ class EngineCore:
                 logits = logits[greedy_rows]
             greedy = dict(zip(greedy_rows, logits.argmax(axis=1).tolist(), strict=True))
         now = time.perf_counter()
+        pin_kind = RequestKind.PIN
         for row, (slot, idx) in enumerate(outputs):
             request = running[slot]
-            if request.kind is RequestKind.PIN:  # a prefix to pin: computed, nothing to sample
+            if request.kind is pin_kind:  # a prefix to pin: computed, nothing to sample
                 self.kv.pin(request.pin, slot)
                 self._finish(slot, "stop")
                 continue
@@ -558,7 +561,7 @@ class EngineCore:
         if text:
             state.text_parts.append(text)
         if state.streaming:
-            self._events.append(CoreOutput(request, text, [token], RequestStatus.RUNNING))
+            self._events.append(CoreOutput(request, text, [token], _RUNNING))
 
     def _piece(self, token: int, special: bool) -> bytes:
         cache = self._pieces_special if special else self._pieces
