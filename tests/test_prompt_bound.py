@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamabatch import LLM, PromptTooLong, SamplingParams
-from llamabatch.gguf.testing import model_path
 from llamabatch.generate.llm_engine import prompt_bytes_bound
+from llamabatch.gguf.testing import model_path
 
 
 @pytest.fixture(scope="module")
