@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from llamabatch.bench.options import positive_int
 from llamabatch.config import EngineConfig
+from llamabatch.embed.config import EmbedderConfig
 from llamabatch.errors import LlamaBatchError
 
 __all__ = ["build_parser", "main", "subcommands"]
@@ -253,18 +254,16 @@ def _embed_arguments(p: argparse.ArgumentParser) -> None:
         default=32,
         help="texts per batch, as sentence-transformers' encode (default 32; decodes are packed by tokens)",
     )
-    p.add_argument(
-        "--n-batch", type=positive_int, default=None, help="tokens per decode (also the per-text limit)"
-    )
-    p.add_argument("--n-seq-max", type=positive_int, default=None, help="texts per decode (default 64)")
-    p.add_argument(
-        "--pooling", choices=("mean", "cls", "last", "rank"), default=None, help="default: the model's"
+    # the Embedder's options, generated from EmbedderConfig (names, types, defaults)
+    EmbedderConfig.add_cli_args(
+        p,
+        only=["n_batch", "n_seq_max", "pooling", "truncate", "n_threads"],
+        overrides={
+            "pooling": {"choices": ("mean", "cls", "last", "rank")},
+            "truncate": {"help": "cut over-long lines instead of failing"},
+        },
     )
     p.add_argument("--no-normalize", action="store_true", help="write the raw pooled vectors")
-    p.add_argument("--truncate", action="store_true", help="cut over-long lines instead of failing")
-    p.add_argument(
-        "-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores)"
-    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -282,12 +281,9 @@ def _embed(args: argparse.Namespace) -> int:
         texts = src.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{src} is not UTF-8 text: {exc}") from None
-    kwargs: dict[str, Any] = {"normalize": not args.no_normalize, "truncate": args.truncate}
-    for key, value in (("n_batch", args.n_batch), ("n_seq_max", args.n_seq_max), ("pooling", args.pooling)):
-        if value is not None:
-            kwargs[key] = value
+    config = EmbedderConfig.from_cli_args(args, normalize=not args.no_normalize)
     start = time.perf_counter()
-    with Embedder(args.model, n_threads=args.threads, **kwargs) as embedder:
+    with Embedder(args.model, config=config) as embedder:
         try:
             vectors = embedder.encode(
                 texts,

@@ -9,6 +9,7 @@ with a message, when the package is missing). The MiniLM reference vectors in
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
@@ -326,6 +327,23 @@ def test_config_and_keywords_are_the_same(tiny: Path) -> None:
         Embedder(tiny, n_batchh=64)
     with pytest.raises(TypeError, match="EmbedderConfig"):
         Embedder(tiny, config={"n_batch": 64})  # type: ignore[arg-type]
+
+
+def test_config_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    EmbedderConfig.add_cli_args(parser)
+    assert EmbedderConfig.from_cli_args(parser.parse_args([])) == EmbedderConfig()
+    args = parser.parse_args(
+        ["--n-batch", "128", "--n-seq-max", "4", "--pooling", "cls", "--truncate", "-t", "2"]
+    )
+    config = EmbedderConfig.from_cli_args(args, normalize=False)
+    assert config == EmbedderConfig(
+        n_batch=128, n_seq_max=4, pooling="cls", truncate=True, n_threads=2, normalize="none"
+    )
+    with pytest.raises(SystemExit):  # argparse refuses what the field's type refuses
+        parser.parse_args(["--n-batch", "0"])
+    with pytest.raises(ValueError, match="n_ubatch"):  # and the config checks the combination
+        EmbedderConfig.from_cli_args(parser.parse_args(["--n-batch", "64", "--n-ubatch", "128"]))
 
 
 # --------------------------------------------------------------------------- failures and closing

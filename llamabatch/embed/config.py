@@ -8,10 +8,11 @@ The options llama.cpp itself checks (``n_threads``, ``flash_attn``, ``n_gpu_laye
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from llamabatch.validate import INT32_MAX, check_positive_int
@@ -29,6 +30,22 @@ __all__ = [
 POOLINGS = ("mean", "cls", "last", "rank", "none")
 #: Normalisation modes (``True`` means ``"l2"``, ``False`` means ``"none"``).
 NORMALIZATIONS = ("l2", "none", "max_abs")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _cli(*flags: str, **kwargs: Any) -> dict[str, Any]:
+    """A field's command-line flag: its names and the ``add_argument`` keywords."""
+    return {"cli": (flags, kwargs)}
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -53,16 +70,39 @@ class EmbedderConfig:
     meaning), checked at construction; ``normalize`` is stored as its mode (``True`` becomes
     ``"l2"``)."""
 
-    n_batch: int = 512
-    n_ubatch: int | None = None
-    n_seq_max: int = 64
-    n_ctx: int | None = None
-    pooling: str | None = None
+    n_batch: int = field(
+        default=512,
+        metadata=_cli("--n-batch", type=positive_int, help="tokens per decode (also the per-text limit)"),
+    )
+    n_ubatch: int | None = field(
+        default=None,
+        metadata=_cli("--n-ubatch", type=positive_int, help="llama.cpp's micro-batch (<= n_batch)"),
+    )
+    n_seq_max: int = field(
+        default=64, metadata=_cli("--n-seq-max", type=positive_int, help="texts per decode")
+    )
+    n_ctx: int | None = field(
+        default=None, metadata=_cli("--n-ctx", type=positive_int, help="KV cache size (models with memory)")
+    )
+    pooling: str | None = field(
+        default=None, metadata=_cli("--pooling", choices=POOLINGS, help="default: the model's")
+    )
     normalize: str | bool = "l2"
-    truncate: bool = False
-    n_threads: int | None = None
+    truncate: bool = field(
+        default=False,
+        metadata=_cli("--truncate", action="store_true", help="cut over-long texts instead of failing"),
+    )
+    n_threads: int | None = field(
+        default=None,
+        metadata=_cli(
+            "-t", "--threads", type=positive_int, metavar="THREADS", help="CPU threads (default: all cores)"
+        ),
+    )
     flash_attn: bool | str | None = "auto"
-    n_gpu_layers: int = 0
+    n_gpu_layers: int = field(
+        default=0,
+        metadata=_cli("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
+    )
     kv_unified: bool = True
     load_mode: str = "mmap"
     validate: bool = True
@@ -90,6 +130,49 @@ class EmbedderConfig:
     def replace(self, **changes: Any) -> EmbedderConfig:
         """A copy with ``changes`` applied (checked again)."""
         return dataclasses.replace(self, **changes)
+
+    # -- the command line -----------------------------------------------------------------
+
+    @classmethod
+    def cli_fields(cls) -> list[str]:
+        """The fields that have a command-line flag, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser | Any,
+        *,
+        only: Iterable[str] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Add the embedder's flags to ``parser`` (or an argument group), each with its field's
+        name as ``dest`` and its default (shown in ``--help``), as ``EngineConfig.add_cli_args``.
+
+        ``only`` picks fields (default: every field that has a flag); ``overrides`` replaces
+        ``add_argument`` keywords per field (the flags themselves with ``"flags"``)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        overrides = overrides or {}
+        for name in list(only) if only is not None else cls.cli_fields():
+            spec = fields[name]
+            if "cli" not in spec.metadata:
+                raise ValueError(f"EmbedderConfig.{name} has no command-line flag")
+            flags, kwargs = spec.metadata["cli"]
+            kwargs = {"default": spec.default, **kwargs, **overrides.get(name, {})}
+            flags = kwargs.pop("flags", flags)
+            help_text = kwargs.get("help")
+            if help_text is not None and kwargs.get("action") is None and "default" not in help_text:
+                kwargs["help"] = (
+                    f"{help_text} (default: {'none' if kwargs['default'] is None else kwargs['default']})"
+                )
+            parser.add_argument(*flags, dest=name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **options: Any) -> EmbedderConfig:
+        """The config of parsed arguments (fields whose flags were not added keep their
+        defaults); ``options`` override them."""
+        values = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
+        return cls(**{**values, **options})
 
     @classmethod
     def from_options(cls, config: EmbedderConfig | None = None, **options: Any) -> EmbedderConfig:
