@@ -230,9 +230,11 @@ class EmbedCore:
     # -- worker thread (the Worker's task) ------------------------------------------------
 
     def has_work(self) -> bool:
+        """Whether texts wait in the queue (``cond`` held)."""
         return bool(self.queue)
 
     def run_once(self) -> None:
+        """Take one pack and decode it (the worker thread)."""
         with self.cond:
             pack = self.take_pack()
         if pack:
@@ -240,11 +242,13 @@ class EmbedCore:
             self.process(pack)
 
     def interrupt(self) -> None:
+        """Make a running decode end early (``Context.abort``); safe from any thread."""
         context = getattr(self, "context", None)
         if context is not None:
             context.abort()  # an in-flight decode returns 2 at its next graph node
 
     def fail_pending(self, error: BaseException) -> None:
+        """End every queued text and the pack in flight with ``error`` (exactly once each)."""
         with self.cond:
             rest = list(self.queue)
             self.queue.clear()
@@ -254,6 +258,7 @@ class EmbedCore:
         self.pack = []
 
     def on_close(self) -> None:
+        """Free the batch, the context and the model (after ``fail_pending``)."""
         if getattr(self, "batch", None) is not None:
             self.pool.release(self.batch)
             self.batch = None
@@ -314,6 +319,8 @@ class EmbedCore:
             self.account(pack, waits, run, retries, failed, time.perf_counter() - t_start)
 
     def decode(self, part: list[Seq]) -> int:
+        """Write ``part`` into the batch (sequence ``k`` as ``seq_id`` k, every token an output) and
+        decode it once; the raw return code."""
         batch = self.batch
         batch.clear()
         for seq_id, seq in enumerate(part):
@@ -323,6 +330,7 @@ class EmbedCore:
         return self.forward(batch.address)
 
     def collect(self, part: list[Seq]) -> None:
+        """Route each decoded sequence's vector (or token rows) to its job, and deliver the jobs."""
         context = self.context
         if self.pooling == "none":
             row = 0
@@ -377,6 +385,7 @@ class EmbedCore:
         failed: int,
         pack_time: float,
     ) -> None:
+        """Add one pack to the counters (under ``cond``) and tell the listeners."""
         tokens = sum(seq.n for seq in pack)
         with self.cond:  # stats() copies the counters under the lock: a consistent set
             c = self.counters

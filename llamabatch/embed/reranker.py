@@ -76,6 +76,7 @@ class _PairCore(EmbedCore):
             raise
 
     def decode(self, part: list[Any]) -> int:
+        """Decode ``part`` from input vectors: each pair's token rows plus its type rows."""
         batch = self.embd_batch
         batch.clear()
         for seq_id, seq in enumerate(part):
