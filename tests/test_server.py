@@ -341,6 +341,16 @@ def test_bad_values_are_400_naming_the_field(base_url, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_token_prompt_outside_the_vocabulary_is_400(base_url):
+    # the engine's own rule (inputs.check_token_ids), named with the prompt's index
+    request = {"model": "tiny", "prompt": [[1, 2], [1, 999_999]], "max_tokens": 2}
+    response = httpx.post(f"{base_url}/v1/completions", json=request, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "'prompt[1]'" in error["message"]
+    assert "999999 at index 1 is not in the vocabulary" in error["message"]
+
+
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

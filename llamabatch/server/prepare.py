@@ -14,6 +14,7 @@ from typing import Any
 from llamabatch import LLM, Embedder, PromptTooLong
 from llamabatch.generate.llm_engine import prompt_bytes_bound
 from llamabatch.prompts.chat_template import special_token_text
+from llamabatch.prompts.inputs import check_token_ids
 from llamabatch.server.protocol import bad_request, encode_embedding
 from llamabatch.server.streaming import _dumps
 
@@ -56,14 +57,18 @@ def prompt_fits(llm: LLM, text: str, param: str) -> None:
 
 
 def tokenize_prompts(llm: LLM, prompts: Sequence[Any]) -> list[list[int]]:
-    """Each completions prompt (text or token ids) as token ids."""
+    """Each completions prompt (text or token ids) as token ids, by the engine's own rules
+    (``LLM.tokenize_prompt``, ``inputs.check_token_ids``)."""
     token_prompts = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             prompt_fits(llm, prompt, "prompt")
-            prompt = llm.tokenize(prompt, add_special=True, parse_special=True)
-        elif any(not 0 <= t < llm.model.n_vocab for t in prompt):
-            raise bad_request(f"'prompt[{i}]' holds a token id outside [0, {llm.model.n_vocab})", "prompt")
+            prompt = llm.tokenize_prompt(prompt)
+        else:
+            try:
+                check_token_ids(prompt, llm.model.n_vocab)
+            except ValueError as exc:
+                raise bad_request(f"'prompt[{i}]': {exc}", "prompt") from None
         token_prompts.append(prompt)
     return token_prompts
 
