@@ -26,7 +26,7 @@ from llamabatch.params import check_positive_int
 if TYPE_CHECKING:
     from llamabatch.strategies import Strategy
 
-__all__ = ["STRATEGY_NAMES", "EngineConfig", "on_off", "parse_flash_attn", "positive_int"]
+__all__ = ["STRATEGY_NAMES", "EngineConfig", "on_off", "parse_flash_attn", "positive_float", "positive_int"]
 
 #: the built-in batching strategies, by name
 STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
@@ -40,6 +40,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -94,6 +105,12 @@ class EngineConfig:
             all sequences, any request may use up to ``n_ctx`` cells; requests are admitted
             while their prompts fit and preempted (recomputed later) when the cache fills.
         validate: check the GGUF file before llama.cpp reads it (see ``gguf_check``).
+        target_itl_ms: a target inter-token latency in milliseconds (default ``None``: no
+            target). Each tick's token budget is then chosen so that the tick's expected
+            decode time (a cost model fitted online, ``generate/cost_model.py``) stays under
+            it: running streams always get their token, prompt chunks shrink (never below
+            32 tokens while a prompt waits). Trades some prompt throughput and time to first
+            token for a bounded inter-token latency.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
@@ -171,6 +188,14 @@ class EngineConfig:
         ),
     )
     validate: bool = True
+    target_itl_ms: float | None = field(
+        default=None,
+        metadata=_cli(
+            "--target-itl-ms",
+            type=positive_float,
+            help="target inter-token latency in ms: prompt chunks shrink to keep each tick under it",
+        ),
+    )
 
     def __post_init__(self) -> None:
         from llamabatch.strategies import get_strategy
@@ -181,6 +206,13 @@ class EngineConfig:
             flag = getattr(self, name)
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
+        target = self.target_itl_ms
+        if target is not None and (
+            not isinstance(target, (int, float))
+            or isinstance(target, bool)
+            or not (0 < target < float("inf"))
+        ):
+            raise ValueError(f"target_itl_ms must be a positive number (ms) or None, got {target!r}")
         max_prefixes = self.max_prefixes
         if max_prefixes is not None and (
             not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64

@@ -43,12 +43,17 @@ class Usage:
 @dataclass(frozen=True)
 class Timings:
     """Seconds: waiting in the queue, from submit to the first token, and in all.
-    ``preemptions``: how often the request was preempted and recomputed under KV pressure."""
+    ``preemptions``: how often the request was preempted and recomputed (under KV pressure,
+    or for a request of a higher priority). ``itl_p50`` / ``itl_p99`` / ``itl_max``: the
+    request's own inter-token latencies (the gaps between its tokens; None under 2 tokens)."""
 
     queue_wait: float
     time_to_first_token: float | None
     total: float
     preemptions: int = 0
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+    itl_max: float | None = None
 
 
 @dataclass(frozen=True)

@@ -291,6 +291,10 @@ class FakeContext:
         #: the batch the context is expected to decode (optional cross-check of addresses)
         self.batch: Any = None
         self.n_decodes = 0
+        #: a scripted decode time: (fixed, per token, per output, per attended KV cell) in
+        #: seconds; each successful decode advances ``now`` by it (``clock`` reads it)
+        self.cost: tuple[float, float, float, float] | None = None
+        self.now = 0.0
         self._abort = False
         self._logits: np.ndarray | None = None
         self._out_row: dict[int, int] = {}
@@ -462,6 +466,13 @@ class FakeContext:
                     self._write(ub)
             return self._done(n, 1)
         self._write(entries)
+        if self.cost is not None:
+            fixed, per_token, per_output, per_cell = self.cost
+            if self.kv_unified:
+                attended = n * self.cells_used()
+            else:
+                attended = sum(p + 1 for p in pos)
+            self.now += fixed + per_token * n + per_output * sum(flags) + per_cell * attended
         rows = []
         for i in range(n):
             if flags[i]:
@@ -469,6 +480,10 @@ class FakeContext:
                 rows.append(self.model.logits(self._tokens_through(seqs[i][0], pos[i])))
         self._logits = np.array(rows, dtype=np.float32).reshape(len(rows), self.model.n_vocab)
         return self._done(n, 0)
+
+    def clock(self) -> float:
+        """The scripted time (seconds): what ``cost`` made the decodes so far take."""
+        return self.now
 
     def _done(self, n: int, code: int) -> int:
         self.log.append(("decode", n, code))
@@ -562,6 +577,7 @@ def make_core(
     partial_kv_full: bool = False,
     model: FakeModel | None = None,
     telemetry: Telemetry | None = None,
+    target_itl_ms: float | None = None,
 ) -> tuple[EngineCore, FakeContext, FakeModel]:
     """An ``EngineCore`` over a fake model and context (``n_ctx``: all cells together;
     default 64 per sequence). The context checks it decodes the core's own batch."""
@@ -578,6 +594,7 @@ def make_core(
         prefix_cache=prefix_cache,
         max_prefixes=max_prefixes,
         kv_unified=kv_unified,
+        target_itl_ms=target_itl_ms,
     )
     # the wiring LLM and LLMEngine use, over a fake context
     context, core = build_engine(

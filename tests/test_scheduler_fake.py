@@ -82,7 +82,9 @@ class Recorder:
         self.requests += requests
         return list(requests)
 
-    def new(self, tokens: list[int], params: SamplingParams | None = None, n: int = 1) -> list[Request]:
+    def new(
+        self, tokens: list[int], params: SamplingParams | None = None, n: int = 1, priority: int = 0
+    ) -> list[Request]:
         """Queue ``n`` completions of ``tokens`` (a parallel-sampling group when n > 1)."""
         params = params or greedy()
         group: list[Request] = []
@@ -93,6 +95,7 @@ class Recorder:
                 index=i,
                 request_id=group[0].request_id if group else None,
                 leader=group[0] if i else None,
+                priority=priority,
             )
             if not r.fast_greedy:
                 seed = None if params.seed is None else params.seed + i
@@ -794,6 +797,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         natural_eog=st.booleans(),
         pins=st.booleans(),
         seed=st.integers(0, 2**16),
+        target_itl_ms=st.sampled_from([None, None, 25.0]),
     )
     def setup(
         self,
@@ -810,6 +814,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         natural_eog,
         pins,
         seed,
+        target_itl_ms,
     ):
         n_pinned = 1 if pins and reuse else 0
         n_seq = n_parallel + n_pinned
@@ -830,7 +835,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             partial_kv_full=partial_kv_full,
             model=FakeModel(natural_eog=natural_eog),
             telemetry=telemetry,
+            target_itl_ms=target_itl_ms,
         )
+        if target_itl_ms is not None:  # a scripted decode time: the budgets follow it
+            self.ctx.cost = (0.004, 0.0005, 0.001, 1e-6)
+            self.core.clock = self.ctx.clock
         self.rec = Recorder(self.core, self.ctx, self.model)
         rng = random.Random(seed)
         self.bases = [[rng.randrange(1, 64) for _ in range(40)] for _ in range(3)]
@@ -860,7 +869,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=len(self.rec.requests))
         else:
             params = greedy(max_tokens)
-        self.rec.new(tokens, params, n=n)
+        # mostly the default priority; some higher (lower numbers) and lower ones
+        priority = data.draw(st.sampled_from([0, 0, 0, -1, 1, 2]))
+        self.rec.new(tokens, params, n=n, priority=priority)
 
     @rule(data=st.data(), now=st.integers(0, 3))
     @precondition(lambda self: any(not r.done for r in self.rec.requests))

@@ -45,7 +45,9 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
+from llamabatch.generate.cost_model import LatencyBudget, batch_features
 from llamabatch.generate.kv_cache import KVCache
+from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.outputs import FinishReason
 from llamabatch.runtime.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
@@ -181,10 +183,20 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self.counters = GenerationCounters()
         self._aborts: list[Request] = []
+        self._n_admissions = 0
+        #: whether any request had a priority other than 0 (else no priority preemption to check)
+        self._priorities = False
         self._events: list[CoreOutput] = []
         #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
         self.stopping = False
+        #: the clock decodes are timed with (seconds; tests inject a scripted one)
+        self.clock: Callable[[], float] = time.perf_counter
+        #: each tick's token budget under ``target_itl_ms`` (None: no target, the full n_batch)
+        self.latency = (
+            LatencyBudget(config.target_itl_ms / 1000.0, self.n_batch) if config.target_itl_ms else None
+        )
         # scratch of the current tick
+        self._budget = self.n_batch
         self._decode_time = 0.0
         self._tick_preemptions = 0
         self._last_fill: tuple[int, int] = (0, 0)
@@ -205,9 +217,11 @@ class EngineCore:
         for request in requests:
             if request.status is not RequestStatus.WAITING or request.arrival in self.requests:
                 raise ValueError(f"request {request.request_id!r} was queued before")
-        self.waiting.extend(requests)
+        enqueue(self.waiting, requests)
         for request in requests:
             self.requests[request.arrival] = request
+            if request.priority:
+                self._priorities = True
 
     @property
     def running(self) -> list[Request | None]:
@@ -238,6 +252,7 @@ class EngineCore:
         step produced, per completion."""
         events: list[CoreOutput] = []
         self._events = events
+        self._tick_preemptions = 0  # priority preemptions at admission count in this tick
         if self._aborts:
             self._end_aborted()
         if self.waiting:
@@ -278,7 +293,9 @@ class EngineCore:
                 self._end(request, "cancelled")
 
     def _admit(self) -> None:
-        """Admit waiting requests into idle slots, first come first served, while they fit.
+        """Admit waiting requests into idle slots, by priority then arrival, while they fit;
+        a request that cannot start preempts a running one of a lower priority (see
+        ``priority.py``), then admission goes on.
 
         A parallel-sampling follower waits until its leader's prompt is computed, and a
         request sharing a prefix with a prompt being computed waits for that part (both
@@ -289,6 +306,7 @@ class EngineCore:
         n_idle = self.n_parallel - table.busy_slots
         admitting: list[list[int]] = []
         i = 0
+        blocked: Request | None = None
         while n_idle and i < len(waiting):
             request = waiting[i]
             tokens = request.tokens_to_compute()
@@ -298,11 +316,26 @@ class EngineCore:
                 i += 1
                 continue
             if not self._make_room(tokens):
+                blocked = request
                 break
             del waiting[i]
             self._start(request, tokens)
             admitting.append(tokens)
             n_idle -= 1
+        if not self._priorities:
+            return
+        while blocked is None and not n_idle and i < len(waiting):
+            request = waiting[i]
+            if request.kind is RequestKind.FOLLOWER and request.follower_waits:
+                i += 1
+                continue
+            blocked = request
+        if blocked is not None:
+            slot = priority_victim(self.slots.busy(), blocked.priority)
+            if slot >= 0:  # one preemption, then admission again (it ends: see priority.py)
+                self._preempt(slot)
+                self._tick_preemptions += 1
+                self._admit()
 
     def _make_room(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` can start now: with a unified KV cache its uncached tokens must
@@ -329,6 +362,8 @@ class EngineCore:
         self.table.start(slot, tokens, placement.reused_tokens)
         self.slots.assign(slot, request)
         request.transition(RequestStatus.RUNNING)
+        request.admitted_order = self._n_admissions
+        self._n_admissions += 1
         if request.n_preemptions:
             self.counters.recomputed_tokens += len(tokens) - placement.reused_tokens
         else:
@@ -359,12 +394,16 @@ class EngineCore:
     def _tick(self) -> None:
         t_tick = time.perf_counter()
         self._decode_time = 0.0
-        self._tick_preemptions = 0
         self._last_fill = (0, 0)
         retries = 0
         decoded = False
+        latency = self.latency
+        budget = self.n_batch
+        if latency is not None:
+            budget = latency.budget(self.table, [s for s, _ in self.slots.busy()])
+        self._budget = budget
         while True:
-            outcome = halve_and_retry(self._try_decode, self.n_batch, relieve=self._relieve)
+            outcome = halve_and_retry(self._try_decode, budget, relieve=self._relieve)
             retries += outcome.retries
             if outcome.used == 0:
                 break
@@ -419,6 +458,8 @@ class EngineCore:
                     preemptions=self._tick_preemptions,
                     kv_cells_used=table.cells_used,
                     kv_cells_total=table.cells_total,
+                    token_budget=self._budget,
+                    predicted_time=self.latency.predicted if self.latency is not None else None,
                 )
             )
 
@@ -428,10 +469,15 @@ class EngineCore:
         n_tokens = self._fill(budget)
         if n_tokens == 0:
             return 0, 0
-        t0 = time.perf_counter()
+        clock = self.clock
+        t0 = clock()
         code = self.context.decode_address(self.batch.address)
-        self._decode_time += time.perf_counter() - t0
+        elapsed = clock() - t0
+        self._decode_time += elapsed
         if code == 0:
+            if self.latency is not None:  # fit the cost model on what this decode took
+                features = batch_features(self.table, [s for s, _ in self.slots.busy()])
+                self.latency.model.observe(features, elapsed)
             self._last_fill = self.table.last_fill_stats
             self.table.commit()
             return 0, n_tokens
@@ -462,24 +508,23 @@ class EngineCore:
         busy = [(r.arrival, s) for s, r in self.slots.busy()]
         if len(busy) < 2:
             return False
-        slot = max(busy)[1]
+        self._preempt(max(busy)[1])
+        return True
+
+    def _preempt(self, slot: int) -> None:
+        """Free the cells of the request running in ``slot`` and put it back in the queue
+        (preempted requests go before new ones of their priority, oldest first, so none
+        can starve), to be recomputed later."""
         self.kv.release(slot, keep=False)
         request = self.slots.release(slot)
         assert request is not None
         request.transition(RequestStatus.PREEMPTED)
         request.n_preemptions += 1
         self.counters.preemptions += 1
-        # Preempted requests go first, oldest first, so none can starve.
-        waiting = self.waiting
-        i = 0
-        preempted = RequestStatus.PREEMPTED
-        while i < len(waiting) and waiting[i].status is preempted and waiting[i].arrival < request.arrival:
-            i += 1
-        waiting.insert(i, request)
+        enqueue(self.waiting, [request])
         logger.debug(
             "preempted request %s (%d tokens generated)", request.request_id, len(request.output_tokens)
         )
-        return True
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -540,6 +585,7 @@ class EngineCore:
         params = request.params
         if request.t_first_token is None:
             request.t_first_token = now
+        request.token_times.append(now)
         request.output_tokens.append(token)
         if (self._eog[token] and not params.ignore_eos) or token in request.stop_ids:
             self._emit(request, "", token)
@@ -633,5 +679,9 @@ class EngineCore:
                     preemptions=request.n_preemptions,
                     index=request.index,
                     n=request.params.n,
+                    itl_p50=out.timings.itl_p50,
+                    itl_p99=out.timings.itl_p99,
+                    itl_max=out.timings.itl_max,
+                    inter_token_latencies=tuple(np.diff(request.token_times).tolist()),
                 )
             )

@@ -248,14 +248,15 @@ class LLM:
                 "(in a listener or a strategy); use submit() there"
             )
 
-    def submit(self, prompt: Prompt, params: Params = None) -> RequestHandle:
-        """Queue one prompt (text or token ids); returns at once. Thread-safe.
+    def submit(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> RequestHandle:
+        """Queue one prompt (text or token ids); returns at once. Thread-safe. ``priority``:
+        lower runs first and may preempt running requests of a higher number (see README).
 
         Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
         prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""
         with self._worker.cond:
             self._worker.raise_if_closed()
-        requests = self._make_requests(prompt, params, channel=Channel())
+        requests = self._make_requests(prompt, params, channel=Channel(), priority=priority)
         self._enqueue(requests)
         return RequestHandle(requests, self._cancel)
 
@@ -265,12 +266,14 @@ class LLM:
         params: Params | Sequence[Params] = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generate for every prompt concurrently; one ``RequestOutput`` per prompt, in input
         order, each holding its ``n`` completions.
 
         ``use_tqdm`` shows a progress bar (on stderr, advancing per finished prompt) when
-        there is more than one prompt. Waits for queue room rather than failing."""
+        there is more than one prompt. Waits for queue room rather than failing. ``priority``:
+        one for all prompts or one per prompt (lower runs first)."""
         self._check_can_wait("generate")
         prompt_list, _ = as_prompt_list(prompts)
         params_list: list[Params]
@@ -280,9 +283,12 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         groups = [
-            self._make_requests(p, sp, streaming=False)
-            for p, sp in zip(prompt_list, params_list, strict=True)
+            self._make_requests(p, sp, streaming=False, priority=pr)
+            for p, sp, pr in zip(prompt_list, params_list, priorities, strict=True)
         ]
         flat = [r for g in groups for r in g]
         bar = _progress_bar(len(groups), use_tqdm and len(groups) > 1)
@@ -307,21 +313,23 @@ class LLM:
                 bar.close()
         return [request_output(group) for group in groups]
 
-    def stream(self, prompt: Prompt, params: Params = None) -> Iterator[Delta]:
+    def stream(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> Iterator[Delta]:
         """Yield deltas as tokens arrive (for ``n > 1``, of every completion, told apart by
         ``.index``); closing the iterator early cancels the request."""
         self._check_can_wait("stream")
-        handle = self.submit(prompt, params)
+        handle = self.submit(prompt, params, priority=priority)
         try:
             yield from handle
         finally:
             if not handle.done:
                 handle.cancel()
 
-    async def astream(self, prompt: Prompt, params: Params = None) -> AsyncIterator[Delta]:
+    async def astream(
+        self, prompt: Prompt, params: Params = None, *, priority: int = 0
+    ) -> AsyncIterator[Delta]:
         """Async iterator of deltas (``.index`` tells ``n > 1`` completions apart);
         cancelling the consuming task cancels the request."""
-        requests, aqueue = await self._submit_async(prompt, params, streaming=True)
+        requests, aqueue = await self._submit_async(prompt, params, streaming=True, priority=priority)
         try:
             ends = 0
             while ends < len(requests):
@@ -333,10 +341,10 @@ class LLM:
         finally:
             self._cancel_unfinished(requests)
 
-    async def agenerate(self, prompt: Prompt, params: Params = None) -> RequestOutput:
+    async def agenerate(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> RequestOutput:
         """Await one prompt's ``RequestOutput`` (all ``n`` completions); cancelling the
         awaiting task cancels the request."""
-        requests, aqueue = await self._submit_async(prompt, params, streaming=False)
+        requests, aqueue = await self._submit_async(prompt, params, streaming=False, priority=priority)
         try:
             ends = 0
             while ends < len(requests):  # only the completions' ends arrive
@@ -346,7 +354,7 @@ class LLM:
         return request_output(requests)
 
     async def _submit_async(
-        self, prompt: Prompt, params: Params, streaming: bool
+        self, prompt: Prompt, params: Params, streaming: bool, priority: int = 0
     ) -> tuple[list[Request], Any]:
         """Submit a prompt whose deltas go to an asyncio queue of the running loop. The
         prompt is tokenized and its samplers (grammars) built in a worker thread, so a heavy
@@ -357,7 +365,9 @@ class LLM:
         aqueue: asyncio.Queue[Any] = asyncio.Queue()
         channel.listen_from(asyncio.get_running_loop(), aqueue)
         built = asyncio.ensure_future(
-            asyncio.to_thread(self._make_requests, prompt, params, channel=channel, streaming=streaming)
+            asyncio.to_thread(
+                self._make_requests, prompt, params, channel=channel, streaming=streaming, priority=priority
+            )
         )
         try:
             requests = await asyncio.shield(built)
@@ -396,6 +406,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         use_tqdm: bool = True,
+        priority: int = 0,
     ) -> list[RequestOutput]:
         """Chat completions of one conversation (a list of messages) or of many (a list of
         such lists), formatted with the GGUF's chat template (or ``chat_template``: a Jinja
@@ -428,7 +439,9 @@ class LLM:
                 for conversation in conversations
             ]
         shared = prepared[0][1].params if prepared else params  # the same for every conversation
-        results = self.generate([tokens for tokens, _ in prepared], shared, use_tqdm=use_tqdm)
+        results = self.generate(
+            [tokens for tokens, _ in prepared], shared, use_tqdm=use_tqdm, priority=priority
+        )
         return [
             dataclasses.replace(result, outputs=[setup.finish_output(out) for out in result.outputs])
             for result, (_, setup) in zip(results, prepared, strict=True)

@@ -21,6 +21,7 @@ from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
@@ -188,8 +189,11 @@ class EngineHost:
         streaming: bool = True,
         channel: Channel | None = None,
         request_id: Any = None,
+        priority: int = 0,
     ) -> list[Request]:
-        """The requests of one prompt: ``params.n`` completions sharing one request id."""
+        """The requests of one prompt: ``params.n`` completions sharing one request id
+        (and ``priority``: lower runs first)."""
+        priority = check_priority(priority)
         params = SamplingParams.coerce(params) if params is not None else _DEFAULT_PARAMS
         if params.n > self.max_queue:  # refused before any sampler is built
             raise QueueFull(f"n={params.n} completions cannot wait in a queue of max_queue={self.max_queue}")
@@ -206,6 +210,7 @@ class EngineHost:
                 channel=channel,
                 # followers wait for the leader's prompt and copy its KV
                 leader=requests[0] if i else None,
+                priority=priority,
             )
             # Built on the caller's thread, so a bad grammar raises here.
             live_stacks = get_grammar_limits().max_live_stacks
@@ -378,11 +383,13 @@ class LLMEngine:
         prompt: Prompt | Sequence[Mapping[str, Any]],
         params: SamplingParams | dict[str, Any] | None = None,
         request_id: Any = None,
+        priority: int = 0,
         **chat: Unpack[ChatRequestOptions],
     ) -> Any:
         """Queue a prompt (text or token ids); returns its request id (``request_id`` if
         given: it must be new). Raises ``ValueError``/``PromptTooLong`` for a bad prompt or
-        params, ``QueueFull`` beyond ``max_queue``.
+        params, ``QueueFull`` beyond ``max_queue``. ``priority``: lower runs first, and a
+        waiting request preempts a running one of a higher number (see README).
 
         A conversation (a list of chat messages) is rendered with the chat template, as
         ``LLM.chat`` does, with ``tools``, ``tool_choice``, ``parallel_tool_calls``,
@@ -398,7 +405,7 @@ class LLMEngine:
             params = setup.params
         elif chat:
             raise ValueError(f"{', '.join(chat)}: only for a conversation (a list of chat messages)")
-        requests = self._host.make_requests(prompt, params, request_id=request_id)
+        requests = self._host.make_requests(prompt, params, request_id=request_id, priority=priority)
         core.add(requests)
         rid = requests[0].request_id
         self._by_id[rid] = requests

@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from llamabatch.errors import RequestCancelled
 from llamabatch.generate.detok import IncrementalDetokenizer, StopMatcher
 from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage
@@ -49,6 +51,16 @@ END_OF_STREAM = object()
 
 def next_request_id() -> int:
     return next(_ids)
+
+
+def itl_figures(request: Request) -> tuple[float | None, float | None, float | None]:
+    """``(p50, p99, max)`` of a request's inter-token latencies (seconds), None under 2 tokens."""
+    times = request.token_times
+    if len(times) < 2:
+        return None, None, None
+    gaps = np.diff(np.asarray(times))
+    p50, p99 = np.percentile(gaps, (50, 99)).tolist()
+    return float(p50), float(p99), float(gaps.max())
 
 
 class Channel:
@@ -129,7 +141,9 @@ class OutputState:
             token_ids=list(request.output_tokens),
             finish_reason=reason,
             usage=Usage(len(request.prompt_tokens), len(request.output_tokens), request.reused_tokens),
-            timings=Timings(queue_wait, ttft, now - request.t_submitted, request.n_preemptions),
+            timings=Timings(
+                queue_wait, ttft, now - request.t_submitted, request.n_preemptions, *itl_figures(request)
+            ),
             prompt_token_ids=request.prompt_tokens,
             logprobs=self.logprobs,
             index=request.index,
@@ -175,6 +189,7 @@ class Request:
     sees is its :class:`OutputState` (``request.state``)."""
 
     __slots__ = (
+        "admitted_order",
         "arrival",
         "error",
         "fast_greedy",
@@ -185,6 +200,7 @@ class Request:
         "output_tokens",
         "params",
         "pin",
+        "priority",
         "prompt",
         "prompt_tokens",
         "request_id",
@@ -197,6 +213,7 @@ class Request:
         "t_admitted",
         "t_first_token",
         "t_submitted",
+        "token_times",
     )
 
     def __init__(
@@ -211,10 +228,16 @@ class Request:
         channel: Channel | None = None,
         leader: Request | None = None,
         pin: Any = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = next_request_id() if request_id is None else request_id
         #: submission order (unique): the engine's key for the request, and who is preempted first
         self.arrival = next(_arrivals)
+        #: lower runs first (``generate/priority.py``); 0 for all: first come, first served
+        self.priority = priority
+        #: when the request was last admitted (the core's admission count): the latest
+        #: admitted of a lower priority is preempted first
+        self.admitted_order = -1
         self.prompt = prompt
         self.prompt_tokens = prompt_tokens
         self.params = params
@@ -250,6 +273,8 @@ class Request:
         self.t_submitted = time.perf_counter()
         self.t_admitted: float | None = None
         self.t_first_token: float | None = None
+        #: when each generated token was sampled (its inter-token latencies)
+        self.token_times: list[float] = []
 
     def transition(self, status: RequestStatus) -> None:
         """Move to ``status``; ``InvalidTransition`` unless :data:`STATUS_EDGES` allows it."""

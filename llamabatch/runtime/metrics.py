@@ -291,7 +291,11 @@ def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:
     if ttft is not None:
         h["time_to_first_token_seconds"].observe(ttft)
         gaps = event.completion_tokens - 1
-        if gaps > 0:
+        if event.inter_token_latencies:  # every gap, as vLLM observes them
+            itl = h["inter_token_latency_seconds"]
+            for gap in event.inter_token_latencies:
+                itl.observe(gap)
+        elif gaps > 0:
             # The engine reports each request's mean gap; observing it once per gap keeps the
             # histogram's sum and count exact (vLLM observes every gap).
             h["inter_token_latency_seconds"].observe(max(0.0, event.total - ttft) / gaps, gaps)

@@ -34,6 +34,10 @@ class TickEvent:
     #: KV cells in use after the tick (shared cells counted once), and in all
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    #: the tick's token budget (``n_batch``, or less under ``target_itl_ms``)
+    token_budget: int = 0
+    #: the decode time the cost model predicted for the tick's plan (seconds; None: no target)
+    predicted_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,12 @@ class RequestEvent:
     #: which of the prompt's ``n`` completions this is (``SamplingParams(n=...)``)
     index: int = 0
     n: int = 1
+    #: the request's inter-token latencies: p50, p99, max (seconds; None under 2 tokens)
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+    itl_max: float | None = None
+    #: every gap between the request's tokens (seconds), in order
+    inter_token_latencies: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -161,8 +161,10 @@ class OpenAIServer:
         return stream, include
 
     @staticmethod
-    async def collect(llm: LLM, prompts: Sequence[Any], params: SamplingParams) -> list[Any]:
-        tasks = [asyncio.ensure_future(llm.agenerate(p, params)) for p in prompts]
+    async def collect(
+        llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0
+    ) -> list[Any]:
+        tasks = [asyncio.ensure_future(llm.agenerate(p, params, priority=priority)) for p in prompts]
         try:
             return list(await asyncio.gather(*tasks))
         finally:

@@ -83,11 +83,12 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     params = setup.params
     prepare.check_queue_room(llm, 1, params.n)
     stream, include_usage = server.stream_options(body)
+    priority = body.get("priority", "int", minimum=-(2**31), maximum=2**31 - 1) or 0  # lower first (vLLM)
     body.warn_unknown()
     if stream:
-        gen = await _primed(_generate(llm, [tokens], params), request.receive)
+        gen = await _primed(_generate(llm, [tokens], params, priority), request.receive)
         return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup))
-    (result,) = await until_disconnect(request.receive, server.collect(llm, [tokens], params))
+    (result,) = await until_disconnect(request.receive, server.collect(llm, [tokens], params, priority))
     server.raise_for_errors(result.outputs)
     choices = []
     for out in result.outputs:

@@ -62,6 +62,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
     stream, include_usage = server.stream_options(body)
+    priority = body.get("priority", "int", minimum=-(2**31), maximum=2**31 - 1) or 0  # lower first (vLLM)
     body.warn_unknown()
     detokenize = llm.model.detokenize
     texts = (
@@ -72,9 +73,9 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         else None
     )
     if stream:
-        gen = await _primed(_generate(llm, token_prompts, params), request.receive)
+        gen = await _primed(_generate(llm, token_prompts, params, priority), request.receive)
         return EventStream(completion_events(server, gen, params, texts, include_usage))
-    results = await until_disconnect(request.receive, server.collect(llm, token_prompts, params))
+    results = await until_disconnect(request.receive, server.collect(llm, token_prompts, params, priority))
     choices, n_prompt, n_completion, cached = [], 0, 0, 0
     for p, result in enumerate(results):
         server.raise_for_errors(result.outputs)

@@ -129,11 +129,12 @@ class EventStream:
 
 
 async def _generate(
-    llm: LLM, prompts: Sequence[Any], params: SamplingParams
+    llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0
 ) -> AsyncIterator[tuple[int, Any]]:
-    """``(prompt index, Delta)`` of every prompt's generation, as they come."""
+    """``(prompt index, Delta)`` of every prompt's generation, as they come (``priority``:
+    the body's ``priority``, lower runs first)."""
     if len(prompts) == 1:
-        stream = llm.astream(prompts[0], params)
+        stream = llm.astream(prompts[0], params, priority=priority)
         try:
             async for delta in stream:
                 yield 0, delta
@@ -144,7 +145,7 @@ async def _generate(
     done = object()
 
     async def pump(i: int, prompt: Any) -> None:
-        stream = llm.astream(prompt, params)
+        stream = llm.astream(prompt, params, priority=priority)
         try:
             async for delta in stream:
                 queue.put_nowait((i, delta))
