@@ -189,7 +189,7 @@ class LatencyBudget:
             return model.predict(TickFeatures(n, outputs, attended))
 
         room = min(self.n_batch - n_decode, pending)
-        if room <= 0:  # nothing to prefill, or the decodes fill the batch: no limit to set
+        if room <= 0 or not n_decode:  # no stream waits on this tick, or nothing to prefill
             self.predicted = cost(0)
             return self.n_batch
         # the most prompt tokens whose tick stays under the target (the cost grows with p)
