@@ -13,10 +13,11 @@ has one row per runner and point, and the engine's ratios over the others.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from llamabatch.bench import options
+from llamabatch.bench import latency, options
 from llamabatch.bench.plots import check_plotting, plot_results
 from llamabatch.bench.report import (
     GENERATION_COLUMNS,
@@ -62,6 +63,9 @@ __all__ = [
 RUNNERS = (ENGINE, RAW, LLAMA_CPP_PYTHON)
 
 Progress = Callable[[str], None]
+
+#: the runner name of the engine run without ``--target-itl-ms`` (``--baseline-no-target``)
+NO_TARGET = "engine-no-target"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,6 +310,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_workload_arguments(p)
     p.add_argument("--compare", choices=(LLAMA_CPP_PYTHON,), default=None, help="also run this baseline")
     p.add_argument("--raw", action="store_true", help="also run the static batch through the binding")
+    p.add_argument(
+        "--baseline-no-target",
+        action="store_true",
+        help="with --target-itl-ms: also run the engine without the target (runner 'engine-no-target')",
+    )
     options.add_run_arguments(p)
 
 
@@ -320,6 +329,8 @@ def engine_settings(config: BenchConfig, workload: WorkloadSpec) -> dict[str, An
         "kv_unified": config.kv_unified,
         "workload": workload.kind,
     }
+    if config.target_itl_ms is not None:
+        settings["target_itl_ms"] = config.target_itl_ms
     if workload.kind == "mixed":
         settings["mix"] = ",".join(f"{npp}:{ntg}:{w:g}" for npp, ntg, w in workload.mix)
     return settings
@@ -338,9 +349,23 @@ def main(args: argparse.Namespace) -> int:
         print("llamabatch bench: --raw applies to the batched workload only; ignored", file=sys.stderr)
     runners = [ENGINE, *([RAW] if args.raw else []), *([args.compare] if args.compare else [])]
     results = run_workload(config, workload, runners, repeat=args.repeat, show_progress=not args.no_progress)
+    if args.baseline_no_target and config.target_itl_ms is not None:
+        results += run_workload(
+            dataclasses.replace(config, target_itl_ms=None),
+            workload,
+            [ENGINE],
+            repeat=args.repeat,
+            show_progress=not args.no_progress,
+            engine_name=NO_TARGET,
+        )
+    latency.apply_slo(results, config)
     report = generation_report(results, engine_settings(config, workload))
     report.print(as_json=args.json)
+    title = f"{config.model.name}, {config.threads} threads"
     if args.plot:
-        out = plot_results(report.rows, args.plot, title=f"{config.model.name}, {config.threads} threads")
+        out = plot_results(report.rows, args.plot, title=title)
         print(f"wrote {out}", file=sys.stderr)
+    if args.plot_itl:
+        target = "" if config.target_itl_ms is None else f", target ITL {config.target_itl_ms:g} ms"
+        print(f"wrote {latency.plot_itl(results, args.plot_itl, title + target)}", file=sys.stderr)
     return 0

@@ -11,7 +11,7 @@ import argparse
 
 from llamabatch.bench.runners.base import BenchConfig
 from llamabatch.bench.workloads import DEFAULT_MIX, WorkloadSpec, parse_mix, resolve_model
-from llamabatch.config import EngineConfig, on_off, positive_int
+from llamabatch.config import EngineConfig, on_off, positive_float, positive_int
 
 __all__ = [
     "add_engine_arguments",
@@ -153,6 +153,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "flash_attn",
             "kv_unified",
             "prefix_cache",
+            "target_itl_ms",
         ),
         overrides={
             "n_threads": {"flags": ("-t", "--threads")},
@@ -210,6 +211,24 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", metavar="OUT.png", default=None, help="draw throughput vs concurrency (matplotlib)"
     )
+    p.add_argument(
+        "--plot-itl",
+        metavar="OUT.png",
+        default=None,
+        help="draw every run's inter-token latency over time (matplotlib)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=positive_float,
+        default=None,
+        help="SLO: time to first token (ms); reports goodput, the share of requests meeting the SLO",
+    )
+    p.add_argument(
+        "--slo-itl-ms",
+        type=positive_float,
+        default=None,
+        help="SLO: a request's own inter-token latency p99 (ms); reports goodput",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -229,6 +248,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         prefix_cache=args.prefix_cache,
         kv_unified=args.kv_unified,
+        target_itl_ms=args.target_itl_ms,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
     )
 
 

@@ -50,6 +50,32 @@ def _percentiles(values: Sequence[float], scale: float = 1000.0) -> tuple[float,
     return (float(p50) * scale, float(p90) * scale, float(p99) * scale)
 
 
+def _tail(values: Sequence[float], scale: float = 1000.0) -> tuple[float, float]:
+    """p99.9 and max, scaled (NaN when empty)."""
+    if len(values) == 0:
+        return (math.nan, math.nan)
+    array = np.asarray(values, dtype=np.float64)
+    return (float(np.percentile(array, 99.9)) * scale, float(array.max()) * scale)
+
+
+def goodput(
+    ttft: Sequence[float], request_itl: Sequence[float], slo_ttft_ms: float | None, slo_itl_ms: float | None
+) -> float:
+    """The share of requests that met the SLO: time to first token <= ``slo_ttft_ms`` and the
+    request's own ITL p99 <= ``slo_itl_ms`` (a bound not given always holds)."""
+    n = len(ttft)
+    if n == 0:
+        return math.nan
+    met = 0
+    for i in range(n):
+        ok = slo_ttft_ms is None or ttft[i] * 1000.0 <= slo_ttft_ms
+        if ok and slo_itl_ms is not None and i < len(request_itl):
+            itl = request_itl[i]
+            ok = math.isnan(itl) or itl * 1000.0 <= slo_itl_ms
+        met += ok
+    return met / n
+
+
 @dataclass
 class RunResult:
     """What one runner did on one workload point (times in seconds).
@@ -64,7 +90,11 @@ class RunResult:
     - ``decode_tokens_per_s``: tokens generated after the first / (wall time - ``t_pp``);
       batched workload only;
     - time to first token (from each request's arrival) and inter-token latency (gaps
-      between consecutive tokens of a request) percentiles, in milliseconds;
+      between consecutive tokens of a request) percentiles, in milliseconds (ITL also
+      p99.9 and max);
+    - with ``slo_ttft_ms`` / ``slo_itl_ms`` set: ``goodput``, the share of requests whose
+      TTFT and own ITL p99 met them, and ``slo_met`` (the run's TTFT p99 and ITL p99 within
+      them: what ``bench-serve --find-capacity`` searches on);
     - where the runner knows it: the time inside ``llama_decode`` and the share of wall
       time outside it.
     """
@@ -87,12 +117,19 @@ class RunResult:
     tick_time: float | None = None
     rate: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: every request's own ITL p99 (seconds; NaN under 2 tokens), in request order
+    request_itl: list[float] = field(default_factory=list)
+    #: (seconds since the run's start, gap) of every token gap, for ITL-over-time plots
+    itl_series: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
     def row(self) -> dict[str, Any]:
         """One flat, JSON-ready dict (the ``--json`` row)."""
         t_tg = max(self.t_total - self.t_pp, 1e-12)
         ttft = _percentiles(self.ttft)
         itl = _percentiles(self.itl)
+        itl_tail = _tail(self.itl)
         e2e = _percentiles(self.e2e)
         row: dict[str, Any] = {
             "workload": self.workload,
@@ -117,6 +154,8 @@ class RunResult:
             "itl_p50_ms": itl[0],
             "itl_p90_ms": itl[1],
             "itl_p99_ms": itl[2],
+            "itl_p99_9_ms": itl_tail[0],
+            "itl_max_ms": itl_tail[1],
             "e2e_p50_ms": e2e[0],
             "e2e_p90_ms": e2e[1],
             "e2e_p99_ms": e2e[2],
@@ -126,6 +165,12 @@ class RunResult:
             row.update(t_pp_s=None, t_tg_s=None, prompt_tokens_per_s=None, decode_tokens_per_s=None)
         if self.rate is not None:
             row["rate"] = self.rate
+        if self.slo_ttft_ms is not None or self.slo_itl_ms is not None:
+            row["slo_ttft_ms"], row["slo_itl_ms"] = self.slo_ttft_ms, self.slo_itl_ms
+            row["goodput"] = goodput(self.ttft, self.request_itl, self.slo_ttft_ms, self.slo_itl_ms)
+            row["slo_met"] = (self.slo_ttft_ms is None or ttft[2] <= self.slo_ttft_ms) and (
+                self.slo_itl_ms is None or itl[2] <= self.slo_itl_ms
+            )
         if self.decode_time is not None:
             row["decode_time_s"] = self.decode_time
             row["outside_decode_share"] = max(0.0, 1.0 - self.decode_time / self.t_total)
@@ -150,12 +195,21 @@ def result_from_times(
     npl: int,
     rate: float | None,
     t_pp: float | None = None,
+    stamps: Sequence[Sequence[float]] | None = None,
 ) -> RunResult:
     """A :class:`RunResult` from absolute per-request times (``time.perf_counter()``): the
     first token and the end of every request, the run's ``start``. Latencies count from each
     request's arrival; the prefill phase lasts until the last first token unless ``t_pp``
-    (a sequential runner's sum) is given."""
+    (a sequential runner's sum) is given. ``stamps``: every request's token times, for the
+    per-request ITL figures (goodput) and the ITL-over-time series."""
     arrivals = [start + r.arrival for r in requests]
+    request_itl: list[float] = []
+    series: list[tuple[float, float]] = []
+    for times in stamps or ():
+        gaps = np.diff(np.asarray(times, dtype=np.float64))
+        request_itl.append(float(np.percentile(gaps, 99)) if len(gaps) else math.nan)
+        series += [(t - start, g) for t, g in zip(times[1:], gaps.tolist(), strict=True)]
+    series.sort()
     return RunResult(
         runner=runner,
         workload=workload,
@@ -171,6 +225,8 @@ def result_from_times(
         itl=itl,
         e2e=[e - a for e, a in zip(end, arrivals, strict=True)],
         rate=rate,
+        request_itl=request_itl,
+        itl_series=series,
     )
 
 
@@ -212,10 +268,14 @@ GENERATION_COLUMNS: tuple[Column, ...] = (
     Column("total_tokens_per_s", "S t/s", ".1f"),
     Column("gen_tokens_per_s", "gen t/s", ".1f"),
     Column("ttft_p50_ms", "TTFT p50", ".1f"),
+    Column("ttft_p90_ms", "TTFT p90", ".1f"),
     Column("ttft_p99_ms", "TTFT p99", ".1f"),
     Column("itl_p50_ms", "ITL p50", ".2f"),
     Column("itl_p90_ms", "ITL p90", ".2f"),
     Column("itl_p99_ms", "ITL p99", ".2f"),
+    Column("itl_p99_9_ms", "ITL p99.9", ".2f"),
+    Column("itl_max_ms", "ITL max", ".2f"),
+    Column("goodput", "goodput", ".2f"),
     Column("outside_decode_share", "outside", ".1%"),
 )
 

@@ -16,12 +16,15 @@ Batched workload: ``npl`` concurrent clients, ``--requests`` requests in all (de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from llamabatch.bench import options
+from llamabatch.bench import latency, options
 from llamabatch.bench.generate import engine_settings, generation_report, run_workload
 from llamabatch.bench.plots import check_plotting, plot_results
-from llamabatch.bench.runners import ENGINE, HTTP, HTTPRunner
+from llamabatch.bench.report import RunResult
+from llamabatch.bench.runners import ENGINE, HTTP, BenchConfig, HTTPRunner
+from llamabatch.bench.workloads import WorkloadSpec
 
 __all__ = ["IN_PROCESS", "add_arguments", "main"]
 
@@ -53,6 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="mixed: the most requests in flight (default: no limit)",
     )
     p.add_argument("--compare", choices=(IN_PROCESS,), default=None, help="also run the in-process engine")
+    p.add_argument(
+        "--find-capacity",
+        action="store_true",
+        help="search the arrival rate (mixed workload, from the first --rate) for the highest rate "
+        "at which the run's TTFT p99 and ITL p99 meet --slo-ttft-ms / --slo-itl-ms",
+    )
+    p.add_argument(
+        "--capacity-steps",
+        type=options.positive_int,
+        default=7,
+        help="probes of the capacity search (default 7)",
+    )
     options.add_engine_arguments(p)
     options.add_workload_arguments(p, npl_help="concurrent clients")
     options.add_run_arguments(p)
@@ -65,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
         check_plotting()
     config = options.config_from_args(args)
     workload = options.workload_from_args(args)
+    if args.find_capacity and config.slo_ttft_ms is None and config.slo_itl_ms is None:
+        raise SystemExit("llamabatch bench-serve: --find-capacity needs --slo-itl-ms and/or --slo-ttft-ms")
     server = HTTPRunner(
         args.url,
         model=args.served_model,
@@ -72,26 +89,56 @@ def main(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         max_concurrency=args.max_concurrency,
     )
+    capacity: list[dict[str, object]] = []
     try:
-        results = run_workload(
-            config,
-            workload,
-            [ENGINE] if args.compare == IN_PROCESS else [],
-            repeat=args.repeat,
-            show_progress=not args.no_progress,
-            others={HTTP: server},
-            engine_name=IN_PROCESS,
-            command="llamabatch bench-serve",
-        )
+        if args.find_capacity:
+            results, capacity = _find_capacity(args, config, workload, server)
+        else:
+            results = run_workload(
+                config,
+                workload,
+                [ENGINE] if args.compare == IN_PROCESS else [],
+                repeat=args.repeat,
+                show_progress=not args.no_progress,
+                others={HTTP: server},
+                engine_name=IN_PROCESS,
+                command="llamabatch bench-serve",
+            )
+            latency.apply_slo(results, config)
     finally:
         server.close()
     settings = {"url": server.url, "served_model": server.model, **engine_settings(config, workload)}
     if args.compare != IN_PROCESS:  # the engine options apply only to the in-process run
-        for key in ("n_threads", "n_batch", "strategy", "flash_attn", "kv_unified"):
-            del settings[key]
+        for key in ("n_threads", "n_batch", "strategy", "flash_attn", "kv_unified", "target_itl_ms"):
+            settings.pop(key, None)
     report = generation_report(results, settings, subject=HTTP)
+    if capacity:
+        report.extra.append(("capacity under the SLO", capacity, latency.CAPACITY_COLUMNS))
     report.print(as_json=args.json)
+    title = f"{server.model} at {server.url}"
     if args.plot:
-        out = plot_results(report.rows, args.plot, title=f"{server.model} at {server.url}")
+        out = plot_results(report.rows, args.plot, title=title)
         print(f"wrote {out}", file=sys.stderr)
+    if args.plot_itl:
+        print(f"wrote {latency.plot_itl(results, args.plot_itl, title)}", file=sys.stderr)
     return 0
+
+
+def _find_capacity(
+    args: argparse.Namespace, config: BenchConfig, workload: WorkloadSpec, server: HTTPRunner
+) -> tuple[list[RunResult], list[dict[str, object]]]:
+    """The capacity search against the server (mixed workload, one rate per probe)."""
+
+    def probe(rate: float) -> RunResult:
+        spec = dataclasses.replace(workload, kind="mixed", rates=(rate,))
+        (run,) = run_workload(config, spec, [], show_progress=False, others={HTTP: server})
+        latency.apply_slo([run], config)
+        print(
+            f"bench-serve: rate {rate:.3g}/s: ITL p99 {run.row()['itl_p99_ms']:.1f} ms, TTFT p99 "
+            f"{run.row()['ttft_p99_ms']:.1f} ms, SLO {'met' if latency.slo_met(run) else 'missed'}",
+            file=sys.stderr,
+        )
+        return run
+
+    found, runs = latency.find_capacity(probe, workload.rates[0], steps=args.capacity_steps)
+    return runs, [latency.capacity_row(server.url, found, config, len(runs))]

@@ -61,6 +61,11 @@ class BenchConfig:
     seed: int = 0
     prefix_cache: bool = False
     kv_unified: bool = False
+    #: the engine's target inter-token latency (``EngineConfig.target_itl_ms``; None: none)
+    target_itl_ms: float | None = None
+    #: the SLO a request meets for ``goodput`` (ms; None: no bound)
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
     @property
     def threads(self) -> int:

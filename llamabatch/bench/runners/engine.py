@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -65,6 +66,7 @@ class EngineRunner:
             max_queue=1 << 20,
             prefix_cache=config.prefix_cache,
             kv_unified=config.kv_unified,
+            target_itl_ms=config.target_itl_ms,
         )
         self._ticks: list[tuple[float, int]] = []
         self.llm.add_listener(self._on_event)
@@ -114,10 +116,20 @@ class EngineRunner:
             counts.append(len(out.token_ids))
             if stream:
                 itl.extend(np.diff(stamps[i]).tolist())
+        series: list[tuple[float, float]] = []
         if not stream:
             for (t_prev, _), (t, n_decode) in itertools.pairwise(list(self._ticks)):
                 itl.extend([t - t_prev] * n_decode)
-        result = result_from_times(self.name, workload, requests, first, end, counts, itl, start, npl, rate)
+                if n_decode:
+                    series.append((t - start, t - t_prev))
+        result = result_from_times(
+            self.name, workload, requests, first, end, counts, itl, start, npl, rate, stamps=stamps or None
+        )
+        if not stream:  # each request's own ITL from its output; the series from the ticks
+            result.request_itl = [
+                math.nan if o.timings.itl_p99 is None else o.timings.itl_p99 for o in outputs
+            ]
+            result.itl_series = series
         result.decode_time = decode_after - decode_before
         result.tick_time = tick_after - tick_before
         result.ticks = ticks_after - ticks_before

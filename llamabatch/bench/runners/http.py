@@ -144,9 +144,10 @@ class HTTPRunner:
 
     async def _serve(
         self, requests: Sequence[BenchRequest], concurrency: int | None
-    ) -> tuple[list[float], list[float], list[int], list[float], float]:
+    ) -> tuple[list[float], list[float], list[int], list[float], float, list[list[float]]]:
         n = len(requests)
         first, end, counts = [0.0] * n, [0.0] * n, [0] * n
+        all_stamps: list[list[float]] = [[] for _ in range(n)]
         itl: list[float] = []
         slots = asyncio.Semaphore(concurrency) if concurrency else None
         start = time.perf_counter()
@@ -169,6 +170,7 @@ class HTTPRunner:
                 )
             first[i] = stamps[0]
             counts[i] = count
+            all_stamps[i] = stamps
             itl.extend(np.diff(stamps).tolist())
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
@@ -179,7 +181,7 @@ class HTTPRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return first, end, counts, itl, start
+        return first, end, counts, itl, start, all_stamps
 
     def warmup(self, tokens: Sequence[int]) -> None:
         """Two tokens from a short prompt (opens a connection too)."""
@@ -191,8 +193,10 @@ class HTTPRunner:
         """Serve ``requests`` over HTTP: ``npl`` clients when they all arrive at once,
         otherwise each sent at its arrival time (at most ``max_concurrency`` in flight)."""
         concurrency = npl if all(r.arrival == 0 for r in requests) else self.max_concurrency
-        first, end, counts, itl, start = self._call(self._serve(requests, concurrency))
-        return result_from_times(self.name, workload, requests, first, end, counts, itl, start, npl, rate)
+        first, end, counts, itl, start, stamps = self._call(self._serve(requests, concurrency))
+        return result_from_times(
+            self.name, workload, requests, first, end, counts, itl, start, npl, rate, stamps=stamps
+        )
 
     def close(self) -> None:
         """Close the connections and the event loop."""
