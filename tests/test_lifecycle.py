@@ -164,6 +164,7 @@ DEFAULTS = {
     "max_prefixes": None,
     "kv_unified": False,
     "validate": True,
+    "target_itl_ms": None,
 }
 
 
