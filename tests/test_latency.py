@@ -92,7 +92,8 @@ def test_budget_follows_an_exact_model():
     # 3 decodes: 10 + 3 * 1 + 3 * 2 = 19 ms, plus the chunk's output row (2 ms): 79 tokens fit
     assert (tick.decode_tokens, tick.prefill_tokens) == (3, 79)
     assert tick.token_budget == 82
-    assert tick.predicted_time == pytest.approx(0.1, abs=1e-9)
+    # predicted for the batch decoded (the chunk's output row was planned, not needed): exact
+    assert tick.predicted_time == pytest.approx(0.098, abs=1e-9) == tick.decode_time
     assert tick.decode_time <= 0.1005 + 1e-9
     rec.run()
     rec.check_done(long)
@@ -258,3 +259,34 @@ def test_llm_engine_priority(monkeypatch):
             engine.add_request([1], priority="high")  # type: ignore[arg-type]
     finally:
         engine.close()
+
+
+def test_latency_tracker(monkeypatch):
+    from fake_llama import patch_llamabatch
+
+    from llamabatch import LLMEngine
+    from llamabatch.runtime.latency import LatencyTracker
+
+    patch_llamabatch(monkeypatch)
+    tracker = LatencyTracker()
+    assert tracker.summary() == {
+        "requests": 0,
+        **{f"ttft_p{p}_ms": None for p in (50, 90, 99)},
+        **{f"itl_p{p}_ms": None for p in ("50", "90", "99", "99_9")},
+        "itl_max_ms": None,
+    }
+    with LLMEngine("fake.gguf", n_parallel=2, n_ctx=256, n_batch=64) as engine:
+        engine.add_listener(tracker)
+        for i in range(3):
+            engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        outputs = engine.run_until_complete()
+    summary = tracker.summary(slo_ttft_ms=1e6, slo_itl_ms=1e6)
+    assert summary["requests"] == 3 and summary["goodput"] == 1.0
+    assert 0 <= summary["itl_p50_ms"] <= summary["itl_p99_9_ms"] <= summary["itl_max_ms"]
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+    for out in outputs:
+        t = out.timings
+        assert t.itl_p50 is not None and 0 <= t.itl_p50 <= t.itl_p99 <= t.itl_max
+    assert tracker.summary(slo_itl_ms=1e-9)["goodput"] == 0.0
+    tracker.clear()
+    assert tracker.summary()["requests"] == 0

@@ -475,9 +475,11 @@ class EngineCore:
         elapsed = clock() - t0
         self._decode_time += elapsed
         if code == 0:
-            if self.latency is not None:  # fit the cost model on what this decode took
+            latency = self.latency
+            if latency is not None:  # what the model expected of this batch; then fit it
                 features = batch_features(self.table, [s for s, _ in self.slots.busy()])
-                self.latency.model.observe(features, elapsed)
+                latency.predicted = latency.model.predict(features)
+                latency.model.observe(features, elapsed)
             self._last_fill = self.table.last_fill_stats
             self.table.commit()
             return 0, n_tokens

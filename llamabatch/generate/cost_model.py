@@ -155,7 +155,8 @@ class LatencyBudget:
         self.n_batch = n_batch
         self.min_chunk = min_chunk
         self.model = model if model is not None else DecodeCostModel()
-        #: the predicted decode time of the last budget's plan (seconds), for telemetry
+        #: the predicted decode time of the last budget's plan, then (set by the core) of the
+        #: batch decoded, before the model is fitted on it (seconds), for telemetry
         self.predicted = 0.0
 
     def budget(self, table: SlotTable, slots: list[int]) -> int:

@@ -36,7 +36,7 @@ class TickEvent:
     kv_cells_total: int = 0
     #: the tick's token budget (``n_batch``, or less under ``target_itl_ms``)
     token_budget: int = 0
-    #: the decode time the cost model predicted for the tick's plan (seconds; None: no target)
+    #: the decode time the cost model predicted for the tick's batch (seconds; None: no target)
     predicted_time: float | None = None
 
 
