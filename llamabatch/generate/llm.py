@@ -22,7 +22,7 @@ from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.generate.core import EngineCore, check_queue_room
 from llamabatch.generate.kv_cache import PinnedPrefix
-from llamabatch.generate.llm_engine import EngineHost, Prompt, engine_config, from_host
+from llamabatch.generate.llm_engine import EngineHost, HostFacts, Prompt, engine_config
 from llamabatch.generate.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
@@ -95,7 +95,7 @@ class EngineLoop:
         return len(self.inbox) + self.core.n_queued
 
 
-class LLM:
+class LLM(HostFacts):
     """Many concurrent generations from one GGUF model, batched into one forward pass per tick.
 
     Options: ``config=EngineConfig(...)`` and/or the config's fields as keywords (``n_ctx``,
@@ -119,17 +119,6 @@ class LLM:
         self._loop = EngineLoop(self._host)
         self._worker = self._loop.worker = Worker("llamabatch-engine", self._loop, kind="LLM")
         self._worker.start()
-
-    config = from_host("config", "The engine's ``EngineConfig``.")
-    model = from_host("model", "The loaded model.")
-    context = from_host("context", "The llama.cpp context.")
-    telemetry = from_host("telemetry", "Where ``TickEvent``s and ``RequestEvent``s go.")
-    n_ctx = from_host("n_ctx", "KV cache cells, all sequences together.")
-    n_ctx_seq = from_host("n_ctx_seq", "The most tokens one request may hold (prompt + max_tokens).")
-    n_parallel = from_host("n_parallel", "Slots.")
-    n_batch = from_host("n_batch", "The most tokens in one forward pass.")
-    max_queue = from_host("max_queue", "Requests allowed to wait for a slot.")
-    max_prompt_bytes = from_host("max_prompt_bytes", "See ``EngineHost.max_prompt_bytes``.")
 
     @property
     def chat_options(self) -> ChatOptions:

@@ -294,12 +294,30 @@ def from_host(name: str, doc: str) -> Any:
     return property(get, doc=doc)
 
 
+class HostFacts:
+    """The engine facts ``LLM`` and ``LLMEngine`` both show, read from the ``EngineHost`` each
+    owns as ``_host`` (read-only properties only: no behaviour is inherited)."""
+
+    _host: EngineHost
+
+    config = from_host("config", "The engine's ``EngineConfig``.")
+    model = from_host("model", "The loaded model.")
+    context = from_host("context", "The llama.cpp context.")
+    telemetry = from_host("telemetry", "Where ``TickEvent``s and ``RequestEvent``s go.")
+    n_ctx = from_host("n_ctx", "KV cache cells, all sequences together.")
+    n_ctx_seq = from_host("n_ctx_seq", "The most tokens one request may hold (prompt + max_tokens).")
+    n_parallel = from_host("n_parallel", "Slots.")
+    n_batch = from_host("n_batch", "The most tokens in one forward pass.")
+    max_queue = from_host("max_queue", "Requests allowed to wait for a slot.")
+    max_prompt_bytes = from_host("max_prompt_bytes", "See ``EngineHost.max_prompt_bytes``.")
+
+
 def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
     """The ``EngineConfig`` of a facade's ``config=`` and keyword options (keywords win)."""
     return EngineConfig.from_options(config, **options)
 
 
-class LLMEngine:
+class LLMEngine(HostFacts):
     """The engine for a host loop: ``add_request``, then ``step()`` until done.
 
     Single-threaded: every call runs on the caller's thread (no engine thread, no locks).
@@ -331,17 +349,6 @@ class LLMEngine:
         self._order: list[list[Request]] = []
         self._collecting = False
         self._closed = False
-
-    config = from_host("config", "The engine's ``EngineConfig``.")
-    model = from_host("model", "The loaded model.")
-    context = from_host("context", "The llama.cpp context.")
-    telemetry = from_host("telemetry", "Where ``TickEvent``s and ``RequestEvent``s go.")
-    n_ctx = from_host("n_ctx", "KV cache cells, all sequences together.")
-    n_ctx_seq = from_host("n_ctx_seq", "The most tokens one request may hold (prompt + max_tokens).")
-    n_parallel = from_host("n_parallel", "Slots.")
-    n_batch = from_host("n_batch", "The most tokens in one forward pass.")
-    max_queue = from_host("max_queue", "Requests allowed to wait for a slot.")
-    max_prompt_bytes = from_host("max_prompt_bytes", "See ``EngineHost.max_prompt_bytes``.")
 
     @property
     def core(self) -> EngineCore:
