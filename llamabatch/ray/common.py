@@ -192,6 +192,16 @@ def typed_block(batch: Any, types: Mapping[str, Any]) -> Any:
 # -- the actor's resources ---------------------------------------------------------------------
 
 
+def with_assigned_threads(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``n_threads`` defaulting to the CPUs Ray assigned this actor."""
+    options = dict(options)
+    if options.get("n_threads") is None:
+        cpus = assigned_cpus()
+        if cpus is not None:
+            options["n_threads"] = cpus
+    return options
+
+
 def assigned_cpus() -> int | None:
     """The CPUs Ray gave this actor (``num_cpus`` of ``map_batches``), or None outside Ray."""
     try:

@@ -35,12 +35,12 @@ from llamabatch.ray.common import (
     RowError,
     RowWorker,
     actor_pool,
-    assigned_cpus,
     check_model_path,
     column_values,
     error_text,
     is_missing,
     object_array,
+    with_assigned_threads,
     with_columns,
 )
 
@@ -115,11 +115,7 @@ class Generate(RowWorker):
         self.output_column = output_column
         self.params_column = params_column
         self.return_token_ids = bool(return_token_ids) or self.params.logprobs is not None
-        options = dict(llm_options)
-        if options.get("n_threads") is None:
-            cpus = assigned_cpus()
-            if cpus is not None:
-                options["n_threads"] = cpus
+        options = with_assigned_threads(llm_options)
         self.llm = LLM(check_model_path(model), **options)
 
     # -- rows -> prompts
@@ -379,11 +375,7 @@ class Embed(RowWorker):
         super().__init__(on_error, error_column, threads=16)
         self.text_column = text_column
         self.output_column = output_column
-        options = dict(embedder_options)
-        if options.get("n_threads") is None:
-            cpus = assigned_cpus()
-            if cpus is not None:
-                options["n_threads"] = cpus
+        options = with_assigned_threads(embedder_options)
         self.embedder = Embedder(check_model_path(model), **options)
 
     def process(self, batch: Any) -> Any:

@@ -21,11 +21,11 @@ from llamabatch.ray.common import (
     OnError,
     RowWorker,
     actor_pool,
-    assigned_cpus,
     check_model_path,
     column_values,
     error_text,
     is_missing,
+    with_assigned_threads,
     with_columns,
 )
 
@@ -72,11 +72,7 @@ class Rerank(RowWorker):
         self.query_column = query_column
         self.document_column = document_column
         self.output_column = output_column
-        options = dict(reranker_options)
-        if options.get("n_threads") is None:
-            cpus = assigned_cpus()
-            if cpus is not None:
-                options["n_threads"] = cpus
+        options = with_assigned_threads(reranker_options)
         self.reranker = Reranker(check_model_path(model), **options)
 
     def _pair(self, query: Any, document: Any) -> tuple[str, str]:
