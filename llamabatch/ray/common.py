@@ -238,7 +238,8 @@ def check_model_path(model: str | os.PathLike[str]) -> str:
 
 
 class RowWorker:
-    """What ``Generate`` and ``Embed`` share: batch plumbing, threads and the error policy."""
+    """What ``Generate``, ``Embed`` and ``Rerank`` share: batch plumbing, threads, the error policy
+    and closing the model they own."""
 
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -293,6 +294,22 @@ class RowWorker:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+
+    #: the attribute holding the model this worker owns (``llm``, ``embedder``, ``reranker``)
+    _model_attr = ""
+
+    def close(self) -> None:
+        """Stop the model and the batch threads."""
+        self._shutdown_pool()
+        model = getattr(self, self._model_attr, None)
+        if model is not None:
+            model.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 def actor_pool(concurrency: int | tuple[int, int]) -> Any:

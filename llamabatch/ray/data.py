@@ -94,6 +94,8 @@ class Generate(RowWorker):
     ``{"token_id", "logprob"}``). With ``n > 1`` every one of these holds a list of ``n`` values.
     """
 
+    _model_attr = "llm"
+
     def __init__(
         self,
         model: str | os.PathLike[str],
@@ -296,19 +298,6 @@ class Generate(RowWorker):
             types = {name: pa.list_(t) for name, t in types.items()}
         return {**types, "prompt_tokens": pa.int64(), **super().arrow_types()}
 
-    def close(self) -> None:
-        """Stop the LLM and the batch threads."""
-        self._shutdown_pool()
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            llm.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-
 
 #: Values of a row that failed before generating (text None: there is none).
 _EMPTY: dict[str, Any] = {"completion_tokens": 0, "finish_reason": "error"}
@@ -359,6 +348,8 @@ class Embed(RowWorker):
             ``normalize``, ``truncate``, ``n_threads``, ...). ``n_threads`` defaults to the CPUs
             Ray assigned the actor.
     """
+
+    _model_attr = "embedder"
 
     def __init__(
         self,
@@ -436,19 +427,6 @@ class Embed(RowWorker):
         if emb.pooling == "rank" and width == 1:
             return out[:, 0]
         return out
-
-    def close(self) -> None:
-        """Stop the embedder and the batch threads."""
-        self._shutdown_pool()
-        embedder = getattr(self, "embedder", None)
-        if embedder is not None:
-            embedder.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 def _embed_error_text(exc: BaseException) -> str:

@@ -55,6 +55,8 @@ class Rerank(RowWorker):
             defaults to the CPUs Ray assigned the actor.
     """
 
+    _model_attr = "reranker"
+
     def __init__(
         self,
         model: str | os.PathLike[str],
@@ -133,19 +135,6 @@ class Rerank(RowWorker):
             else:
                 out[i] = np.asarray(result).reshape(-1)
         return out
-
-    def close(self) -> None:
-        """Stop the reranker and the batch threads."""
-        self._shutdown_pool()
-        reranker = getattr(self, "reranker", None)
-        if reranker is not None:
-            reranker.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 def rerank(
