@@ -19,7 +19,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llamabatch.params import check_positive_int
 
@@ -69,14 +69,68 @@ def parse_flash_attn(text: str) -> bool | None:
         raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from on, off, auto)") from None
 
 
-def _cli(*flags: str, **kwargs: Any) -> dict[str, Any]:
+def flag(*flags: str, **kwargs: Any) -> dict[str, Any]:
     """A field's command-line flag: its names (the first long one is the main one) and the
     ``add_argument`` keywords (``type``, ``help``, ``action``, ``metavar``, ``choices``)."""
     return {"cli": (flags, kwargs)}
 
 
+class OptionsConfig:
+    """What ``EngineConfig`` and ``EmbedderConfig`` share: copies, keyword options over a
+    config, and reading their flags back from parsed arguments. Subclasses are frozen
+    dataclasses whose flagged fields carry ``flag(...)`` metadata."""
+
+    #: how an unknown-option error names the options ("engine", "Embedder")
+    _options_of = "engine"
+
+    def replace(self: _Config, **changes: Any) -> _Config:
+        """A copy with ``changes`` applied (checked again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    @classmethod
+    def cli_fields(cls) -> list[str]:
+        """The fields that have a command-line flag, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if "cli" in f.metadata]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_cli_args(cls: type[_Config], args: argparse.Namespace, **options: Any) -> _Config:
+        """The config of parsed arguments (fields whose flags were not added keep their
+        defaults); ``options`` override them."""
+        values = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
+        return cls(**{**values, **options})
+
+    @classmethod
+    def from_options(cls: type[_Config], config: _Config | None = None, **options: Any) -> _Config:
+        """``config`` (default: the defaults) with the keyword ``options`` applied over it:
+        keywords win. ``TypeError`` names an unknown option."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+        if unknown:
+            raise TypeError(f"unknown {cls._options_of} option(s): {', '.join(unknown)}")
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be an {cls.__name__}, got {type(config).__name__}")
+        return dataclasses.replace(config, **options) if options else config  # type: ignore[type-var]
+
+    @classmethod
+    def signature_of(cls, init: Callable[..., None]) -> Callable[..., None]:
+        """Decorate ``init(self, model_path, *, config=None, ..., **options)`` so that ``help()``
+        and ``inspect.signature`` show the config's fields as keyword parameters."""
+        signature = inspect.signature(init)
+        params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        params += [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        ]
+        init.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        return init
+
+
+_Config = TypeVar("_Config", bound=OptionsConfig)
+
+
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(OptionsConfig):
     """Every option of the generation engine (``LLM``, ``LLMEngine``), checked at construction.
 
     Args:
@@ -119,60 +173,60 @@ class EngineConfig:
 
     n_ctx: int = field(
         default=4096,
-        metadata=_cli(
+        metadata=flag(
             "-c", "--n-ctx", "--ctx-size", type=positive_int, help="KV cache tokens, all sequences"
         ),
     )
     n_parallel: int = field(
         default=8,
-        metadata=_cli(
+        metadata=flag(
             "-np", "--n-parallel", "--parallel", type=positive_int, help="sequences decoded together"
         ),
     )
     n_batch: int = field(
         default=512,
-        metadata=_cli(
+        metadata=flag(
             "-b", "--n-batch", "--batch-size", type=positive_int, help="most tokens per forward pass"
         ),
     )
     n_ubatch: int | None = field(
         default=None,
-        metadata=_cli("-ub", "--n-ubatch", "--ubatch-size", type=positive_int, help="physical micro-batch"),
+        metadata=flag("-ub", "--n-ubatch", "--ubatch-size", type=positive_int, help="physical micro-batch"),
     )
     chunk_size: int = field(
         default=512,
-        metadata=_cli("--chunk-size", type=positive_int, help="most prompt tokens per sequence per tick"),
+        metadata=flag("--chunk-size", type=positive_int, help="most prompt tokens per sequence per tick"),
     )
     strategy: str | Strategy = field(
         default="decode_maximal",
-        metadata=_cli("--strategy", choices=STRATEGY_NAMES, help="how each tick's token budget is shared"),
+        metadata=flag("--strategy", choices=STRATEGY_NAMES, help="how each tick's token budget is shared"),
     )
     max_queue: int = field(
         default=1024,
-        metadata=_cli("--max-queue", type=positive_int, help="requests waiting for a slot (then QueueFull)"),
+        metadata=flag("--max-queue", type=positive_int, help="requests waiting for a slot (then QueueFull)"),
     )
     n_threads: int | None = field(
         default=None,
-        metadata=_cli("-t", "--threads", type=positive_int, help="CPU threads (default: all cores)"),
+        metadata=flag("-t", "--threads", type=positive_int, help="CPU threads (default: all cores)"),
     )
     n_threads_batch: int | None = field(
         default=None,
-        metadata=_cli("-tb", "--threads-batch", type=positive_int, help="CPU threads for prompt batches"),
+        metadata=flag("-tb", "--threads-batch", type=positive_int, help="CPU threads for prompt batches"),
     )
     n_gpu_layers: int = field(
         default=0,
-        metadata=_cli("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
+        metadata=flag("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
     )
     flash_attn: bool | str | None = field(
         default=None,
-        metadata=_cli(
+        metadata=flag(
             "-fa", "--flash-attn", type=parse_flash_attn, metavar="{on,off,auto}", help="flash attention"
         ),
     )
     load_mode: str = "mmap"
     prefix_cache: bool = field(
         default=True,
-        metadata=_cli(
+        metadata=flag(
             "--prefix-cache",
             action=argparse.BooleanOptionalAction,
             help="reuse cached prompt prefixes (--no-prefix-cache: do not)",
@@ -181,7 +235,7 @@ class EngineConfig:
     max_prefixes: int | None = None
     kv_unified: bool = field(
         default=False,
-        metadata=_cli(
+        metadata=flag(
             "--kv-unified",
             action=argparse.BooleanOptionalAction,
             help="one KV buffer shared by all sequences (off: one stream per sequence)",
@@ -190,7 +244,7 @@ class EngineConfig:
     validate: bool = True
     target_itl_ms: float | None = field(
         default=None,
-        metadata=_cli(
+        metadata=flag(
             "--target-itl-ms",
             type=positive_float,
             help="target inter-token latency in ms: prompt chunks shrink to keep each tick under it",
@@ -242,29 +296,7 @@ class EngineConfig:
         """llama.cpp sequences: the slots, plus one per pinned prefix."""
         return self.n_parallel + self.n_prefixes
 
-    def replace(self, **changes: Any) -> EngineConfig:
-        """A copy with ``changes`` applied (checked again)."""
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
-        """``config`` (default: the defaults) with the keyword ``options`` applied over it:
-        keywords win. ``TypeError`` names an unknown option."""
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
-        if config is None:
-            return cls(**options)
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        return dataclasses.replace(config, **options) if options else config
-
     # -- the command line -----------------------------------------------------------------
-
-    @classmethod
-    def cli_fields(cls) -> list[str]:
-        """The fields that have a command-line flag, in declaration order."""
-        return [f.name for f in dataclasses.fields(cls) if "cli" in f.metadata]
 
     @classmethod
     def add_cli_args(
@@ -303,13 +335,6 @@ class EngineConfig:
                 kwargs["help"] = f"{help_text} (default: {_shown(name, kwargs['default'])})"
             parser.add_argument(*flags, dest=name, **kwargs)
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **options: Any) -> EngineConfig:
-        """The config of parsed arguments (fields whose flags were not added keep their
-        defaults); ``options`` override them."""
-        values = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
-        return cls(**{**values, **options})
-
     def to_cli_args(self, only: Iterable[str] | None = None) -> list[str]:
         """The command line that :meth:`from_cli_args` reads back as this config (the fields
         with a flag; a strategy object has none)."""
@@ -334,14 +359,7 @@ class EngineConfig:
 def options_signature(init: Callable[..., None]) -> Callable[..., None]:
     """Show ``init(self, model_path, *, config=None, ..., **options)`` with ``EngineConfig``'s
     fields as keyword parameters (``help()``, ``inspect.signature``): the options spelt out."""
-    signature = inspect.signature(init)
-    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(EngineConfig)
-    ]
-    init.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    return init
+    return EngineConfig.signature_of(init)
 
 
 def _shown(name: str, default: Any) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamabatch.config import OptionsConfig, flag, positive_int
 from llamabatch.validate import INT32_MAX, check_positive_int
 
 __all__ = [
@@ -30,22 +30,6 @@ __all__ = [
 POOLINGS = ("mean", "cls", "last", "rank", "none")
 #: Normalisation modes (``True`` means ``"l2"``, ``False`` means ``"none"``).
 NORMALIZATIONS = ("l2", "none", "max_abs")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _cli(*flags: str, **kwargs: Any) -> dict[str, Any]:
-    """A field's command-line flag: its names and the ``add_argument`` keywords."""
-    return {"cli": (flags, kwargs)}
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -65,43 +49,46 @@ def normalize_mode(normalize: Any) -> str:
 
 
 @dataclass(frozen=True)
-class EmbedderConfig:
+class EmbedderConfig(OptionsConfig):
     """The options of an :class:`~llamabatch.Embedder` (see its docstring for each one's
     meaning), checked at construction; ``normalize`` is stored as its mode (``True`` becomes
     ``"l2"``)."""
 
+    _options_of = "Embedder"
+
     n_batch: int = field(
         default=512,
-        metadata=_cli("--n-batch", type=positive_int, help="tokens per decode (also the per-text limit)"),
+        metadata=flag("--n-batch", type=positive_int, help="tokens per decode (also the per-text limit)"),
     )
     n_ubatch: int | None = field(
         default=None,
-        metadata=_cli("--n-ubatch", type=positive_int, help="llama.cpp's micro-batch (<= n_batch)"),
+        metadata=flag("--n-ubatch", type=positive_int, help="llama.cpp's micro-batch (<= n_batch)"),
     )
     n_seq_max: int = field(
-        default=64, metadata=_cli("--n-seq-max", type=positive_int, help="texts per decode")
+        default=64, metadata=flag("--n-seq-max", type=positive_int, help="texts per decode")
     )
     n_ctx: int | None = field(
-        default=None, metadata=_cli("--n-ctx", type=positive_int, help="KV cache size (models with memory)")
+        default=None,
+        metadata=flag("--n-ctx", type=positive_int, help="KV cache size (models with memory)"),
     )
     pooling: str | None = field(
-        default=None, metadata=_cli("--pooling", choices=POOLINGS, help="default: the model's")
+        default=None, metadata=flag("--pooling", choices=POOLINGS, help="default: the model's")
     )
     normalize: str | bool = "l2"
     truncate: bool = field(
         default=False,
-        metadata=_cli("--truncate", action="store_true", help="cut over-long texts instead of failing"),
+        metadata=flag("--truncate", action="store_true", help="cut over-long texts instead of failing"),
     )
     n_threads: int | None = field(
         default=None,
-        metadata=_cli(
+        metadata=flag(
             "-t", "--threads", type=positive_int, metavar="THREADS", help="CPU threads (default: all cores)"
         ),
     )
     flash_attn: bool | str | None = "auto"
     n_gpu_layers: int = field(
         default=0,
-        metadata=_cli("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
+        metadata=flag("-ngl", "--n-gpu-layers", type=int, help="layers offloaded to a GPU (-1: all)"),
     )
     kv_unified: bool = True
     load_mode: str = "mmap"
@@ -127,16 +114,7 @@ class EmbedderConfig:
         if not isinstance(self.truncate, bool):
             raise ValueError(f"truncate must be True or False, got {self.truncate!r}")
 
-    def replace(self, **changes: Any) -> EmbedderConfig:
-        """A copy with ``changes`` applied (checked again)."""
-        return dataclasses.replace(self, **changes)
-
     # -- the command line -----------------------------------------------------------------
-
-    @classmethod
-    def cli_fields(cls) -> list[str]:
-        """The fields that have a command-line flag, in declaration order."""
-        return [f.name for f in dataclasses.fields(cls) if "cli" in f.metadata]
 
     @classmethod
     def add_cli_args(
@@ -167,35 +145,8 @@ class EmbedderConfig:
                 )
             parser.add_argument(*flags, dest=name, **kwargs)
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **options: Any) -> EmbedderConfig:
-        """The config of parsed arguments (fields whose flags were not added keep their
-        defaults); ``options`` override them."""
-        values = {name: getattr(args, name) for name in cls.cli_fields() if hasattr(args, name)}
-        return cls(**{**values, **options})
-
-    @classmethod
-    def from_options(cls, config: EmbedderConfig | None = None, **options: Any) -> EmbedderConfig:
-        """``config`` (default: the defaults) with the keyword ``options`` applied over it:
-        keywords win. ``TypeError`` names an unknown option."""
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"unknown Embedder option(s): {', '.join(unknown)}")
-        if config is None:
-            return cls(**options)
-        if not isinstance(config, EmbedderConfig):
-            raise TypeError(f"config must be an EmbedderConfig, got {type(config).__name__}")
-        return dataclasses.replace(config, **options) if options else config
-
 
 def with_config_signature(init: Callable[..., None]) -> Callable[..., None]:
     """Show ``init(self, model_path, *, config=None, **options)`` with the config's fields as
     keyword parameters (``help()``, ``inspect.signature``): the options, spelt out."""
-    signature = inspect.signature(init)
-    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(EmbedderConfig)
-    ]
-    init.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    return init
+    return EmbedderConfig.signature_of(init)
