@@ -41,10 +41,10 @@ import numpy as np
 from gguf.constants import GGUFValueType, Keys, PoolingType, RopeScalingType
 
 from llamabatch.errors import ModelLoadError
-from llamabatch.gguf.check_base import _MAX_EXPERTS, _MAX_LAYERS, KNOWN_LAYOUTS, LLAMA_LIKE
+from llamabatch.gguf.check_base import KNOWN_LAYOUTS, LLAMA_LIKE, MAX_EXPERTS, MAX_LAYERS
 from llamabatch.gguf.check_tensors import TensorChecks
 from llamabatch.gguf.check_vocab import VocabChecks
-from llamabatch.gguf.reader import _FLOAT_TYPES, _type_name, read_header, tensor_names
+from llamabatch.gguf.reader import FLOAT_TYPES, read_header, tensor_names, type_name
 
 __all__ = ["KNOWN_LAYOUTS", "LLAMA_LIKE", "GGUFReport", "check_gguf", "tensor_names"]
 
@@ -132,9 +132,9 @@ class _Checker(VocabChecks, TensorChecks):
             raise self.fail(self.k(Keys.LLM.EMBEDDING_LENGTH), f"{n_embd} must be positive")
         n_layer = self.get_int(self.k(Keys.LLM.BLOCK_COUNT), required=True)
         assert n_layer is not None
-        if not 1 <= n_layer <= _MAX_LAYERS:
+        if not 1 <= n_layer <= MAX_LAYERS:
             raise self.fail(
-                self.k(Keys.LLM.BLOCK_COUNT), f"{n_layer} layers: llama.cpp needs 1 to {_MAX_LAYERS}"
+                self.k(Keys.LLM.BLOCK_COUNT), f"{n_layer} layers: llama.cpp needs 1 to {MAX_LAYERS}"
             )
         nextn = self.get_int(self.k(Keys.LLM.NEXTN_PREDICT_LAYERS))
         if nextn is not None and not 0 <= nextn <= n_layer:
@@ -166,15 +166,15 @@ class _Checker(VocabChecks, TensorChecks):
             )
         causal = self.kv.get(self.k(Keys.Attention.CAUSAL))
         if causal is not None and causal.type != GGUFValueType.BOOL:
-            raise self.fail(self.k(Keys.Attention.CAUSAL), f"must be a bool, is {_type_name(causal)}")
+            raise self.fail(self.k(Keys.Attention.CAUSAL), f"must be a bool, is {type_name(causal)}")
 
         self.check_floats()
 
     def check_experts(self, n_layer: int) -> None:
         n_expert = self.get_int(self.k(Keys.LLM.EXPERT_COUNT)) or 0
-        if not 0 <= n_expert <= _MAX_EXPERTS:
+        if not 0 <= n_expert <= MAX_EXPERTS:
             raise self.fail(
-                self.k(Keys.LLM.EXPERT_COUNT), f"{n_expert} experts: llama.cpp allows 0 to {_MAX_EXPERTS}"
+                self.k(Keys.LLM.EXPERT_COUNT), f"{n_expert} experts: llama.cpp allows 0 to {MAX_EXPERTS}"
             )
         used = self.get_per_layer(self.k(Keys.LLM.EXPERT_USED_COUNT), n_layer) or [0]
         groups = self.get_int(self.k(Keys.LLM.EXPERT_GROUP_COUNT)) or 0
@@ -201,10 +201,10 @@ class _Checker(VocabChecks, TensorChecks):
         for key, entry in self.kv.items():
             if not key.startswith(prefix):
                 continue
-            if entry.type in _FLOAT_TYPES:
+            if entry.type in FLOAT_TYPES:
                 if not math.isfinite(entry.value):
                     raise self.fail(key, f"{entry.value:.7g} is not a finite number")
-            elif entry.type == GGUFValueType.ARRAY and entry.item_type in _FLOAT_TYPES:
+            elif entry.type == GGUFValueType.ARRAY and entry.item_type in FLOAT_TYPES:
                 if not np.isfinite(entry.value).all():
                     raise self.fail(key, "holds values that are not finite numbers")
         for template in (

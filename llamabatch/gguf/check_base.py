@@ -8,24 +8,24 @@ from pathlib import Path
 from gguf.constants import GGMLQuantizationType, GGUFValueType, Keys, TokenType
 
 from llamabatch.errors import ModelLoadError
-from llamabatch.gguf.reader import _FLOAT_TYPES, _INT_TYPES, _Header, _type_name
+from llamabatch.gguf.reader import FLOAT_TYPES, INT_TYPES, Header, type_name
 
 #: llama.cpp's compile-time limits.
-_MAX_LAYERS = 512
-_MAX_EXPERTS = 1024
+MAX_LAYERS = 512
+MAX_EXPERTS = 1024
 
 _Q = GGMLQuantizationType
 #: Integer and double tensor types: llama.cpp's matrix products and norms do not take them.
-_NON_WEIGHT_TYPES = frozenset({_Q.I8, _Q.I16, _Q.I32, _Q.I64, _Q.F64})
+NON_WEIGHT_TYPES = frozenset({_Q.I8, _Q.I16, _Q.I32, _Q.I64, _Q.F64})
 #: Intermediate quantizations (activations of dot products), never weights.
-_INTERMEDIATE_TYPES = frozenset({_Q.Q8_1, _Q.Q8_K})
+INTERMEDIATE_TYPES = frozenset({_Q.Q8_1, _Q.Q8_K})
 #: Types of 1-D tensors (norm weights, biases) that llama.cpp adds and multiplies by.
-_VECTOR_TYPES = frozenset({_Q.F32})
+VECTOR_TYPES = frozenset({_Q.F32})
 
 #: 2-D tensors whose rows llama.cpp adds to the activations as they are (so F32, like 1-D ones).
-_ADDED_AS_IS = frozenset({"token_types.weight"})
+ADDED_AS_IS = frozenset({"token_types.weight"})
 #: ``tokenizer.ggml.model`` values llama.cpp knows, and the vocabulary type each selects.
-_TOKENIZERS = {
+TOKENIZERS = {
     "no_vocab": "none",
     "none": "none",
     "llama": "spm",
@@ -40,9 +40,9 @@ _TOKENIZERS = {
     "test": "test",
 }
 #: Token types: gguf's TokenType plus 0, "undefined" in llama.h.
-_TOKEN_TYPES = frozenset({0, *(int(t) for t in TokenType)})
+TOKEN_TYPES = frozenset({0, *(int(t) for t in TokenType)})
 #: Keys holding special token ids.
-_SPECIAL_ID_KEYS = (
+SPECIAL_ID_KEYS = (
     Keys.Tokenizer.BOS_ID,
     Keys.Tokenizer.EOS_ID,
     Keys.Tokenizer.EOT_ID,
@@ -66,13 +66,13 @@ LLAMA_LIKE = frozenset({"llama"})
 #: Architectures whose tensors this module knows.
 KNOWN_LAYOUTS = LLAMA_LIKE | {"bert"}
 #: Architectures that need text tokenized (a "none" vocabulary cannot serve them).
-_TEXT_ARCHS = KNOWN_LAYOUTS
+TEXT_ARCHS = KNOWN_LAYOUTS
 #: WordPiece's word-start marker in llama.cpp's WPM vocabularies ("\u2581", as SentencePiece).
-_PHANTOM_SPACE = "\u2581"
+PHANTOM_SPACE = "\u2581"
 
 
 class CheckerBase:
-    def __init__(self, path: Path, header: _Header, vocab_only: bool) -> None:
+    def __init__(self, path: Path, header: Header, vocab_only: bool) -> None:
         self.path = path
         self.h = header
         self.kv = header.kv
@@ -98,8 +98,8 @@ class CheckerBase:
             if required:
                 raise self.fail(key, "missing (required)")
             return None
-        if entry.type not in _INT_TYPES:
-            raise self.fail(key, f"must be an integer, is {_type_name(entry)}")
+        if entry.type not in INT_TYPES:
+            raise self.fail(key, f"must be an integer, is {type_name(entry)}")
         return int(entry.value)
 
     def get_float(self, key: str, *, required: bool = False) -> float | None:
@@ -108,8 +108,8 @@ class CheckerBase:
             if required:
                 raise self.fail(key, "missing (required)")
             return None
-        if entry.type not in _FLOAT_TYPES:
-            raise self.fail(key, f"must be a float, is {_type_name(entry)}")
+        if entry.type not in FLOAT_TYPES:
+            raise self.fail(key, f"must be a float, is {type_name(entry)}")
         return float(entry.value)
 
     def get_str(self, key: str, *, required: bool = False) -> str | None:
@@ -119,7 +119,7 @@ class CheckerBase:
                 raise self.fail(key, "missing (required)")
             return None
         if entry.type != GGUFValueType.STRING:
-            raise self.fail(key, f"must be a string, is {_type_name(entry)}")
+            raise self.fail(key, f"must be a string, is {type_name(entry)}")
         try:
             return entry.value.decode("utf-8")
         except UnicodeDecodeError:
@@ -130,7 +130,7 @@ class CheckerBase:
         if entry is None:
             return None
         if entry.type != GGUFValueType.BOOL:
-            raise self.fail(key, f"must be a bool, is {_type_name(entry)}")
+            raise self.fail(key, f"must be a bool, is {type_name(entry)}")
         return bool(entry.value)
 
     def get_per_layer(self, key: str, n_layer: int, *, required: bool = False) -> list[int] | None:
@@ -141,8 +141,8 @@ class CheckerBase:
                 raise self.fail(key, "missing (required)")
             return None
         if entry.type == GGUFValueType.ARRAY:
-            if entry.item_type not in _INT_TYPES:
-                raise self.fail(key, f"must be integers, is {_type_name(entry)}")
+            if entry.item_type not in INT_TYPES:
+                raise self.fail(key, f"must be integers, is {type_name(entry)}")
             if entry.count != n_layer:
                 raise self.fail(key, f"has {entry.count} values, one per layer expected ({n_layer})")
             values = [int(v) for v in entry.value]

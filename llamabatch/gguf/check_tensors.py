@@ -7,11 +7,11 @@ from __future__ import annotations
 from gguf.constants import Keys
 
 from llamabatch.gguf.check_base import (
-    _ADDED_AS_IS,
-    _INTERMEDIATE_TYPES,
-    _NON_WEIGHT_TYPES,
-    _VECTOR_TYPES,
+    ADDED_AS_IS,
+    INTERMEDIATE_TYPES,
     LLAMA_LIKE,
+    NON_WEIGHT_TYPES,
+    VECTOR_TYPES,
     CheckerBase,
 )
 
@@ -186,13 +186,13 @@ class TensorChecks(CheckerBase):
                 raise self.fail(
                     f"tensor {name!r}", f"has shape {list(t.dims)}, the hyper-parameters imply {list(shape)}"
                 )
-            if len(shape) == 1 or name in _ADDED_AS_IS:
-                if t.type not in _VECTOR_TYPES:
+            if len(shape) == 1 or name in ADDED_AS_IS:
+                if t.type not in VECTOR_TYPES:
                     raise self.fail(
                         f"tensor {name!r}",
                         f"type {t.type.name}: llama.cpp needs F32 for norm weights, biases and token types",
                     )
-            elif t.type in _NON_WEIGHT_TYPES or t.type in _INTERMEDIATE_TYPES:
+            elif t.type in NON_WEIGHT_TYPES or t.type in INTERMEDIATE_TYPES:
                 raise self.fail(f"tensor {name!r}", f"type {t.type.name} cannot be a weight matrix")
         unknown = [name for name in tensors if name not in expected]
         if unknown:

@@ -7,14 +7,14 @@ import numpy as np
 from gguf.constants import GGUFValueType, Keys, TokenType
 
 from llamabatch.gguf.check_base import (
-    _PHANTOM_SPACE,
-    _SPECIAL_ID_KEYS,
-    _TEXT_ARCHS,
-    _TOKEN_TYPES,
-    _TOKENIZERS,
+    PHANTOM_SPACE,
+    SPECIAL_ID_KEYS,
+    TEXT_ARCHS,
+    TOKEN_TYPES,
+    TOKENIZERS,
     CheckerBase,
 )
-from llamabatch.gguf.reader import _decode, _type_name
+from llamabatch.gguf.reader import decode_text, type_name
 
 
 class VocabChecks(CheckerBase):
@@ -24,15 +24,15 @@ class VocabChecks(CheckerBase):
         key_model = Keys.Tokenizer.MODEL
         model = self.get_str(key_model)
         if model is None:
-            if self.arch in _TEXT_ARCHS:
+            if self.arch in TEXT_ARCHS:
                 raise self.fail(key_model, "missing: the file has no tokenizer")
             return  # llama.cpp reports it
         self.tokenizer = model
-        kind = _TOKENIZERS.get(model)
+        kind = TOKENIZERS.get(model)
         if kind is None:
-            raise self.fail(key_model, f"unknown tokenizer {model!r} (known: {sorted(_TOKENIZERS)})")
+            raise self.fail(key_model, f"unknown tokenizer {model!r} (known: {sorted(TOKENIZERS)})")
         if kind == "none":
-            if self.arch in _TEXT_ARCHS:
+            if self.arch in TEXT_ARCHS:
                 raise self.fail(key_model, f"{model!r} (no vocabulary), but a {self.arch} model needs one")
             return
 
@@ -41,7 +41,7 @@ class VocabChecks(CheckerBase):
         if tokens is None:
             raise self.fail(key_list, "missing: the vocabulary has no tokens")
         if tokens.type != GGUFValueType.ARRAY or tokens.item_type != GGUFValueType.STRING:
-            raise self.fail(key_list, f"must be an array of strings, is {_type_name(tokens)}")
+            raise self.fail(key_list, f"must be an array of strings, is {type_name(tokens)}")
         n = tokens.count
         if n == 0:
             raise self.fail(key_list, "empty vocabulary")
@@ -66,7 +66,7 @@ class VocabChecks(CheckerBase):
             if first != i:
                 raise self.fail(
                     key_list,
-                    f"token {i} {_decode(text)!r} duplicates token {first} (token texts must be unique)",
+                    f"token {i} {decode_text(text)!r} duplicates token {first} (token texts must be unique)",
                 )
         self.texts = texts
         self.check_scores(n)
@@ -93,15 +93,15 @@ class VocabChecks(CheckerBase):
         if entry is None:
             return None
         if entry.type != GGUFValueType.ARRAY or entry.item_type != GGUFValueType.INT32:
-            raise self.fail(key, f"must be an array of INT32, is {_type_name(entry)}")
+            raise self.fail(key, f"must be an array of INT32, is {type_name(entry)}")
         if entry.count != n:
             raise self.fail(key, f"has {entry.count} entries for {n} tokens")
         values = entry.value
-        bad = ~np.isin(values, sorted(_TOKEN_TYPES))
+        bad = ~np.isin(values, sorted(TOKEN_TYPES))
         if bad.any():
             i = int(np.argmax(bad))
             raise self.fail(
-                key, f"token {i} has type {int(values[i])}, not a token type ({sorted(_TOKEN_TYPES)})"
+                key, f"token {i} has type {int(values[i])}, not a token type ({sorted(TOKEN_TYPES)})"
             )
         return values
 
@@ -114,7 +114,7 @@ class VocabChecks(CheckerBase):
             GGUFValueType.FLOAT32,
             GGUFValueType.INT32,
         ):
-            raise self.fail(key, f"must be an array of FLOAT32 (or INT32), is {_type_name(entry)}")
+            raise self.fail(key, f"must be an array of FLOAT32 (or INT32), is {type_name(entry)}")
         if entry.count != n:
             raise self.fail(key, f"has {entry.count} entries for {n} tokens")
         if entry.item_type == GGUFValueType.FLOAT32 and not np.isfinite(entry.value).all():
@@ -122,7 +122,7 @@ class VocabChecks(CheckerBase):
             raise self.fail(key, f"token {i} has score {entry.value[i]}, not a finite number")
 
     def check_special_ids(self, n: int) -> None:
-        for key in _SPECIAL_ID_KEYS:
+        for key in SPECIAL_ID_KEYS:
             value = self.get_int(key)
             if value is not None and not 0 <= value < n:
                 raise self.fail(key, f"token id {value} is out of range [0, {n})")
@@ -149,10 +149,10 @@ class VocabChecks(CheckerBase):
             i = int(np.argmax(types == TokenType.BYTE))
             raise self.fail(
                 Keys.Tokenizer.MODEL,
-                f"'bert' (WordPiece), but token {i} {_decode(texts[i])!r} is a byte token, which "
+                f"'bert' (WordPiece), but token {i} {decode_text(texts[i])!r} is a byte token, which "
                 "WordPiece does not have (a SentencePiece vocabulary?)",
             )
-        marker = _PHANTOM_SPACE.encode()
+        marker = PHANTOM_SPACE.encode()
         if not any(t.startswith(marker) for t in texts):
             raise self.fail(
                 Keys.Tokenizer.MODEL,
@@ -184,11 +184,13 @@ class VocabChecks(CheckerBase):
                 return
             raise self.fail(key, f"missing: a {model!r} (BPE) tokenizer needs merges")
         if entry.type != GGUFValueType.ARRAY or entry.item_type != GGUFValueType.STRING:
-            raise self.fail(key, f"must be an array of strings, is {_type_name(entry)}")
+            raise self.fail(key, f"must be an array of strings, is {type_name(entry)}")
         for i, merge in enumerate(entry.value):
             pos = merge.find(b" ", 1)
             if pos < 0 or pos == len(merge) - 1 or b" " in merge[pos + 1 :]:
-                raise self.fail(key, f"merge {i} {_decode(merge)!r} is not two pieces separated by one space")
+                raise self.fail(
+                    key, f"merge {i} {decode_text(merge)!r} is not two pieces separated by one space"
+                )
 
 
 def _unescape_rwkv(text: bytes) -> bytes:

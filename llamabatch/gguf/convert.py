@@ -39,7 +39,7 @@ from llamabatch.gguf.convert_head import (
     read_head,
     resolve_dtype,
 )
-from llamabatch.gguf.convert_vocab import _read_vocab, _Vocab
+from llamabatch.gguf.convert_vocab import HFVocab, read_vocab
 from llamabatch.gguf.convert_xlmr import MODEL_TYPE as XLMR
 from llamabatch.gguf.convert_xlmr import (
     UnigramVocab,
@@ -192,7 +192,7 @@ def convert_bert(
     vocab = (
         read_unigram_vocab(model_dir, config.vocab_size)
         if config.model_type == XLMR
-        else _read_vocab(model_dir, config.vocab_size)
+        else read_vocab(model_dir, config.vocab_size)
     )
     dtype = resolve_dtype(dtype, sum(int(a.size) for a in found.values()))
 
@@ -610,7 +610,13 @@ def _model_name(model_dir: Path) -> str:
 
 
 def _write_metadata(
-    writer: Any, gguf: Any, cfg: BertConfig, pooling: str, vocab: _Vocab | UnigramVocab, dtype: str, name: str
+    writer: Any,
+    gguf: Any,
+    cfg: BertConfig,
+    pooling: str,
+    vocab: HFVocab | UnigramVocab,
+    dtype: str,
+    name: str,
 ) -> None:
     writer.add_name(name)
     if cfg.base_model:

@@ -33,7 +33,7 @@ def _load_json(path: Path) -> Any:
 
 
 @dataclass(frozen=True)
-class _Vocab:
+class HFVocab:
     pieces: list[str]
     types: list[int]
     cls_id: int
@@ -98,7 +98,7 @@ def _vocab_tokens(model_dir: Path) -> tuple[list[str], set[str]]:
     )
 
 
-def _read_vocab(model_dir: Path, n_vocab: int) -> _Vocab:
+def read_vocab(model_dir: Path, n_vocab: int) -> HFVocab:
     tokens, special = _vocab_tokens(model_dir)
     if len(tokens) > n_vocab:
         raise ValueError(f"vocabulary has {len(tokens)} tokens but config.json vocab_size is {n_vocab}")
@@ -144,7 +144,7 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> _Vocab:
     sep_id = find("sep_token", True)
     unk_id = find("unk_token", True)
     assert cls_id is not None and sep_id is not None and unk_id is not None
-    return _Vocab(
+    return HFVocab(
         pieces=pieces,
         types=types,
         cls_id=cls_id,

@@ -76,7 +76,7 @@ _NUMPY_DTYPES: dict[GGUFValueType, str] = {
     GGUFValueType.INT64: "<i8",
     GGUFValueType.FLOAT64: "<f8",
 }
-_INT_TYPES = frozenset(
+INT_TYPES = frozenset(
     {
         GGUFValueType.UINT8,
         GGUFValueType.INT8,
@@ -88,7 +88,7 @@ _INT_TYPES = frozenset(
         GGUFValueType.INT64,
     }
 )
-_FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
+FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def tensor_names(path: str | os.PathLike[str]) -> list[str]:
 
 
 @dataclass
-class _Header:
+class Header:
     version: int
     file_size: int
     kv: dict[str, _KV]
@@ -239,7 +239,7 @@ def _c_string(raw: bytes) -> bytes:
     return raw if nul < 0 else raw[:nul]
 
 
-def read_header(path: Path) -> _Header:
+def read_header(path: Path) -> Header:
     size = path.stat().st_size
     if size < 24:
         raise ModelLoadError(str(path), f"not a GGUF file ({size} bytes, too small for a GGUF header)")
@@ -247,7 +247,7 @@ def read_header(path: Path) -> _Header:
         return _parse(path, buf)
 
 
-def _parse(path: Path, buf: mmap.mmap) -> _Header:
+def _parse(path: Path, buf: mmap.mmap) -> Header:
     p = _Parser(path, buf)
     magic = p.u32("GGUF header")
     if magic != GGUF_MAGIC:
@@ -341,17 +341,17 @@ def _parse(path: Path, buf: mmap.mmap) -> _Header:
                 where,
                 f"data [{data_offset + t.offset}, {end}) lies outside the file ({p.size} bytes; truncated?)",
             )
-    return _Header(version, p.size, kv, tensors, alignment, data_offset)
+    return Header(version, p.size, kv, tensors, alignment, data_offset)
 
 
 # -- semantics --------------------------------------------------------------------------------
 
 
-def _decode(raw: bytes) -> str:
+def decode_text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def _type_name(entry: _KV) -> str:
+def type_name(entry: _KV) -> str:
     if entry.type == GGUFValueType.ARRAY:
         item = entry.item_type.name if entry.item_type is not None else "?"
         return f"an array of {entry.count} {item}"

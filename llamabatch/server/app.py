@@ -51,8 +51,8 @@ from llamabatch.server.protocol import (
     now,
 )
 from llamabatch.server.streaming import (
-    _json_response,
     error_response,
+    json_response,
 )
 
 logger = logging.getLogger("llamabatch.server")
@@ -255,7 +255,7 @@ def create_app(
             f"{exc.detail}: {request.method} {request.url.path}",
             code="not_found" if exc.status_code == 404 else None,
         )
-        return _json_response(error.body(), exc.status_code, dict(exc.headers or {}))
+        return json_response(error.body(), exc.status_code, dict(exc.headers or {}))
 
     middleware = [Middleware(EdgeGuard, limits=limits if limits is not None else ServerLimits())]
     if cors_origins:

@@ -27,13 +27,13 @@ from llamabatch.server.protocol import (
     usage,
 )
 from llamabatch.server.streaming import (
-    _DONE_EVENT,
+    DONE_EVENT,
     EventStream,
-    _chunk,
-    _generate,
-    _json_response,
-    _primed,
-    _sse,
+    generate_all,
+    json_response,
+    primed,
+    sse_chunk,
+    sse_event,
     until_disconnect,
 )
 from llamabatch.toolcalls.chat import ChatSetup
@@ -86,7 +86,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     priority = body.get("priority", "int", minimum=-(2**31), maximum=2**31 - 1) or 0  # lower first (vLLM)
     body.warn_unknown()
     if stream:
-        gen = await _primed(_generate(llm, [tokens], params, priority), request.receive)
+        gen = await primed(generate_all(llm, [tokens], params, priority), request.receive)
         return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup))
     (result,) = await until_disconnect(request.receive, server.collect(llm, [tokens], params, priority))
     server.raise_for_errors(result.outputs)
@@ -106,7 +106,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
             }
         )
     n_completion = sum(o.usage.completion_tokens for o in result.outputs)
-    return _json_response(
+    return json_response(
         {
             "id": new_id("chatcmpl"),
             "object": "chat.completion",
@@ -132,7 +132,7 @@ async def chat_events(
     n_prompt = n_completion = cached = 0
 
     def chunk(choice: dict[str, Any]) -> bytes:
-        return _chunk("chat.completion.chunk", rid, created, server.model_name, choice, include_usage)
+        return sse_chunk("chat.completion.chunk", rid, created, server.model_name, choice, include_usage)
 
     async for _, delta in gen:
         index = delta.index
@@ -158,7 +158,7 @@ async def chat_events(
         if out is None:
             continue
         if out.finish_reason == "error":
-            yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+            yield sse_event(APIError(500, f"generation failed: {out.error}", type="server_error").body())
             continue
         lp = None
         if params.logprobs is not None and out.logprobs is not None:
@@ -176,7 +176,7 @@ async def chat_events(
         if out.index == 0:
             n_prompt, cached = out.usage.prompt_tokens, out.usage.reused_tokens
     if include_usage:
-        yield _sse(
+        yield sse_event(
             {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -186,4 +186,4 @@ async def chat_events(
                 "usage": usage(n_prompt, n_completion, cached),
             }
         )
-    yield _DONE_EVENT
+    yield DONE_EVENT

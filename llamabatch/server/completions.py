@@ -25,13 +25,13 @@ from llamabatch.server.protocol import (
     usage,
 )
 from llamabatch.server.streaming import (
-    _DONE_EVENT,
+    DONE_EVENT,
     EventStream,
-    _chunk,
-    _generate,
-    _json_response,
-    _primed,
-    _sse,
+    generate_all,
+    json_response,
+    primed,
+    sse_chunk,
+    sse_event,
     until_disconnect,
 )
 
@@ -73,7 +73,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         else None
     )
     if stream:
-        gen = await _primed(_generate(llm, token_prompts, params, priority), request.receive)
+        gen = await primed(generate_all(llm, token_prompts, params, priority), request.receive)
         return EventStream(completion_events(server, gen, params, texts, include_usage))
     results = await until_disconnect(request.receive, server.collect(llm, token_prompts, params, priority))
     choices, n_prompt, n_completion, cached = [], 0, 0, 0
@@ -96,7 +96,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
                     "finish_reason": finish_reason(out.finish_reason),
                 }
             )
-    return _json_response(
+    return json_response(
         {
             "id": new_id("cmpl"),
             "object": "text_completion",
@@ -120,7 +120,7 @@ async def completion_events(
     n_prompt = n_completion = cached = 0
 
     def chunk(choice: dict[str, Any]) -> bytes:
-        return _chunk("text_completion", rid, created, server.model_name, choice, include_usage)
+        return sse_chunk("text_completion", rid, created, server.model_name, choice, include_usage)
 
     async for p, delta in gen:
         index = p * n + delta.index
@@ -137,7 +137,7 @@ async def completion_events(
         offsets[index] += len(text)
         if text or out is not None:
             if out is not None and out.finish_reason == "error":
-                yield _sse(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+                yield sse_event(APIError(500, f"generation failed: {out.error}", type="server_error").body())
                 continue
             yield chunk(
                 {
@@ -153,7 +153,7 @@ async def completion_events(
                 n_prompt += out.usage.prompt_tokens
                 cached += out.usage.reused_tokens
     if include_usage:
-        yield _sse(
+        yield sse_event(
             {
                 "id": rid,
                 "object": "text_completion",
@@ -163,4 +163,4 @@ async def completion_events(
                 "usage": usage(n_prompt, n_completion, cached),
             }
         )
-    yield _DONE_EVENT
+    yield DONE_EVENT

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch.server.streaming import (
-    _json_response,
+    json_response,
 )
 
 if TYPE_CHECKING:
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 async def health(server: OpenAIServer, request: Request) -> Response:
     engines = [e for e in (server.llm, server.embedder, server.reranker) if e is not None]
     if any(e.closed for e in engines):
-        return _json_response({"status": "unavailable"}, 503)
-    return _json_response({"status": "ok"})
+        return json_response({"status": "unavailable"}, 503)
+    return json_response({"status": "ok"})
 
 
 async def metrics_endpoint(server: OpenAIServer, request: Request) -> Response:
@@ -39,7 +39,7 @@ async def models(server: OpenAIServer, request: Request) -> Response:
         data.append(model_card(server, server.embedding_model_name, server.embedder.max_tokens))
     if server.reranker is not None:
         data.append(model_card(server, server.rerank_model_name, server.reranker.max_length))
-    return _json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 def model_card(server: OpenAIServer, name: str | None, max_len: int) -> dict[str, Any]:

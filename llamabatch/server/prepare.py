@@ -16,7 +16,7 @@ from llamabatch.generate.llm_engine import prompt_bytes_bound
 from llamabatch.prompts.chat_template import special_token_text
 from llamabatch.prompts.inputs import check_token_ids
 from llamabatch.server.protocol import bad_request, encode_embedding
-from llamabatch.server.streaming import _dumps
+from llamabatch.server.streaming import dumps_json
 
 __all__ = [
     "MAX_EMBEDDING_INPUTS",
@@ -112,8 +112,8 @@ def embedding_response(vectors: Any, encoding: str, model: str | None, n_tokens:
     ``json.dumps`` of every float holds the GIL for the whole of it (every thread waits), one
     per vector lets the event loop in between."""
     items = [
-        _dumps({"object": "embedding", "index": i, "embedding": encode_embedding(v, encoding)})
+        dumps_json({"object": "embedding", "index": i, "embedding": encode_embedding(v, encoding)})
         for i, v in enumerate(vectors)
     ]
-    tail = _dumps({"model": model, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+    tail = dumps_json({"model": model, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
     return b'{"object":"list","data":[' + b",".join(items) + b"]," + tail[1:]

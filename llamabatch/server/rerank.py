@@ -22,7 +22,7 @@ from starlette.responses import Response
 from llamabatch.embed.reranker import Reranker
 from llamabatch.errors import PromptTooLong
 from llamabatch.server.protocol import Body, bad_request
-from llamabatch.server.streaming import _json_response
+from llamabatch.server.streaming import json_response
 
 if TYPE_CHECKING:
     from llamabatch.server.app import OpenAIServer
@@ -104,4 +104,4 @@ async def rerank(server: OpenAIServer, request: Request) -> Response:
     """``/v1/rerank`` and ``/rerank`` (issue 25): the handler ``create_app`` routes."""
     body = await server.read_body(request, "/v1/rerank")
     answer = await rerank_endpoint(server.reranker, server.rerank_model_name, body, request.receive)
-    return _json_response(answer)
+    return json_response(answer)

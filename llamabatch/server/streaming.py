@@ -30,15 +30,15 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps_json(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_dumps(obj), status_code=status, headers=headers, media_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps_json(obj), status_code=status, headers=headers, media_type="application/json")
 
 
-def _chunk(
+def sse_chunk(
     kind: str, rid: str, created: int, model: str | None, choice: dict[str, Any], include_usage: bool
 ) -> bytes:
     """One streamed chunk of a completion (``kind``: its OpenAI object type) with one choice;
@@ -46,14 +46,14 @@ def _chunk(
     obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
     if include_usage:
         obj["usage"] = None
-    return _sse(obj)
+    return sse_event(obj)
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _dumps(obj) + b"\n\n"
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + dumps_json(obj) + b"\n\n"
 
 
-_DONE_EVENT = b"data: [DONE]\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def _wait_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:
@@ -114,7 +114,7 @@ class EventStream:
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": _sse(error.body()) + _DONE_EVENT,
+                        "body": sse_event(error.body()) + DONE_EVENT,
                         "more_body": True,
                     }
                 )
@@ -128,7 +128,7 @@ class EventStream:
             await self.events.aclose()  # type: ignore[attr-defined]
 
 
-async def _generate(
+async def generate_all(
     llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0
 ) -> AsyncIterator[tuple[int, Any]]:
     """``(prompt index, Delta)`` of every prompt's generation, as they come (``priority``:
@@ -172,7 +172,7 @@ async def _generate(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _primed(gen: AsyncIterator[Any], receive: Any) -> AsyncIterator[Any]:
+async def primed(gen: AsyncIterator[Any], receive: Any) -> AsyncIterator[Any]:
     """``gen`` with its first item already awaited, so submit errors (a full queue, a bad
     parameter) become HTTP errors before the stream's headers are sent."""
     try:
@@ -196,26 +196,26 @@ def error_response(request: Request, exc: Exception) -> Response:
     """The answer to an endpoint that raised ``exc``: OpenAI's error JSON with its status.
     A 500 (with the traceback logged) only for what no request should be able to cause."""
     if isinstance(exc, APIError):
-        return _json_response(exc.body(), exc.status, exc.headers)
+        return json_response(exc.body(), exc.status, exc.headers)
     if isinstance(exc, (ClientGone, ClientDisconnect)):
         return Response(status_code=499)  # nobody is listening
     if isinstance(exc, PromptTooLong):
-        return _json_response(bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400)
+        return json_response(bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400)
     if isinstance(exc, QueueFull):  # waiting helps: a 503 with Retry-After
         error = APIError(
             503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full"
         )
-        return _json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
+        return json_response(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineClosed):
-        return _json_response(APIError(503, str(exc), type="server_error").body(), 503)
+        return json_response(APIError(503, str(exc), type="server_error").body(), 503)
     if isinstance(exc, (ValueError, TypeError)):  # a grammar llama.cpp refused at submit, ...
         param = param_of_error(str(exc))
         body = getattr(request.state, "body", None)
         if body is not None:
             param = request_field(body, param)
-        return _json_response(bad_request(str(exc), param=param).body(), 400)
+        return json_response(bad_request(str(exc), param=param).body(), 400)
     if isinstance(exc, RecursionError):  # a request nested too deeply for some check: its fault
         logger.warning("llamabatch server: %s: a request nested too deeply", request.url.path)
-        return _json_response(bad_request("the request is nested too deeply").body(), 400)
+        return json_response(bad_request("the request is nested too deeply").body(), 400)
     logger.error("llamabatch server: %s failed", request.url.path, exc_info=exc)
-    return _json_response(APIError(500, f"internal error: {exc}", type="server_error").body(), 500)
+    return json_response(APIError(500, f"internal error: {exc}", type="server_error").body(), 500)

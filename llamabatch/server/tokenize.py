@@ -16,7 +16,7 @@ from llamabatch.server.protocol import (
     bad_request,
 )
 from llamabatch.server.streaming import (
-    _json_response,
+    json_response,
 )
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
         ]
 
     out = await asyncio.to_thread(run)
-    return _json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
+    return json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
 
 
 async def detokenize(server: OpenAIServer, request: Request) -> Response:
@@ -86,4 +86,4 @@ async def detokenize(server: OpenAIServer, request: Request) -> Response:
         text = await asyncio.to_thread(model.detokenize, tokens, unparse_special=True)
     except ValueError as exc:
         raise bad_request(str(exc), param="tokens") from None
-    return _json_response({"prompt": text, "content": text})
+    return json_response({"prompt": text, "content": text})
