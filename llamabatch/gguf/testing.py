@@ -60,11 +60,14 @@ __all__ = [
     "IM_END_ID",
     "IM_START_ID",
     "N_SPECIAL_TOKENS",
+    "PAIR_PRESETS",
     "PRESETS",
     "UNK_ID",
+    "DraftPair",
     "ModelSpec",
     "build_vocab",
     "cache_dir",
+    "draft_pair",
     "english_sentences",
     "model_path",
     "spec_hash",
@@ -684,3 +687,6 @@ def english_sentences(n: int) -> list[str]:
     if not pool:  # pragma: no cover - every CPython has docstrings unless run with -OO
         raise RuntimeError("no docstrings available (is Python running with -OO?)")
     return [pool[i % len(pool)] for i in range(n)]
+
+
+from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair  # noqa: E402 (uses this module)
