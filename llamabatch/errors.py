@@ -16,6 +16,11 @@ class ModelLoadError(LlamaBatchError):
         super().__init__(f"cannot load model {path!r}{detail}")
 
 
+class DraftModelMismatch(LlamaBatchError, ValueError):
+    """A speculative-decoding draft model cannot draft for the target: its vocabulary differs
+    (size, tokenizer type, special tokens or token texts)."""
+
+
 class ContextError(LlamaBatchError):
     """llama.cpp could not create a context (usually out of memory for the KV cache)."""
 
