@@ -65,13 +65,21 @@ def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     same shape. In llama.cpp's order: logit bias, top-k, top-p and min-p (both on the softmax of
     the untempered logits, keeping at least one token), temperature, softmax.
     """
-    x = np.array(logits, dtype=np.float64, ndmin=2)
+    full = np.array(logits, dtype=np.float64, ndmin=2)
     for token, bias in (params.logit_bias or {}).items():
-        x[:, token] += bias
-    n_vocab = x.shape[1]
-    if 0 < params.top_k < n_vocab:
-        kth = np.partition(x, n_vocab - params.top_k, axis=1)[:, n_vocab - params.top_k]
-        x[x < kth[:, None]] = -np.inf
+        full[:, token] += bias
+    n_vocab = full.shape[1]
+    if not 0 < params.top_k < n_vocab:
+        out = _filtered_softmax(full, params)
+    else:  # work on the top-k candidates only (cheap for a large vocabulary)
+        top = np.argpartition(-full, params.top_k - 1, axis=1)[:, : params.top_k]
+        out = np.zeros_like(full)
+        np.put_along_axis(out, top, _filtered_softmax(np.take_along_axis(full, top, axis=1), params), axis=1)
+    return out if np.ndim(logits) == 2 else out[0]
+
+
+def _filtered_softmax(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Top-p, min-p, temperature and softmax over the candidate logits ``x`` (modified)."""
     if params.top_p < 1.0:
         order = np.argsort(-x, axis=1, kind="stable")
         sorted_x = np.take_along_axis(x, order, axis=1)
@@ -86,8 +94,7 @@ def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         top = x.max(axis=1, keepdims=True)
         x[x < top + np.log(params.min_p)] = -np.inf
     x /= params.temperature
-    out = _softmax(x)
-    return out if np.ndim(logits) == 2 else out[0]
+    return _softmax(x)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
