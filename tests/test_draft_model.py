@@ -182,3 +182,16 @@ def test_sampled_rule_keeps_the_target_distribution() -> None:
     stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
     critical = df * (1 - 2 / (9 * df) + 4.0 * (2 / (9 * df)) ** 0.5) ** 3  # ~4 sigma
     assert stat < critical, (stat, df)
+
+
+def test_from_config(tmp_path) -> None:
+    pair = draft_pair("tiny")
+    target = Model(pair.target, vocab_only=True)
+    for bad in (None, "", 3):
+        with pytest.raises(ValueError, match=r"speculative_config\['model'\]"):
+            DraftModelDrafter.from_config({"method": "draft_model", "model": bad}, target, n_seq=2, n_ctx=256)
+    config = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": 4}
+    drafter = DraftModelDrafter.from_config(config, target, n_seq=2, n_ctx=256, n_threads=1)
+    assert drafter.context.n_ctx >= 256 + 2 * 4 and drafter.context.n_seq_max == 2
+    drafter.close()
+    target.close()

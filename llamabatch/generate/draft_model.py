@@ -24,8 +24,9 @@ model's argmax. A request's random draws come from one ``numpy`` generator seede
 
 from __future__ import annotations
 
+import os
 import random
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,8 +48,6 @@ from llamabatch.generate.spec_accept import (
 )
 
 if TYPE_CHECKING:
-    import os
-
     from llamabatch.params import SamplingParams
 
 __all__ = ["Draft", "DraftJob", "DraftModelDrafter", "load_draft_model"]
@@ -154,6 +153,30 @@ class DraftModelDrafter:
         #: Draft decodes run and tokens drafted (telemetry, tests).
         self.n_decodes = 0
         self.n_drafted = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, object],
+        target: Model,
+        *,
+        n_seq: int,
+        n_ctx: int,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+    ) -> DraftModelDrafter:
+        """The drafter of ``speculative_config`` ``{"method": "draft_model", "model": path,
+        "num_speculative_tokens": k}`` for an engine of ``n_seq`` slots and ``n_ctx`` cells: the
+        draft context gets ``n_ctx + n_seq * k`` cells (room for each sequence's drafts)."""
+        path = config.get("model")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(
+                "speculative_config['model'] must be the path of the draft GGUF for method 'draft_model', "
+                f"got {path!r}"
+            )
+        k = config.get("num_speculative_tokens", 0)
+        k = k if isinstance(k, int) and k > 0 else 0
+        return cls(path, target, n_seq=n_seq, n_ctx=n_ctx + n_seq * k, n_batch=n_batch, n_threads=n_threads)
 
     # -- per request ------------------------------------------------------------------
 
