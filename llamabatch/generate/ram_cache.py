@@ -1,0 +1,195 @@
+"""The host-RAM prompt cache: a tier below the KV cache (``LLM(cache_ram=MiB)``).
+
+When an idle slot's cached tokens are about to leave the KV cache (evicted under KV
+pressure, or its slot taken by another request), ``KVCache`` saves that sequence's state
+(``llama_state_seq_get_data``: its cells with their positions) here, with its tokens. When a
+new prompt shares a longer prefix with a saved state than with anything in the KV cache,
+``KVCache.place`` loads the state into the request's slot (``llama_state_seq_set_data``),
+trims it to the shared prefix, and records those cells in the slot table as the request's
+prefix, exactly as after a prefill. The slot table stays the one record of what the KV
+cache holds; this module only holds bytes and tokens in host memory, up to ``budget_bytes``,
+least recently used first out.
+
+Lookup: entries are indexed by their first ``BLOCK`` tokens (a dict), and among those the
+longest common prefix is found with numpy; only prefixes of at least ``BLOCK`` tokens are
+saved or restored (a shorter one is cheaper to compute than to copy).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+#: tokens indexing an entry, and the shortest prefix saved or restored
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class RamCacheStats:
+    """Totals of the host-RAM prompt cache (``GenerationStats.ram_cache``)."""
+
+    #: the budget in bytes (0: the cache is off)
+    budget_bytes: int = 0
+    #: bytes and entries held now
+    bytes: int = 0
+    entries: int = 0
+    #: lookups that found a saved prefix longer than the KV cache's (``hits``) or not
+    hits: int = 0
+    misses: int = 0
+    #: states saved, states loaded back into the KV cache, entries dropped for room
+    saves: int = 0
+    restores: int = 0
+    evictions: int = 0
+    #: states llama.cpp refused to load, and persisted files refused (corrupt, wrong model)
+    restore_failures: int = 0
+    files_refused: int = 0
+    #: prompt tokens restored instead of computed
+    restored_tokens: int = 0
+
+
+class RamEntry:
+    """One saved sequence: its tokens (positions ``0..n-1``) and llama.cpp's state bytes."""
+
+    __slots__ = ("tokens", "data", "key")
+
+    def __init__(self, tokens: np.ndarray, data: bytes) -> None:
+        self.tokens = tokens
+        self.data = data
+        self.key = tokens[:BLOCK].tobytes()
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class RamCache:
+    """Saved sequence states in host memory, LRU, up to ``budget_bytes`` (see the module doc)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[int, RamEntry] = OrderedDict()  # id(entry) -> entry, oldest first
+        self._by_key: dict[bytes, list[RamEntry]] = {}
+        self.bytes = 0
+        self.hits = self.misses = self.saves = self.restores = self.evictions = 0
+        self.restore_failures = self.files_refused = self.restored_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def entries(self) -> list[RamEntry]:
+        """The entries, least recently used first."""
+        return list(self._lru.values())
+
+    def covers(self, tokens: np.ndarray) -> RamEntry | None:
+        """An entry whose tokens start with all of ``tokens`` (saving them again is useless)."""
+        for entry in self._by_key.get(tokens[:BLOCK].tobytes(), ()):
+            if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(tokens):
+                return entry
+        return None
+
+    def save(self, tokens: np.ndarray, data: bytes) -> bool:
+        """Keep ``data``, the state of a sequence holding ``tokens``; entries that are
+        prefixes of it are dropped, older entries leave while over budget. False when it
+        is too short, empty, or bigger than the whole budget."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if len(tokens) < BLOCK or not data or len(data) > self.budget_bytes:
+            return False
+        covering = self.covers(tokens)
+        if covering is not None:
+            self.touch(covering)
+            return False
+        entry = RamEntry(tokens.copy(), data)
+        for old in list(self._by_key.get(entry.key, ())):
+            if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
+                self._remove(old)
+        while self.bytes + len(data) > self.budget_bytes and self._lru:
+            self._remove(next(iter(self._lru.values())))
+            self.evictions += 1
+        self._lru[id(entry)] = entry
+        self._by_key.setdefault(entry.key, []).append(entry)
+        self.bytes += len(data)
+        self.saves += 1
+        return True
+
+    def match(self, tokens: np.ndarray) -> tuple[RamEntry | None, int]:
+        """The entry sharing the longest prefix with ``tokens``, and its length (>= BLOCK),
+        or ``(None, 0)``."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        best, best_n = None, 0
+        if len(tokens) >= BLOCK:
+            for entry in self._by_key.get(tokens[:BLOCK].tobytes(), ()):
+                n = common_prefix(entry.tokens, tokens)
+                if n > best_n:
+                    best, best_n = entry, n
+        return best, best_n
+
+    def touch(self, entry: RamEntry) -> None:
+        self._lru.move_to_end(id(entry))
+
+    def discard(self, entry: RamEntry) -> None:
+        """Drop ``entry`` (its state could not be loaded)."""
+        if id(entry) in self._lru:
+            self._remove(entry)
+
+    def clear(self) -> None:
+        for entry in list(self._lru.values()):
+            self._remove(entry)
+
+    def _remove(self, entry: RamEntry) -> None:
+        del self._lru[id(entry)]
+        group = self._by_key[entry.key]
+        group.remove(entry)
+        if not group:
+            del self._by_key[entry.key]
+        self.bytes -= len(entry.data)
+
+    def stats(self) -> RamCacheStats:
+        return RamCacheStats(
+            budget_bytes=self.budget_bytes,
+            bytes=self.bytes,
+            entries=len(self._lru),
+            hits=self.hits,
+            misses=self.misses,
+            saves=self.saves,
+            restores=self.restores,
+            evictions=self.evictions,
+            restore_failures=self.restore_failures,
+            files_refused=self.files_refused,
+            restored_tokens=self.restored_tokens,
+        )
+
+    def check(self) -> None:
+        """``AssertionError`` unless the byte count, the index and the budget agree."""
+        assert self.bytes == sum(len(e.data) for e in self._lru.values()), "byte count"
+        assert self.bytes <= self.budget_bytes, "over budget"
+        indexed = sorted(id(e) for group in self._by_key.values() for e in group)
+        assert indexed == sorted(self._lru), "index and LRU differ"
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory, or None when unknown."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def ram_cache_for(cache_ram_mib: int | None) -> RamCache | None:
+    """The RAM tier of ``EngineConfig.cache_ram`` (MiB), capped at a quarter of the physical
+    memory; None when off."""
+    if not cache_ram_mib:
+        return None
+    budget = cache_ram_mib * 1024 * 1024
+    physical = physical_memory_bytes()
+    if physical:
+        budget = min(budget, physical // 4)
+    return RamCache(budget)

@@ -1,0 +1,139 @@
+"""The host-RAM prompt cache (``cache_ram``) over the fake context: save on evict, restore
+on match, the budget (LRU), the slot table's record after a restore, failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_llama import make_core
+from test_scheduler_fake import Recorder, greedy, prompt
+
+from llamabatch.config import EngineConfig
+from llamabatch.generate.ram_cache import BLOCK, RamCache, ram_cache_for
+
+
+def toks(n: int, seed: int) -> np.ndarray:
+    return np.asarray(prompt(n, seed), dtype=np.int32)
+
+
+# -- the RamCache on its own -------------------------------------------------------------
+
+
+def test_save_match_and_prefix_entries():
+    ram = RamCache(10_000)
+    a = toks(100, 1)
+    assert ram.save(a[:60], b"x" * 60)
+    assert ram.save(a, b"y" * 100)  # a longer state of the same sequence replaces the shorter
+    assert len(ram) == 1 and ram.bytes == 100
+    assert not ram.save(a[:80], b"z" * 80)  # covered by the entry held
+    entry, n = ram.match(np.concatenate([a[:70], toks(10, 2)]))
+    assert entry is not None and n == 70
+    assert ram.match(toks(100, 3)) == (None, 0)
+    assert not ram.save(a[: BLOCK - 1], b"s")  # too short to be worth it
+    ram.check()
+
+
+def test_budget_is_respected_least_recently_used_first():
+    ram = RamCache(250)
+    entries = [toks(50, seed) for seed in range(4)]
+    for seed, t in enumerate(entries[:2]):
+        assert ram.save(t, bytes([seed]) * 100)
+    ram.touch(ram.match(entries[0])[0])  # 0 is now the most recently used
+    assert ram.save(entries[2], b"c" * 100)  # over budget: 1 leaves
+    assert ram.match(entries[1]) == (None, 0)
+    assert ram.match(entries[0])[1] == 50 and ram.match(entries[2])[1] == 50
+    assert ram.evictions == 1 and ram.bytes == 200
+    assert not ram.save(entries[3], b"d" * 251)  # bigger than the whole budget
+    ram.check()
+
+
+def test_config_and_budget_cap():
+    assert EngineConfig().cache_ram == 8192
+    assert ram_cache_for(0) is None and ram_cache_for(None) is None
+    ram = ram_cache_for(8192)
+    assert ram is not None and 0 < ram.budget_bytes <= 8192 * 2**20
+    for bad in (-1, 1.5, "8", True):
+        with pytest.raises(ValueError, match="cache_ram"):
+            EngineConfig(cache_ram=bad)
+
+
+# -- in the engine, over the fake context ------------------------------------------------
+
+
+def _chat_core(kv_unified: bool, cache_ram: int = 64):
+    core, ctx, model = make_core(
+        n_parallel=2, n_ctx=2 * 256, kv_unified=kv_unified, prefix_cache=True, cache_ram=cache_ram
+    )
+    return Recorder(core, ctx, model), core, ctx
+
+
+def _turn(rec: Recorder, tokens: list[int]) -> object:
+    (r,) = rec.new(tokens, greedy(6))
+    rec.run()
+    rec.check_done(r)
+    return r
+
+
+@pytest.mark.parametrize("kv_unified", [True, False], ids=["unified", "split"])
+def test_evicted_conversation_is_restored_from_ram(kv_unified):
+    rec, core, ctx = _chat_core(kv_unified)
+    convs = {c: prompt(80, 10 + c) for c in range(3)}
+    first = {c: _turn(rec, convs[c]) for c in range(3)}  # 3 conversations, 2 slots: 0 leaves
+    ram = core.kv.ram
+    assert ram is not None and ram.saves >= 1 and len(ram) >= 1
+    ram.check()
+    # conversation 0's next turn: its history plus a new message
+    history = convs[0] + first[0].output.token_ids + prompt(20, 99)
+    before = core.counters.prefill_tokens
+    r = _turn(rec, history)
+    assert ram.restores == 1 and ram.hits == 1
+    reused = r.output.usage.reused_tokens
+    assert reused >= 80  # the first turn's prompt (and what the slot kept of its output) came back
+    assert ram.restored_tokens == reused
+    assert core.counters.prefill_tokens - before == len(history) - reused
+    assert any(e[0] == "state_set" for e in ctx.log)
+
+
+def test_off_means_no_state_calls_and_recompute():
+    rec, core, ctx = _chat_core(True, cache_ram=0)
+    assert core.kv.ram is None
+    convs = {c: prompt(80, 10 + c) for c in range(3)}
+    first = {c: _turn(rec, convs[c]) for c in range(3)}
+    r = _turn(rec, convs[0] + first[0].output.token_ids + prompt(20, 99))
+    assert r.output.usage.reused_tokens == 0
+    assert not any(e[0].startswith("state") for e in ctx.log)
+
+
+def test_a_state_llama_cpp_refuses_is_computed_instead():
+    rec, core, ctx = _chat_core(True)
+    convs = {c: prompt(80, 10 + c) for c in range(3)}
+    first = {c: _turn(rec, convs[c]) for c in range(3)}
+    ram = core.kv.ram
+    for entry in ram.entries():
+        entry.data = b"garbage!" + entry.data[8:]  # the fake refuses bytes it did not make
+    r = _turn(rec, convs[0] + first[0].output.token_ids + prompt(20, 99))
+    assert ram.restore_failures == 1 and ram.restores == 0
+    assert r.output.usage.reused_tokens == 0  # computed, with the right output (check_done)
+    ram.check()
+
+
+def test_budget_holds_under_many_conversations():
+    rec, core, ctx = _chat_core(True)
+    ram = core.kv.ram
+    ram.budget_bytes = 3 * (8 + 8 * 86)  # room for about three saved conversations
+    convs = {c: prompt(80, 100 + c) for c in range(8)}
+    outs = {c: _turn(rec, convs[c]) for c in range(8)}
+    for c in range(8):  # second turns, oldest first: the oldest were dropped from RAM
+        _turn(rec, convs[c] + outs[c].output.token_ids + prompt(10, 200 + c))
+        ram.check()
+        assert ram.bytes <= ram.budget_bytes
+    assert ram.evictions > 0
+
+
+def test_clear_prefix_cache_empties_the_ram_tier():
+    rec, core, ctx = _chat_core(True)
+    for c in range(3):
+        _turn(rec, prompt(80, 10 + c))
+    assert len(core.kv.ram)
+    core.kv.clear()
+    assert len(core.kv.ram) == 0 and core.kv.cached_tokens == 0
