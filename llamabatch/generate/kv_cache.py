@@ -32,6 +32,7 @@ import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
+from llamabatch.generate.ram_cache import BLOCK, RamCache
 
 #: shared prompt tokens still to be computed elsewhere that make a new request wait
 MIN_WAIT_TOKENS = 16
@@ -67,10 +68,14 @@ class KVCache:
     #: copies of sequences work on this model (no recurrent or hybrid state)
     copy_supported: bool = True
     pinned: dict[int, PinnedPrefix] = field(default_factory=dict)
+    #: the host-RAM tier below (``cache_ram``; None: off): see ``ram_cache.py``
+    ram: RamCache | None = None
     _free_pin_seqs: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.reuse = self.reuse and self.copy_supported
+        if not self.reuse:
+            self.ram = None
         self._whole_streams = not self.table.kv_unified
         table = self.table
         self._free_pin_seqs = list(range(table.n_seq - 1, table.n_parallel - 1, -1))
@@ -121,11 +126,16 @@ class KVCache:
         best_n = min(best_n, limit)
         if best_n <= 0:
             best_seq, best_n = -1, 0
+        if self.ram is not None and len(tokens) > BLOCK:
+            restored = self._restore(tokens, best_n, limit)
+            if restored is not None:
+                return restored
         if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
             slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
             self.trim(slot, best_n)
         else:
             slot = table.lru_slot()
+            self.save(slot)  # its cached tokens leave the KV cache: keep them in RAM
             if best_seq >= 0:
                 self.copy(best_seq, slot, best_n)
             else:
@@ -164,13 +174,68 @@ class KVCache:
         slot = self.table.lru_slot(cached_only=True, exclude=keep)
         if slot < 0:
             return False
+        self.save(slot)
         self.trim(slot, 0)
         return True
 
     def clear(self) -> None:
-        """Drop every idle slot's cached tokens (pinned prefixes stay)."""
-        while self.evict_one():
-            pass
+        """Drop every idle slot's cached tokens, and the host-RAM tier's (pinned prefixes stay)."""
+        ram, self.ram = self.ram, None
+        try:
+            while self.evict_one():
+                pass
+        finally:
+            self.ram = ram
+        if ram is not None:
+            ram.clear()
+
+    # -- the host-RAM tier (``ram_cache.py``) ---------------------------------------------
+
+    def save(self, seq: int) -> bool:
+        """Copy the state of the idle ``seq`` (about to lose its cached tokens) to the RAM
+        tier; False when off, too short, already there or not copyable."""
+        ram = self.ram
+        if ram is None or self.table.seq_len(seq) < BLOCK:
+            return False
+        tokens = self.table.seq_tokens(seq)
+        covering = ram.covers(tokens)
+        if covering is not None:
+            ram.touch(covering)
+            return False
+        return ram.save(tokens, self.context.state_seq_get(seq))
+
+    def _restore(self, tokens: list[int], best_n: int, limit: int) -> Placement | None:
+        """Load the saved state sharing the longest prefix with ``tokens`` into the least
+        recently used idle slot when it beats the KV cache's ``best_n`` tokens; None when
+        none does (or it cannot be loaded: then the prompt is computed as usual)."""
+        ram = self.ram
+        assert ram is not None
+        table = self.table
+        array = np.asarray(tokens, dtype=np.int32)
+        entry, n = ram.match(array)
+        n = min(n, limit)
+        if entry is None or n < BLOCK or n <= best_n:
+            ram.misses += 1
+            return None
+        ram.hits += 1
+        slot = table.lru_slot()
+        self.save(slot)
+        self.trim(slot, 0)
+        pending = sum(table.n_pending(s) for s in range(table.n_parallel))
+        if table.kv_unified and table.cells_free - pending < len(entry.tokens):
+            return None  # no room to load the whole state now: compute instead
+        if not self.context.state_seq_set(slot, entry.data):
+            ram.restore_failures += 1
+            ram.discard(entry)
+            return None
+        if len(entry.tokens) > n:
+            self.context.seq_rm(slot, n, -1)
+        table.record_cached(slot, entry.tokens[:n])
+        ram.touch(entry)
+        ram.restores += 1
+        ram.restored_tokens += n
+        table.touch(slot)
+        return Placement(slot, -1, n)
 
     @property
     def cached_tokens(self) -> int:
