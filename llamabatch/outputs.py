@@ -45,7 +45,9 @@ class Timings:
     """Seconds: waiting in the queue, from submit to the first token, and in all.
     ``preemptions``: how often the request was preempted and recomputed (under KV pressure,
     or for a request of a higher priority). ``itl_p50`` / ``itl_p99`` / ``itl_max``: the
-    request's own inter-token latencies (the gaps between its tokens; None under 2 tokens)."""
+    request's own inter-token latencies (the gaps between its tokens; None under 2 tokens).
+    ``spec_draft_tokens`` / ``spec_accepted_tokens``: speculative decoding's draft tokens
+    verified for this request and those accepted (0 without ``speculative_config``)."""
 
     queue_wait: float
     time_to_first_token: float | None
@@ -54,6 +56,8 @@ class Timings:
     itl_p50: float | None = None
     itl_p99: float | None = None
     itl_max: float | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ class SamplingParams:
     #: in the output, then applies from that word on (llama.cpp's lazy grammar). A word
     #: starting with ``^`` only counts at the start of the output (after whitespace).
     grammar_triggers: Sequence[str] = ()
+    #: with the engine's ``speculative_config``: whether this request speculates (False: opt out)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         put = self._put
@@ -218,6 +220,7 @@ class SamplingParams:
             self.min_tokens,
         )
         put("ignore_eos", _bool_field("ignore_eos", self.ignore_eos))
+        put("speculative", _bool_field("speculative", self.speculative))
         put("logit_bias", self._logit_bias(self.logit_bias))
         if self.grammar is not None:
             _check(

@@ -12,6 +12,7 @@ cdef enum:
     ST_AWAIT_SAMPLE = 2  # logits computed by the last commit; waiting for accept()/finish()
     ST_DECODE = 3        # holds a sampled token to decode (its next input)
     N_STATES = 4
+    C_MAX_DRAFT = 32     # the most draft tokens a slot verifies in one tick
 
 
 ctypedef struct slot_t:
@@ -24,6 +25,8 @@ ctypedef struct slot_t:
     int32_t fill_first   # batch index of its first token in the last fill
     int32_t rank         # scratch: position in the round-robin decode order of this fill
     int64_t arrival      # start() counter, for FIFO prefill order
+    int32_t n_draft      # speculative draft tokens set after the decode token (hist[n_hist:])
+    int32_t fill_draft   # draft tokens of this slot in the last fill / commit
 
 
 cdef class SlotTable:
@@ -60,6 +63,7 @@ cdef class SlotTable:
     cdef int32_t next_cursor
     cdef int32_t n_decode_tokens
     cdef int32_t n_prefill_tokens
+    cdef readonly int32_t n_draft_tokens   # draft tokens in the last fill (speculative decoding)
     cdef readonly int64_t n_commits
     cdef readonly int64_t n_rollbacks
     cdef bint in_plan            # a Python strategy's plan() is running: no mutation
@@ -74,7 +78,7 @@ cdef class SlotTable:
 
     cdef int transition(self, int32_t slot, int32_t new_state) except -1
     cdef int32_t gather(self, plan_in_t * p) noexcept nogil
-    cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand) noexcept nogil
+    cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand, int32_t budget) noexcept nogil
     cdef str violation(self, int32_t s, int64_t k, int64_t total, int32_t budget)
     cdef int32_t fill_python(self, Batch batch, object strategy, plan_in_t * p) except -1
     cdef int debug_check_plan(self, int32_t n, plan_in_t * p, object strategy) except -1

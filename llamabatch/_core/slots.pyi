@@ -11,6 +11,8 @@ from llamabatch.strategies import Strategy
 
 #: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
 DEBUG: bool
+#: The most draft tokens a slot verifies in one tick (speculative decoding).
+MAX_DRAFT: int
 
 def live_tables() -> int:
     """Number of ``SlotTable`` C buffers currently allocated in this process."""
@@ -71,6 +73,11 @@ class SlotTable:
         """IDLE -> PREFILL; ``PromptTooLong`` if the prompt exceeds ``n_ctx_seq``."""
     def accept(self, slot: int, token: int) -> None:
         """Append a sampled token: AWAIT_SAMPLE -> DECODE."""
+    def set_draft(self, slot: int, tokens: _Tokens) -> int: ...
+    def draft_in_fill(self, slot: int) -> int: ...
+    def reject(self, slot: int, n: int) -> None: ...
+    @property
+    def n_draft_tokens(self) -> int: ...
     def finish(self, slot: int, keep: bool = False) -> None:
         """End the slot's request, from any busy state: -> IDLE."""
     def _transition(self, slot: int, state: SlotState | int) -> None:

@@ -64,6 +64,9 @@ from llamabatch.errors import PromptTooLong
 #: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
 DEBUG = bool(LLAMABATCH_DEBUG)
 
+#: The most draft tokens a slot can verify in one tick (speculative decoding).
+MAX_DRAFT = C_MAX_DRAFT
+
 cdef object _CREATE = object()
 cdef Py_ssize_t _live_tables = 0
 
@@ -143,8 +146,9 @@ cdef class SlotTable:
         self.s_mark = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.plan_slot = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.plan_n = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
-        self.out_slot_ = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
-        self.out_index_ = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
+        # one output per slot, plus one per draft token (speculative decoding)
+        self.out_slot_ = <int32_t *> PyMem_Calloc(n * (1 + C_MAX_DRAFT), sizeof(int32_t))
+        self.out_index_ = <int32_t *> PyMem_Calloc(n * (1 + C_MAX_DRAFT), sizeof(int32_t))
         if (self.slots == NULL or self.hist == NULL or self.fifo == NULL or self.s_decode == NULL
                 or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
                 or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
@@ -269,7 +273,52 @@ cdef class SlotTable:
             raise ValueError("slot %d is full: its %d tokens fill n_ctx_seq" % (slot, s.n_hist))
         self.hist[<size_t> slot * self.n_ctx_seq + s.n_hist] = token
         s.n_hist += 1
+        s.n_draft = 0
         self.transition(slot, ST_DECODE)
+
+    def set_draft(self, int32_t slot, tokens):
+        """Speculative decoding: draft tokens to verify after a DECODE slot's decode token.
+
+        They are written after the history (not part of it) and join the next fill only as
+        far as the budget left after the strategy's plan allows, each with its logits; the
+        slot's outputs are then its decode token's row and one row per draft token, in
+        order. ``commit`` makes the decoded drafts part of the history and the KV record;
+        ``reject`` removes the ones the sampler did not accept. At most ``MAX_DRAFT`` and
+        what fits the slot's context; returns how many were set (0 clears the draft).
+        """
+        self.check_not_planning()
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        if s.state != ST_DECODE:
+            raise ValueError("slot %d is not decoding (%s)" % (slot, _STATE_BY_VALUE[s.state].name))
+        if self.fill_pending:
+            raise RuntimeError("set_draft() while a fill is pending")
+        cdef const int32_t[::1] toks = as_int32(tokens)
+        cdef Py_ssize_t n = min(toks.shape[0], <Py_ssize_t> C_MAX_DRAFT, <Py_ssize_t> (self.n_ctx_seq - s.n_hist))
+        if n > 0:
+            memcpy(self.hist + <size_t> slot * self.n_ctx_seq + s.n_hist, &toks[0], n * sizeof(int32_t))
+        s.n_draft = <int32_t> max(n, 0)
+        return s.n_draft
+
+    def draft_in_fill(self, int32_t slot):
+        """Draft tokens of ``slot`` in the last fill (after ``commit``: the ones decoded)."""
+        self.check_slot(slot)
+        return self.slots[slot].fill_draft if self.slots[slot].fill_n else 0
+
+    def reject(self, int32_t slot, int32_t n):
+        """Remove the last ``n`` decoded draft tokens of an AWAIT_SAMPLE slot from its history
+        and the KV record (mirror it with ``llama_memory_seq_rm(slot, n_past, -1)``)."""
+        self.check_not_planning()
+        self.check_slot(slot)
+        cdef slot_t * s = &self.slots[slot]
+        if s.state != ST_AWAIT_SAMPLE:
+            raise ValueError("slot %d is not awaiting a sample (%s)" % (slot, _STATE_BY_VALUE[s.state].name))
+        if n < 0 or n > s.fill_draft:
+            raise ValueError("slot %d decoded %d draft tokens, cannot reject %d" % (slot, s.fill_draft, n))
+        if n:
+            self.kv_release(slot, s.n_past - n)
+            s.n_hist = s.n_past
+            s.fill_draft -= n
 
     def finish(self, int32_t slot, bint keep=False):
         """End the slot's request (done, cancelled or preempted), from any busy state: -> IDLE.
@@ -289,6 +338,8 @@ cdef class SlotTable:
             self.kv_release(slot, 0)
             n = 0
         s.fill_n = 0
+        s.n_draft = 0
+        s.fill_draft = 0
         self.transition(slot, ST_IDLE)
         s.n_past = n
         s.n_hist = n
@@ -321,9 +372,11 @@ cdef class SlotTable:
         p.prefill_pending = self.s_pending
         return nd
 
-    cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand) noexcept nogil:
-        """Write the (valid) plan in s_plan_* to the batch and record it as the pending fill."""
-        cdef int32_t e, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0
+    cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand, int32_t budget) noexcept nogil:
+        """Write the (valid) plan in s_plan_* to the batch and record it as the pending fill;
+        DECODE slots with a draft get draft tokens from the budget the plan left spare."""
+        cdef int32_t e, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0, d, ndr = 0
+        cdef int32_t spare = budget
         cdef slot_t * sl
         cdef int32_t * tok = batch.c.token
         cdef int32_t * pos = batch.c.pos
@@ -334,9 +387,19 @@ cdef class SlotTable:
         cdef int32_t nseq = batch.n_seq_max_
         for j in range(self.n_parallel):
             self.slots[j].fill_n = 0
+            self.slots[j].fill_draft = 0
+        for e in range(n):
+            spare -= self.s_plan_n[e]
         for e in range(n):
             s = self.s_plan_slot[e]
             k = self.s_plan_n[e]
+            d = 0
+            if self.slots[s].state == ST_DECODE and self.slots[s].n_draft > 0 and spare > 0:
+                d = min(self.slots[s].n_draft, spare)
+                spare -= d
+                k += d
+                ndr += d
+            self.slots[s].fill_draft = d
             self.plan_slot[e] = s
             self.plan_n[e] = k
             sl = &self.slots[s]
@@ -358,10 +421,11 @@ cdef class SlotTable:
                 nd += 1
                 if sl.rank > max_rank:
                     max_rank = sl.rank
-                lg[idx] = 1
-                self.out_slot_[n_out] = s
-                self.out_index_[n_out] = idx
-                n_out += 1
+                for j in range(1 + d):  # the decode token's row, then one per draft token
+                    lg[idx + j] = 1
+                    self.out_slot_[n_out] = s
+                    self.out_index_[n_out] = idx + j
+                    n_out += 1
             else:
                 npf += k
                 if p0 + k == sl.n_prompt:  # the last prompt token: its logits start sampling
@@ -375,6 +439,7 @@ cdef class SlotTable:
         self.n_outputs = n_out
         self.n_decode_tokens = nd
         self.n_prefill_tokens = npf
+        self.n_draft_tokens = ndr
         self.next_cursor = self.rr_cursor
         if nd < n_decode_cand and max_rank >= 0:  # some left out: they come first next tick
             self.next_cursor = self.s_decode[max_rank] + 1
@@ -483,7 +548,7 @@ cdef class SlotTable:
                 self.debug_check_plan(n, &p, strategy)
         else:
             n = self.fill_python(batch, strategy, &p)
-        self.apply_plan(batch, n, nd)
+        self.apply_plan(batch, n, nd, n_batch)
         if LLAMABATCH_DEBUG:
             self.check_invariants()
         return batch.c.n_tokens
@@ -522,8 +587,10 @@ cdef class SlotTable:
             if sl.fill_n == 0:  # finished (maybe restarted) since the fill
                 continue
             if sl.state == ST_DECODE:
-                self.kv_push(s, 1)
-                sl.n_past += 1
+                self.kv_push(s, 1 + sl.fill_draft)
+                sl.n_past += 1 + sl.fill_draft
+                sl.n_hist += sl.fill_draft  # decoded drafts join the history until reject()
+                sl.n_draft = 0
                 self.transition(s, ST_AWAIT_SAMPLE)
             else:
                 self.kv_push(s, self.plan_n[e])
@@ -547,8 +614,10 @@ cdef class SlotTable:
             raise RuntimeError("rollback() without a pending fill")
         for j in range(self.n_parallel):
             self.slots[j].fill_n = 0
+            self.slots[j].fill_draft = 0
         self.n_plan = 0
         self.n_outputs = 0
+        self.n_draft_tokens = 0
         self.n_decode_tokens = 0
         self.n_prefill_tokens = 0
         self.fill_pending = False

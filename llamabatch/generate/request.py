@@ -142,7 +142,12 @@ class OutputState:
             finish_reason=reason,
             usage=Usage(len(request.prompt_tokens), len(request.output_tokens), request.reused_tokens),
             timings=Timings(
-                queue_wait, ttft, now - request.t_submitted, request.n_preemptions, *itl_figures(request)
+                queue_wait,
+                ttft,
+                now - request.t_submitted,
+                request.n_preemptions,
+                *itl_figures(request),
+                *request.spec_counts,
             ),
             prompt_token_ids=request.prompt_tokens,
             logprobs=self.logprobs,
@@ -206,6 +211,7 @@ class Request:
         "request_id",
         "reused_tokens",
         "sampler",
+        "spec_counts",
         "state",
         "status",
         "stop_ids",
@@ -257,6 +263,8 @@ class Request:
         self.sampler: SamplerChain | None = None
         self.reused_tokens = 0  # prompt tokens reused from the KV cache at the first admission
         self.n_preemptions = 0
+        #: speculative decoding: [draft tokens verified, draft tokens accepted]
+        self.spec_counts = [0, 0]
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.state = OutputState(params, streaming=streaming, channel=channel)

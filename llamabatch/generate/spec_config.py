@@ -1,0 +1,133 @@
+"""``speculative_config``: its check, and its command-line form (llama-server's flags).
+
+Kept apart from ``speculative.py`` (the engine side) so that ``config.py`` can check the
+option without importing the engine."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from llamabatch.config import positive_int
+
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "add_spec_cli_args",
+    "spec_cli_argv",
+    "spec_config_from_cli",
+    "validate_speculative_config",
+]
+
+#: the most draft tokens per step (the slot table's ``MAX_DRAFT``)
+MAX_SPECULATIVE_TOKENS = 32
+
+
+_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"})
+_METHODS = ("ngram", "draft_model")
+
+
+def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The checked, completed ``speculative_config`` (None: speculation off).
+
+    Keys (vLLM's): ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (k,
+    1..32, default 5), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram: the shortest
+    and longest suffix n-gram looked up, defaults 2 and 5, 1 <= min <= max <= 32), ``model``
+    (draft_model: the draft GGUF path). Anything else raises ``ValueError`` naming it.
+    """
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"speculative_config must be a dict or None, got {type(config).__name__}")
+    unknown = sorted(str(k) for k in config if k not in _KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(_KEYS)})")
+    method = config.get("method")
+    if method not in _METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {list(_METHODS)}, got {method!r}")
+    out: dict[str, Any] = {"method": method}
+    k = config.get("num_speculative_tokens", 5)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            "speculative_config['num_speculative_tokens'] must be an int in "
+            f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+        )
+    out["num_speculative_tokens"] = k
+    if method == "ngram":
+        if "model" in config:
+            raise ValueError("speculative_config['model'] is for method 'draft_model', not 'ngram'")
+        lo = config.get("prompt_lookup_min", 2)
+        hi = config.get("prompt_lookup_max", max(5, lo) if isinstance(lo, int) else 5)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 32:
+                raise ValueError(f"speculative_config[{name!r}] must be an int in 1..32, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        out["prompt_lookup_min"], out["prompt_lookup_max"] = lo, hi
+    else:
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if name in config:
+                raise ValueError(f"speculative_config[{name!r}] is for method 'ngram', not 'draft_model'")
+        model = config.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(
+                "speculative_config['model'] (the draft GGUF path) is required for 'draft_model'"
+            )
+        out["model"] = model
+    return out
+
+
+def add_spec_cli_args(parser: argparse.ArgumentParser | Any) -> None:
+    """``--model-draft FILE`` and ``--draft-max N`` (with ``--spec-type``, added as the
+    ``speculative_config`` field's flag)."""
+    parser.add_argument(
+        "-md",
+        "--model-draft",
+        dest="spec_model_draft",
+        metavar="FILE",
+        default=None,
+        help="the draft model for --spec-type draft (same vocabulary as the model)",
+    )
+    parser.add_argument(
+        "--draft-max",
+        "--draft",
+        "--draft-n",
+        dest="spec_draft_max",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="the most draft tokens per step (num_speculative_tokens; default 5)",
+    )
+
+
+def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``speculative_config`` of ``--spec-type`` / ``--model-draft`` / ``--draft-max``."""
+    kind = getattr(args, "speculative_config", None)
+    model = getattr(args, "spec_model_draft", None)
+    k = getattr(args, "spec_draft_max", None)
+    if kind is None:
+        if model is not None:
+            kind = "draft"  # as llama-server: a draft model turns draft speculation on
+        elif k is not None:
+            raise ValueError("--draft-max needs --spec-type ngram|draft")
+        else:
+            return None
+    config: dict[str, Any] = {"method": "draft_model" if kind == "draft" else "ngram"}
+    if kind == "draft":
+        if model is None:
+            raise ValueError("--spec-type draft needs --model-draft FILE")
+        config["model"] = model
+    elif model is not None:
+        raise ValueError("--model-draft is for --spec-type draft, not ngram")
+    if k is not None:
+        config["num_speculative_tokens"] = k
+    return validate_speculative_config(config)
+
+
+def spec_cli_argv(config: Mapping[str, Any]) -> list[str]:
+    """The flags that :func:`spec_config_from_cli` reads back as ``config`` (the ngram
+    lookup bounds have no flag: their defaults)."""
+    argv = ["--spec-type", "draft" if config["method"] == "draft_model" else "ngram"]
+    if config["method"] == "draft_model":
+        argv += ["--model-draft", str(config["model"])]
+    return [*argv, "--draft-max", str(config["num_speculative_tokens"])]

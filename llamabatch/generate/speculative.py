@@ -1,0 +1,398 @@
+"""Speculative decoding inside the continuous batch (``speculative_config``).
+
+A speculating request's DECODE slot gets draft tokens (``SlotTable.set_draft``) before the
+tick's fill; the fill adds them after its decode token from the budget the strategy's plan
+left spare, each with its logits, so they are verified in the same ``llama_decode`` as the
+other sequences' decode and prefill tokens. After the decode, ``Speculator.sample_tick``
+samples the speculating slot's rows in order with the request's own sampler and accepts
+while the sample equals the draft; the first mismatch's sample is the corrected token, and
+when every draft matched the sample after the last one is a bonus token. Rejected drafts
+leave the slot table (``SlotTable.reject``) and the KV cache (``llama_memory_seq_rm``) in
+the same step. Every emitted token went through the same sampler call, stop checks and
+logprob row as in a run without speculation: outputs are those of a non-speculative run
+given the same logits, and a seed draws once per emitted token.
+
+The Drafter interface (both methods implement it; ``draft_model.py`` is the other one)::
+
+    drafter.draft([DraftJob(key, prompt, output, k, params), ...]) -> {key: Draft}
+        # once per tick for all speculating requests; output[-1] is the pending token
+        # (sampled, not yet decoded); Draft.tokens are predicted after it (at most k).
+        # Draft.rule: "match" (accept while the target's sample equals the draft) or
+        # "greedy"/"sampled" (the drafter's own verify() decides; q are its probabilities).
+    drafter.verify(key, draft, logits_rows, params) -> (n_accepted, next_token)
+        # rule "sampled" only: the min(1, p/q) rule with residual resampling.
+    drafter.release(key, done=True)   # request ended (done) or preempted (done=False)
+    drafter.close()
+
+Only where it pays (``SpecPolicy``): drafts fill spare budget only; nobody drafts while
+requests wait for a slot or more than ``max_streams`` sequences decode (the batch is then
+big enough that extra tokens are not free on a CPU); the draft length adapts per request
+(doubles after a fully accepted draft, shrinks to what was accepted plus one otherwise),
+and a request whose drafts keep being rejected backs off for a growing number of ticks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from llamabatch._core.slots import SlotState
+from llamabatch.generate.draft_model import Draft, DraftJob
+from llamabatch.generate.request import RequestKind
+from llamabatch.generate.spec_config import validate_speculative_config
+
+if TYPE_CHECKING:
+    from llamabatch.generate.core import EngineCore
+    from llamabatch.generate.request import Request
+    from llamabatch.params import SamplingParams
+
+logger = logging.getLogger("llamabatch")
+
+__all__ = [
+    "Draft",
+    "DraftJob",
+    "Drafter",
+    "NgramDrafter",
+    "SpecPolicy",
+    "Speculator",
+    "validate_speculative_config",
+]
+
+
+class Drafter(Protocol):
+    """What proposes draft tokens: ``NgramDrafter`` and ``draft_model.DraftModelDrafter``."""
+
+    def draft(self, jobs: Sequence[DraftJob]) -> dict[Hashable, Draft]:
+        """Drafts for the jobs (one call per tick); no entry: no draft for that request."""
+        ...
+
+    def verify(
+        self, key: Hashable, draft: Draft, logits_rows: np.ndarray, params: SamplingParams
+    ) -> tuple[int, int]:
+        """Rule ``"sampled"``: ``(accepted drafts, the token after them)``."""
+        ...
+
+    def release(self, key: Hashable, *, done: bool = True) -> None:
+        """Forget a request (``done=False``: preempted, it comes back)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the drafter holds."""
+        ...
+
+
+class _NgramIndex:
+    """The n-grams of one request's history, by length: n-gram -> the position after its
+    latest occurrence. Extended incrementally with the tokens added since the last lookup."""
+
+    __slots__ = ("indexed", "maps")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.indexed = 0  # n-grams ending before this position are in the maps
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+
+    def lookup(self, hist: Sequence[int], k: int) -> list[int]:
+        end = len(hist)
+        maps = self.maps
+        # index every n-gram that ends before the last position (its continuation is known)
+        for e in range(max(self.indexed, 1), end):
+            for n, m in maps.items():
+                if e >= n:
+                    m[tuple(hist[e - n : e])] = e
+        self.indexed = max(self.indexed, end)
+        for n in sorted(maps, reverse=True):  # longest suffix first
+            if end < n:
+                continue
+            e = maps[n].get(tuple(hist[end - n : end]))
+            if e is not None:
+                return list(hist[e : min(e + k, end)])
+        return []
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts: the longest suffix n-gram (``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens) of the request's prompt + output is looked up in that
+    history, and the up to k tokens that followed its latest earlier occurrence are the draft
+    (rule ``"match"``). The index per request grows with the history, never rescanned."""
+
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:
+        self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
+        self._index: dict[Hashable, _NgramIndex] = {}
+
+    def draft(self, jobs: Sequence[DraftJob]) -> dict[Hashable, Draft]:
+        out: dict[Hashable, Draft] = {}
+        for job in jobs:
+            index = self._index.get(job.key)
+            if index is None:
+                index = self._index[job.key] = _NgramIndex(self.lo, self.hi)
+            hist = _History(job.prompt, job.output)
+            tokens = index.lookup(hist, job.k)
+            if tokens:
+                out[job.key] = Draft(tokens, "match")
+        return out
+
+    def verify(
+        self, key: Hashable, draft: Draft, logits_rows: np.ndarray, params: SamplingParams
+    ) -> tuple[int, int]:
+        raise NotImplementedError("n-gram drafts use the match rule")
+
+    def release(self, key: Hashable, *, done: bool = True) -> None:
+        if done:
+            self._index.pop(key, None)
+
+    def close(self) -> None:
+        self._index.clear()
+
+
+class _History(Sequence[int]):
+    """prompt + output as one read-only sequence (no copy of a long prompt per tick)."""
+
+    __slots__ = ("a", "b", "na")
+
+    def __init__(self, a: Sequence[int], b: Sequence[int]) -> None:
+        self.a, self.b, self.na = a, b, len(a)
+
+    def __len__(self) -> int:
+        return self.na + len(self.b)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, _ = i.indices(len(self))
+            na = self.na
+            if stop <= na:
+                return list(self.a[start:stop])
+            if start >= na:
+                return list(self.b[start - na : stop - na])
+            return list(self.a[start:]) + list(self.b[: stop - na])
+        return self.a[i] if i < self.na else self.b[i - self.na]
+
+
+@dataclass
+class SpecPolicy:
+    """When drafts are worth their tokens (see the module docstring)."""
+
+    #: no drafting while more sequences than this decode in a tick
+    max_streams: int = 8
+    #: the most tokens (decode + drafts) a tick's speculating part may reach
+    max_batch_tokens: int = 32
+    #: consecutive rejected drafts before a request backs off
+    reject_streak: int = 3
+    #: the longest back-off, in ticks (it doubles from 4 each time)
+    max_backoff: int = 256
+
+
+@dataclass
+class _SpecState:
+    k: int
+    streak: int = 0
+    backoff: int = 0
+    skip_until: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft: list[int] = field(default_factory=list)
+    rule: str = "match"
+    q: Any = None
+
+
+class Speculator:
+    """The engine's speculative decoding: drafts before the fill, verification after."""
+
+    def __init__(self, config: dict[str, Any], drafter: Drafter, policy: SpecPolicy | None = None) -> None:
+        self.config = config
+        self.k = int(config["num_speculative_tokens"])
+        self.drafter = drafter
+        self.policy = policy or SpecPolicy()
+        self._states: dict[int, _SpecState] = {}
+        self._tick = 0
+        self._set: list[int] = []  # slots given drafts this tick
+        self.drafted = 0
+        self.accepted = 0
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], core: EngineCore) -> Speculator:
+        """The speculator of a validated ``speculative_config`` for ``core``."""
+        drafter: Drafter
+        if config["method"] == "ngram":
+            drafter = NgramDrafter(config["prompt_lookup_min"], config["prompt_lookup_max"])
+        else:
+            from llamabatch.generate.draft_model import DraftModelDrafter
+
+            drafter = DraftModelDrafter.from_config(
+                config,
+                core.model,
+                n_seq=core.n_parallel,
+                n_ctx=core.context.n_ctx,
+                n_batch=core.n_batch,
+                n_threads=core.config.n_threads,
+            )
+        return cls(config, drafter)
+
+    def state(self, request: Request) -> _SpecState:
+        st = self._states.get(request.arrival)
+        if st is None:
+            st = self._states[request.arrival] = _SpecState(self.k)
+        return st
+
+    # -- before the fill ------------------------------------------------------------------
+
+    def prepare(self, core: EngineCore) -> None:
+        """Set this tick's drafts on the DECODE slots that speculate."""
+        self._tick += 1
+        table = core.table
+        for slot in self._set:  # drafts a fill left out are not kept for a later tick
+            if table.state(slot) == SlotState.DECODE:
+                table.set_draft(slot, ())
+        self._set.clear()
+        n_decode = table.count(SlotState.DECODE)
+        policy = self.policy
+        if not n_decode or n_decode > policy.max_streams or core.waiting:
+            return
+        room = min(policy.max_batch_tokens, core.n_batch) - n_decode
+        if table.kv_unified:
+            room = min(room, table.cells_free - core.watermark - n_decode)
+        if room <= 0:
+            return
+        jobs: list[DraftJob] = []
+        for slot, request in core.slots.busy():
+            if table.state(slot) != SlotState.DECODE or not request.params.speculative:
+                continue
+            if request.kind is RequestKind.PIN:
+                continue
+            st = self.state(request)
+            if st.skip_until > self._tick:
+                continue
+            jobs.append(
+                DraftJob(request.arrival, request.prompt_tokens, request.output_tokens, st.k, request.params)
+            )
+        if not jobs:
+            return
+        drafts = self.drafter.draft(jobs)
+        for slot, request in core.slots.busy():
+            draft = drafts.get(request.arrival)
+            if draft is None or room <= 0 or not draft.tokens:
+                continue
+            tokens = draft.tokens[: min(room, self._states[request.arrival].k)]
+            n = table.set_draft(slot, tokens)
+            self._set.append(slot)
+            st = self._states[request.arrival]
+            st.draft, st.rule, st.q = tokens[:n], draft.rule, draft.q
+            room -= n
+
+    # -- after the decode -----------------------------------------------------------------
+
+    def sample_tick(self, core: EngineCore) -> None:
+        """Sample every output of a tick that verified drafts: other slots as the core does,
+        speculating slots row by row (see the module docstring)."""
+        table = core.table
+        outputs = table.outputs()
+        running: list[Any] = core.slots.requests
+        logits = None
+        if any(running[s].fast_greedy for s, _ in outputs):
+            logits = core.context.logits_rows(len(outputs))
+        now = time.perf_counter()
+        row = 0
+        n = len(outputs)
+        while row < n:
+            slot, idx = outputs[row]
+            request = running[slot]
+            d = table.draft_in_fill(slot)
+            rows = list(range(row, row + 1 + d))
+            row += 1 + d
+            if d == 0:
+                token = core._sample_row(slot, request, idx, logits, rows[0])
+                if token is not None:
+                    core._on_token(slot, request, token, now)
+                continue
+            self._verify(core, slot, request, [outputs[r][1] for r in rows], logits, rows, now)
+
+    def _verify(
+        self,
+        core: EngineCore,
+        slot: int,
+        request: Request,
+        idxs: list[int],
+        logits: np.ndarray | None,
+        rows: list[int],
+        now: float,
+    ) -> None:
+        table = core.table
+        st = self.state(request)
+        d = len(idxs) - 1
+        draft = st.draft[:d]
+        tokens: list[int] = []
+        if st.rule == "sampled":
+            rows_logits = np.stack([core.context.logits_view(i) for i in idxs]).astype(np.float32)
+            n_acc, nxt = self.drafter.verify(
+                request.arrival, _draft_of(draft, st), rows_logits, request.params
+            )
+            tokens = [*draft[:n_acc], nxt]
+            for i, tok in enumerate(tokens):
+                if request.state.logprobs is not None:
+                    request.state.logprobs.append(core._logprobs(idxs[i], tok, request.params.logprobs))
+        else:
+            for i in range(d + 1):
+                token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
+                if token is None:  # a grammar at a dead end: the request ended
+                    return
+                tokens.append(token)
+                if i < d and token != draft[i]:
+                    break
+        n_acc = len(tokens) - 1
+        self._account(st, d, n_acc)
+        request.spec_counts[0] += d
+        request.spec_counts[1] += n_acc
+        if d - n_acc:
+            table.reject(slot, d - n_acc)
+            core.context.seq_rm(slot, table.n_past(slot), -1)
+        base = table.n_past(slot) - 1 - n_acc  # n_past before the pending token was decoded
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            if not core._on_token(slot, request, token, now, n_past=base + 1 + i, last=last):
+                return
+
+    def _account(self, st: _SpecState, d: int, n_acc: int) -> None:
+        st.drafted += d
+        st.accepted += n_acc
+        self.drafted += d
+        self.accepted += n_acc
+        policy = self.policy
+        if n_acc == d:
+            st.k = min(self.k, st.k * 2)
+            st.streak = 0
+            st.backoff = 0
+        else:
+            st.k = max(1, n_acc + 1)
+            st.streak = st.streak + 1 if n_acc == 0 else 0
+            if st.streak >= policy.reject_streak:
+                st.backoff = min(policy.max_backoff, max(4, st.backoff * 2))
+                st.skip_until = self._tick + st.backoff
+                st.streak = 0
+
+    # -- the end of a request -------------------------------------------------------------
+
+    def counts(self, request: Request) -> tuple[int, int]:
+        """``(drafted, accepted)`` tokens of ``request`` so far."""
+        st = self._states.get(request.arrival)
+        return (st.drafted, st.accepted) if st is not None else (0, 0)
+
+    def release(self, request: Request, *, done: bool = True) -> None:
+        """``request`` ended (``done``) or was preempted."""
+        if done:
+            self._states.pop(request.arrival, None)
+        try:
+            self.drafter.release(request.arrival, done=done)
+        except Exception:  # pragma: no cover - a drafter's cleanup never fails a request
+            logger.exception("speculative drafter release failed")
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+def _draft_of(tokens: list[int], st: _SpecState) -> Draft:
+    q = st.q[: len(tokens)] if st.q is not None else None
+    return Draft(tokens, "sampled", q)  # type: ignore[arg-type]
