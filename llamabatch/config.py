@@ -26,10 +26,20 @@ from llamabatch.params import check_positive_int
 if TYPE_CHECKING:
     from llamabatch.strategies import Strategy
 
-__all__ = ["STRATEGY_NAMES", "EngineConfig", "on_off", "parse_flash_attn", "positive_float", "positive_int"]
+__all__ = [
+    "KV_TYPE_NAMES",
+    "STRATEGY_NAMES",
+    "EngineConfig",
+    "on_off",
+    "parse_flash_attn",
+    "positive_float",
+    "positive_int",
+]
 
 #: the built-in batching strategies, by name
 STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
+#: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
+KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
 def positive_int(text: str) -> int:
@@ -134,7 +144,10 @@ class EngineConfig(OptionsConfig):
     """Every option of the generation engine (``LLM``, ``LLMEngine``), checked at construction.
 
     Args:
-        n_ctx: KV cache size in tokens, for all sequences together.
+        n_ctx: KV cache size in tokens, for all sequences together. ``None`` (default): the
+            model's trained context (``n_ctx_train``), capped by the KV memory budget (a quarter
+            of the machine's physical memory, ``generate/kv_memory.py``); ``stats()`` and a log
+            line at load report the size, the KV bytes and the reason.
         n_parallel: sequences decoded together (slots).
         n_batch: the most tokens in one forward pass (the per-tick token budget).
         n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
@@ -153,11 +166,15 @@ class EngineConfig(OptionsConfig):
             a unified KV cache, 0 with one stream per sequence, where each pinned prefix
             takes a stream of its own: ``n_ctx / (n_parallel + max_prefixes)`` cells);
             :attr:`n_prefixes` is the resolved number.
-        kv_unified: ``False`` (default, as llama.cpp's server and llama-batched-bench):
-            one KV stream per sequence, ``n_ctx / n_parallel`` cells each; attention spans
-            only a sequence's own cells, the fastest layout. ``True``: one buffer shared by
-            all sequences, any request may use up to ``n_ctx`` cells; requests are admitted
+        kv_unified: ``True`` (default, as llama-server's automatic slots): one buffer shared
+            by all sequences, any request may use up to ``n_ctx`` cells; requests are admitted
             while their prompts fit and preempted (recomputed later) when the cache fills.
+            ``False``: one KV stream per sequence, ``n_ctx / n_parallel`` cells each; for
+            uniform batches whose sequence lengths are known (a few percent faster there).
+        type_k, type_v: the KV cache element types, llama.cpp's names (``-ctk`` / ``-ctv``):
+            ``"f16"`` (default), ``"bf16"``, ``"f32"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
+            ``"iq4_nl"``, ``"q5_0"``, ``"q5_1"``. A quantized ``type_v`` needs flash attention
+            (``flash_attn=False`` with one is refused).
         validate: check the GGUF file before llama.cpp reads it (see ``gguf_check``).
         target_itl_ms: a target inter-token latency in milliseconds (default ``None``: no
             target). Each tick's token budget is then chosen so that the tick's expected
@@ -171,10 +188,14 @@ class EngineConfig(OptionsConfig):
             together (``n_parallel + max_prefixes`` over ``n_ctx`` or ``n_batch``).
     """
 
-    n_ctx: int = field(
-        default=4096,
+    n_ctx: int | None = field(
+        default=None,
         metadata=flag(
-            "-c", "--n-ctx", "--ctx-size", type=positive_int, help="KV cache tokens, all sequences"
+            "-c",
+            "--n-ctx",
+            "--ctx-size",
+            type=positive_int,
+            help="KV cache tokens, all sequences (default: the model's trained context, under the KV budget)",
         ),
     )
     n_parallel: int = field(
@@ -234,12 +255,20 @@ class EngineConfig(OptionsConfig):
     )
     max_prefixes: int | None = None
     kv_unified: bool = field(
-        default=False,
+        default=True,
         metadata=flag(
             "--kv-unified",
             action=argparse.BooleanOptionalAction,
             help="one KV buffer shared by all sequences (off: one stream per sequence)",
         ),
+    )
+    type_k: str = field(
+        default="f16",
+        metadata=flag("-ctk", "--cache-type-k", choices=KV_TYPE_NAMES, help="KV cache type for K"),
+    )
+    type_v: str = field(
+        default="f16",
+        metadata=flag("-ctv", "--cache-type-v", choices=KV_TYPE_NAMES, help="KV cache type for V"),
     )
     validate: bool = True
     target_itl_ms: float | None = field(
@@ -254,8 +283,19 @@ class EngineConfig(OptionsConfig):
     def __post_init__(self) -> None:
         from llamabatch.strategies import get_strategy
 
-        for name in ("n_ctx", "n_parallel", "n_batch", "chunk_size", "max_queue"):
+        for name in ("n_parallel", "n_batch", "chunk_size", "max_queue"):
             check_positive_int(name, getattr(self, name))
+        if self.n_ctx is not None:
+            check_positive_int("n_ctx", self.n_ctx)
+        for name in ("type_k", "type_v"):
+            if getattr(self, name) not in KV_TYPE_NAMES:
+                choices = ", ".join(KV_TYPE_NAMES)
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.type_v not in ("f16", "bf16", "f32") and self.flash_attn is False:
+            raise ValueError(
+                f"type_v={self.type_v}: a quantized V cache needs flash attention (flash_attn=False was "
+                "given; use flash_attn=None/'auto' or True, or a type_v of f16, bf16 or f32)"
+            )
         for name in ("prefix_cache", "kv_unified", "validate"):
             flag = getattr(self, name)
             if not isinstance(flag, bool):
@@ -277,7 +317,7 @@ class EngineConfig(OptionsConfig):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"strategy: {exc}") from None
         n_seq_max = self.n_seq_max
-        if n_seq_max > self.n_ctx:
+        if self.n_ctx is not None and n_seq_max > self.n_ctx:
             raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({self.n_ctx})")
         if self.n_batch < n_seq_max:
             # llama.cpp sizes its output buffer by n_batch and aborts when a batch has more
@@ -365,7 +405,7 @@ def options_signature(init: Callable[..., None]) -> Callable[..., None]:
 def _shown(name: str, default: Any) -> str:
     """A default as ``--help`` shows it."""
     if default is None:
-        return "auto" if name == "flash_attn" else "none"
+        return "auto" if name in ("flash_attn", "n_ctx") else "none"
     if isinstance(default, bool):
         return "on" if default else "off"
     return str(default)

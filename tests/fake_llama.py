@@ -95,6 +95,10 @@ class FakeModel:
     ) -> None:
         self.path = Path(path)
         self.n_vocab = n_vocab
+        # the hyperparameters the default n_ctx and the KV bytes are computed from
+        self.architecture = "fake"
+        self.n_ctx_train = 4096
+        self.n_layer, self.n_head, self.n_head_kv, self.n_embd = 2, 2, 2, 64
         self.eog_ids = frozenset(eog_ids)
         self.natural_eog = natural_eog
         self.is_recurrent = is_recurrent
@@ -111,6 +115,10 @@ class FakeModel:
 
     def eog_flags(self) -> bytearray:
         return bytearray(1 if t in self.eog_ids else 0 for t in range(self.n_vocab))
+
+    def meta(self, key: str) -> str | None:
+        """No GGUF metadata (the KV sizes fall back to n_embd / n_head)."""
+        return None
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         if not 0 <= token < self.n_vocab:

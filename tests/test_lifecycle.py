@@ -148,7 +148,7 @@ def test_llm_engine_step_outputs_carry_the_status(monkeypatch):
 # -- EngineConfig ------------------------------------------------------------------------------
 
 DEFAULTS = {
-    "n_ctx": 4096,
+    "n_ctx": None,  # the model's trained context, under the KV budget (generate/kv_memory.py)
     "n_parallel": 8,
     "n_batch": 512,
     "n_ubatch": None,
@@ -162,7 +162,9 @@ DEFAULTS = {
     "load_mode": "mmap",
     "prefix_cache": True,
     "max_prefixes": None,
-    "kv_unified": False,
+    "kv_unified": True,
+    "type_k": "f16",
+    "type_v": "f16",
     "validate": True,
     "target_itl_ms": None,
 }
@@ -171,8 +173,8 @@ DEFAULTS = {
 def test_config_defaults_and_frozen():
     config = EngineConfig()
     assert dataclasses.asdict(config) == DEFAULTS
-    assert config.n_prefixes == 0 and config.n_seq_max == 8
-    assert EngineConfig(kv_unified=True).n_prefixes == 4
+    assert config.n_prefixes == 4 and config.n_seq_max == 12
+    assert EngineConfig(kv_unified=False).n_prefixes == 0
     assert EngineConfig(kv_unified=True, prefix_cache=False).n_prefixes == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.n_ctx = 8  # type: ignore[misc]
@@ -192,8 +194,10 @@ def test_config_defaults_and_frozen():
         ({"validate": None}, "validate must be True or False"),
         ({"max_prefixes": 65}, r"max_prefixes must be an int in \[0, 64\]"),
         ({"strategy": "fastest"}, "strategy"),
-        ({"n_ctx": 8, "n_parallel": 9}, r"n_parallel \+ max_prefixes \(9\) must be <= n_ctx \(8\)"),
-        ({"n_batch": 4, "n_parallel": 8}, r"n_batch \(4\) must be >= n_parallel \+ max_prefixes \(8\)"),
+        ({"n_ctx": 8, "n_parallel": 9}, r"n_parallel \+ max_prefixes \(13\) must be <= n_ctx \(8\)"),
+        ({"n_batch": 4, "n_parallel": 8}, r"n_batch \(4\) must be >= n_parallel \+ max_prefixes \(12\)"),
+        ({"type_k": "q3"}, "type_k must be one of"),
+        ({"type_v": "q4_0", "flash_attn": False}, "needs flash attention"),
     ],
 )
 def test_config_checks_name_the_option(options, message):
@@ -236,7 +240,10 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ...], 
 # The flags every command had before EngineConfig generated them: names, aliases, defaults.
 SERVE_FLAGS = {
     "n_parallel": (("-np", "--n-parallel", "--parallel"), 8),
-    "n_ctx": (("-c", "--n-ctx", "--ctx-size"), 4096),
+    "n_ctx": (("-c", "--n-ctx", "--ctx-size"), None),
+    "kv_unified": (("--kv-unified",), True),
+    "type_k": (("-ctk", "--cache-type-k"), "f16"),
+    "type_v": (("-ctv", "--cache-type-v"), "f16"),
     "n_batch": (("-b", "--n-batch", "--batch-size"), 512),
     "n_ubatch": (("-ub", "--n-ubatch", "--ubatch-size"), None),
     "n_threads": (("-t", "--threads"), None),
@@ -247,7 +254,7 @@ SERVE_FLAGS = {
     "strategy": (("--strategy",), "decode_maximal"),
 }
 GENERATE_FLAGS = {
-    "n_ctx": (("-c", "--n-ctx"), 4096),
+    "n_ctx": (("-c", "--n-ctx"), None),
     "n_parallel": (("--n-parallel",), 8),
     "n_batch": (("-b", "--n-batch"), 512),
     "n_threads": (("-t", "--threads"), None),

@@ -35,6 +35,11 @@ enum llama_load_mode {
     LLAMA_LOAD_MODE_MMAP_MLOCK, LLAMA_LOAD_MODE_DIRECT_IO, ...
 };
 
+/* the KV cache types llamabatch offers (type_k / type_v); values checked against ggml.h */
+enum ggml_type {
+    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3, GGML_TYPE_Q5_0 = 6,
+    GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_IQ4_NL = 20, GGML_TYPE_BF16 = 30, ...
+};
 enum ggml_log_level { GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ... };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 typedef bool (*ggml_abort_callback)(void * data);
@@ -71,6 +76,8 @@ struct llama_context_params {
     bool offload_kqv;
     bool no_perf;
     bool kv_unified;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     ...;
 };
 
@@ -166,6 +173,11 @@ void llama_memory_clear(llama_memory_t mem, bool data);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+
+/* sequence state (the host-RAM prompt cache and persistent prefixes) */
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
 
 /* samplers */
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from llamabatch._ffi import ffi, lib
+from llamabatch._ffi.kv_types import check_kv_types, kv_type
 from llamabatch._ffi.model import POOLING_NAMES, Model
 from llamabatch.errors import ContextError, DecodeError, KVCacheFull
 from llamabatch.validate import check_bool, check_positive_int
@@ -223,6 +224,8 @@ class Context:
         kv_unified: bool = True,
         offload_kqv: bool = True,
         no_perf: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
     ) -> None:
         self._ptr = ffi.NULL
         if model.vocab_only:
@@ -245,6 +248,7 @@ class Context:
         ):
             raise ValueError(f"flash_attn must be True, False, 'auto' or None, got {flash_attn!r}")
         flash_attn = bool(flash_attn) if isinstance(flash_attn, np.bool_) else flash_attn
+        ggml_type_k, ggml_type_v = check_kv_types(model, type_k, type_v, flash_attn)
         _check_llama_asserts(model, n_ctx, n_batch, n_ubatch, n_seq_max, embeddings, pooling, kv_unified)
 
         params = lib.llama_context_default_params()
@@ -259,6 +263,8 @@ class Context:
             params.pooling_type = POOLING_TYPES[pooling]
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.kv_unified = kv_unified
+        params.type_k = ggml_type_k
+        params.type_v = ggml_type_v
         params.offload_kqv = offload_kqv
         params.no_perf = no_perf
 
@@ -289,6 +295,9 @@ class Context:
         self.n_threads_batch = n_threads_batch
         self.embeddings = embeddings
         self.kv_unified = kv_unified
+        #: the KV cache element types (llama.cpp's names)
+        self.type_k: str = kv_type("type_k", type_k).name
+        self.type_v: str = kv_type("type_v", type_v).name
         self.pooling: str = POOLING_NAMES.get(lib.llama_pooling_type(ptr), "unspecified")
 
     # -- lifetime -----------------------------------------------------------------------
@@ -408,6 +417,30 @@ class Context:
 
     def memory_clear(self, data: bool = True) -> None:
         lib.llama_memory_clear(self._memory_or_raise(), data)
+
+    # -- sequence state (host-RAM prompt cache, persistent prefixes) ---------------------
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The state of ``seq_id`` (its KV cells, with their positions) as bytes, in
+        llama.cpp's format for ``state_seq_set``; empty when it cannot be copied."""
+        ptr = self.ptr
+        size = lib.llama_state_seq_get_size(ptr, seq_id)
+        if size == 0:
+            return b""
+        buf = ffi.new("uint8_t[]", size)
+        n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)
+        return bytes(ffi.buffer(buf, n)) if n else b""
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load ``data`` (from ``state_seq_get`` of a context of the same model and KV
+        layout) into the empty ``seq_id``; False when llama.cpp refuses it (no room, or a
+        layout that does not match: then ``seq_id`` holds nothing)."""
+        if not data:
+            return False
+        ok = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id) != 0
+        if not ok:
+            self.seq_rm(seq_id, -1, -1)
+        return ok
 
     def _memory_or_raise(self):
         self.ptr  # noqa: B018 - raises when closed

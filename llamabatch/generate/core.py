@@ -129,6 +129,8 @@ def build_engine(
         n_threads_batch=config.n_threads_batch,
         flash_attn=config.flash_attn,
         kv_unified=config.kv_unified,
+        type_k=config.type_k,
+        type_v=config.type_v,
     )
     try:
         core = EngineCore(model, context, config, telemetry)

@@ -21,6 +21,7 @@ from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.kv_memory import log_plan, plan_kv
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.outputs import CompletionOutput, StepOutput
@@ -76,6 +77,9 @@ class EngineHost:
                     "use llamabatch.Embedder (or `llamabatch embed`) for embedding models"
                 )
             self.telemetry = Telemetry()
+            #: the KV cache's size, bytes and the reason for them (``generate/kv_memory.py``)
+            self.kv_plan = plan_kv(self.model, config)
+            config = self.config = config.replace(n_ctx=self.kv_plan.n_ctx)
             self.context, self.core = build_engine(self.model, config, self.telemetry)
         except BaseException:
             self.model.close()
@@ -88,6 +92,7 @@ class EngineHost:
                 config.n_parallel,
                 self.context.n_ctx_seq,
             )
+        log_plan(self.kv_plan, self.n_ctx, self.n_ctx_seq, self.context.kv_unified, self.context.n_seq_max)
         self._max_prompt_bytes: int | bool | None = False
 
     # The sizes: read from their one owner (the context for what llama.cpp decided, the
@@ -249,6 +254,7 @@ class EngineHost:
         core = self.core
         c = core.counters
         table = core.table
+        plan = self.kv_plan
         return GenerationStats(
             n_parallel=self.n_parallel,
             busy_slots=core.busy_slots,
@@ -276,6 +282,13 @@ class EngineHost:
             pinned_prefixes=len(core.kv.pinned),
             kv_cells_used=table.cells_used,
             kv_cells_total=table.cells_total,
+            n_ctx=self.n_ctx,
+            n_ctx_reason=plan.reason,
+            kv_type_k=plan.type_k,
+            kv_type_v=plan.type_v,
+            kv_bytes=plan.kv_bytes(self.n_ctx),
+            kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
+            kv_budget_bytes=plan.budget_bytes,
         )
 
     def free(self) -> None:

@@ -147,11 +147,49 @@ class GenerationStats:
     pinned_prefixes: int
     kv_cells_used: int
     kv_cells_total: int
+    # -- the KV cache's size and cost (``generate/kv_memory.py``) --
+    #: KV cells, all sequences together, and why that many (the model's trained context,
+    #: the KV budget's cap, or ``n_ctx`` given)
+    n_ctx: int = 0
+    n_ctx_reason: str = ""
+    #: the KV cache element types (llama.cpp's names)
+    kv_type_k: str = "f16"
+    kv_type_v: str = "f16"
+    #: the KV cache's bytes, and what it would take at f16
+    kv_bytes: int = 0
+    kv_bytes_f16: int = 0
+    #: the byte budget the default ``n_ctx`` obeys (None: ``n_ctx`` given, or memory unknown)
+    kv_budget_bytes: int | None = None
+    # -- the host-RAM prompt cache (``cache_ram``, ``generate/ram_cache.py``) --
+    #: its budget (0: off), the bytes and saved prefixes it holds
+    ram_cache_budget_bytes: int = 0
+    ram_cache_bytes: int = 0
+    ram_cache_entries: int = 0
+    #: admissions whose prompt matched a saved prefix better than the KV cache (hits) or not
+    ram_cache_hits: int = 0
+    ram_cache_misses: int = 0
+    #: states saved, loaded back, dropped for room; loads llama.cpp refused
+    ram_cache_saves: int = 0
+    ram_cache_restores: int = 0
+    ram_cache_evictions: int = 0
+    ram_cache_restore_failures: int = 0
+    #: prompt tokens restored from host RAM instead of computed
+    ram_cache_restored_tokens: int = 0
+    # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
+    #: prefix files loaded, written, refused (corrupt, wrong model or layout: recomputed)
+    prefix_files_loaded: int = 0
+    prefix_files_saved: int = 0
+    prefix_files_refused: int = 0
 
     @property
     def kv_usage(self) -> float:
         """Share of the KV cells in use (0..1)."""
         return self.kv_cells_used / self.kv_cells_total if self.kv_cells_total else 0.0
+
+    @property
+    def kv_bytes_saved(self) -> int:
+        """KV bytes saved by ``type_k`` / ``type_v`` against an f16 cache."""
+        return self.kv_bytes_f16 - self.kv_bytes
 
 
 @dataclass

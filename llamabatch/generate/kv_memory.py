@@ -1,0 +1,120 @@
+"""How big the KV cache is by default, and what it costs: ``n_ctx`` from the model's trained
+context under a memory budget, the KV bytes for the chosen ``type_k`` / ``type_v``, and the
+one log line and ``stats()`` fields that report them.
+
+The default (``EngineConfig.n_ctx=None``), as llama-server's: the model's trained context
+(``n_ctx_train``), so that every request may use the whole context the model was trained
+for. It is capped so that the KV cache takes at most :data:`KV_BUDGET_FRACTION` of the
+machine's physical memory (at least :data:`MIN_N_CTX` cells, rounded down to llama.cpp's
+256-cell padding). The KV bytes are ``n_ctx x n_layer x n_head_kv x (head_k x size(type_k)
++ head_v x size(type_v))`` (``_ffi/kv_types.py``), what llama.cpp's own
+``llama_kv_cache: size = ...`` line says for a model whose layers are alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llamabatch._ffi.kv_types import kv_bytes_per_cell
+
+if TYPE_CHECKING:
+    from llamabatch._ffi.model import Model
+    from llamabatch.config import EngineConfig
+
+__all__ = ["KV_BUDGET_FRACTION", "MIN_N_CTX", "KVPlan", "kv_budget_bytes", "log_plan", "plan_kv"]
+
+logger = logging.getLogger("llamabatch")
+
+#: the share of physical memory the default ``n_ctx``'s KV cache may take
+KV_BUDGET_FRACTION = 0.25
+#: the smallest default ``n_ctx`` (a budget too small for it is not obeyed below this)
+MIN_N_CTX = 1024
+#: the ``n_ctx`` used when the GGUF names no trained context
+FALLBACK_N_CTX = 4096
+_PAD = 256
+
+
+def kv_budget_bytes() -> int | None:
+    """The KV byte budget of the default ``n_ctx``: :data:`KV_BUDGET_FRACTION` of physical
+    memory (None where the platform does not say)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return int(memory * KV_BUDGET_FRACTION) if memory > 0 else None
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache's size and what it costs (``stats()`` reports these)."""
+
+    #: the ``n_ctx`` asked of llama.cpp (llama.cpp may pad it up to a multiple of 256)
+    n_ctx: int
+    n_ctx_train: int
+    #: bytes of one KV cell over all layers, for ``type_k`` / ``type_v``, and at f16
+    cell_bytes: int
+    cell_bytes_f16: int
+    #: the budget the default obeys (None: unknown memory, or ``n_ctx`` given explicitly)
+    budget_bytes: int | None
+    #: why ``n_ctx`` is what it is, in words
+    reason: str
+    type_k: str
+    type_v: str
+
+    def kv_bytes(self, n_ctx: int) -> int:
+        """The KV cache's bytes for ``n_ctx`` cells (the context's, after padding)."""
+        return n_ctx * self.cell_bytes
+
+    def kv_bytes_f16(self, n_ctx: int) -> int:
+        """What the same cells would take with f16 K and V."""
+        return n_ctx * self.cell_bytes_f16
+
+
+def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True) -> KVPlan:
+    """The KV cache of ``config`` over ``model``: ``config.n_ctx``, or the default described
+    above (``budget``: the byte budget, default :func:`kv_budget_bytes`)."""
+    cell = kv_bytes_per_cell(model, config.type_k, config.type_v)
+    cell_f16 = kv_bytes_per_cell(model, "f16", "f16")
+    n_train = int(model.n_ctx_train or 0)
+    if config.n_ctx is not None:
+        return KVPlan(
+            config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", config.type_k, config.type_v
+        )
+    cap = kv_budget_bytes() if budget is True else (budget or None)
+    floor = max(MIN_N_CTX, config.n_seq_max)
+    if n_train <= 0:
+        n_ctx, reason = FALLBACK_N_CTX, f"the model names no trained context: {FALLBACK_N_CTX}"
+    else:
+        n_ctx, reason = n_train, "the model's trained context (n_ctx_train)"
+    if cap is not None and cell > 0 and n_ctx * cell > cap:
+        fit = cap // cell // _PAD * _PAD
+        n_ctx = max(fit, min(floor, n_ctx))
+        reason = (
+            f"n_ctx_train ({n_train}) capped by the KV budget ({cap / 2**20:.0f} MiB, "
+            f"{KV_BUDGET_FRACTION:.0%} of physical memory)"
+        )
+    n_ctx = max(n_ctx, config.n_seq_max)
+    return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, config.type_k, config.type_v)
+
+
+def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, kv_unified: bool, n_seq_max: int) -> None:
+    """The one log line at load: the size, the layout, the KV bytes, the cap and the reason."""
+    mib = 2**20
+    layout = "unified" if kv_unified else f"{n_seq_max} streams"
+    budget = "none" if plan.budget_bytes is None else f"{plan.budget_bytes / mib:.0f} MiB"
+    logger.info(
+        "llamabatch: n_ctx=%d (%s; %d per request, %s KV), KV cache %s/%s %.1f MiB "
+        "(f16: %.1f MiB), budget %s",
+        n_ctx,
+        plan.reason,
+        n_ctx_seq,
+        layout,
+        plan.type_k,
+        plan.type_v,
+        plan.kv_bytes(n_ctx) / mib,
+        plan.kv_bytes_f16(n_ctx) / mib,
+        budget,
+    )

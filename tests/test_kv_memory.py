@@ -1,0 +1,136 @@
+"""The default KV cache (n_ctx from the model's trained context under a budget, unified, whole
+context per request) and the KV cache types (type_k / type_v), on real llama.cpp."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from llamabatch import LLM, EngineConfig, SamplingParams
+from llamabatch._ffi.context import Context
+from llamabatch._ffi.kv_types import KV_TYPES, kv_bytes_per_cell
+from llamabatch._ffi.model import Model
+from llamabatch.cli import build_parser
+from llamabatch.generate.kv_memory import MIN_N_CTX, plan_kv
+from llamabatch.gguf.testing import PRESETS, model_path
+
+#: the documented tolerance (README, "KV cache types") against an f16 cache, over a 200-token
+#: prompt on the "small" test model: (mean, max) absolute difference of the next-token
+#: log-probabilities over the whole vocabulary (measured: q8_0 0.014 / 0.15, q4_0 0.19 / 2.0)
+LOGPROB_TOLERANCE = {"q8_0": (0.03, 0.3), "q4_0": (0.3, 3.0)}
+
+
+@pytest.fixture(scope="module")
+def model_8k() -> str:
+    """The "small" shape trained (as the GGUF says) for 8192 tokens."""
+    spec = dataclasses.replace(PRESETS["small"], n_ctx_train=8192, name="llamabatch-small-8k")
+    return str(model_path(spec))
+
+
+def test_defaults_are_the_trained_context_unified() -> None:
+    config = EngineConfig()
+    assert config.n_ctx is None and config.kv_unified is True
+    assert (config.type_k, config.type_v) == ("f16", "f16")
+
+
+def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="llamabatch")
+    with LLM(model_8k) as llm:
+        assert llm.n_ctx == 8192 and llm.n_ctx_seq == 8192  # every request may use it all
+        prompt = [(i * 7) % 3000 + 10 for i in range(2000)]
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+        assert len(out.token_ids) == 4
+        stats = llm.stats()
+    assert stats.n_ctx == 8192 and "trained context" in stats.n_ctx_reason
+    assert stats.kv_bytes == stats.kv_bytes_f16 == 8192 * 4 * 4 * 32 * 2 * 2  # cells x layers x kv heads...
+    assert stats.kv_budget_bytes and stats.kv_budget_bytes > stats.kv_bytes
+    lines = [r.getMessage() for r in caplog.records if "n_ctx=8192" in r.getMessage()]
+    assert len(lines) == 1 and "16.0 MiB" in lines[0] and "budget" in lines[0]
+
+
+def test_budget_caps_the_default_n_ctx(model_8k: str) -> None:
+    with Model(model_8k) as model:
+        cell = kv_bytes_per_cell(model)
+        plan = plan_kv(model, EngineConfig(), budget=3000 * cell)
+        assert plan.n_ctx == 2816 and "capped by the KV budget" in plan.reason  # 3000 down to 256s
+        assert plan_kv(model, EngineConfig(), budget=10 * cell).n_ctx == MIN_N_CTX  # the floor
+        assert plan_kv(model, EngineConfig(n_ctx=512), budget=10).n_ctx == 512  # given wins
+        half = plan_kv(model, EngineConfig(type_k="q8_0", type_v="q8_0"), budget=3000 * cell)
+        assert half.n_ctx == 5632  # a smaller KV type fits more cells in the same budget
+
+
+@pytest.mark.parametrize(
+    ("options", "mib"),
+    [
+        ({}, "16.00"),
+        ({"type_k": "q8_0", "type_v": "q8_0"}, "8.50"),
+        ({"kv_unified": False, "type_k": "q4_0", "type_v": "bf16"}, "10.25"),
+    ],
+)
+def test_kv_bytes_match_llama_cpp(model_8k: str, options: dict, mib: str, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="llamabatch.llama_cpp")
+    with LLM(model_8k, **options) as llm:
+        stats = llm.stats()
+    said = [
+        m for r in caplog.records if (m := re.search(r"llama_kv_cache: size = +([\d.]+) MiB", r.getMessage()))
+    ]
+    assert said and said[-1].group(1) == mib
+    assert stats.kv_bytes == float(mib) * 2**20
+    assert stats.kv_bytes_f16 == 16 * 2**20
+    assert stats.kv_bytes_saved == stats.kv_bytes_f16 - stats.kv_bytes
+    assert (stats.kv_type_k, stats.kv_type_v) == (options.get("type_k", "f16"), options.get("type_v", "f16"))
+
+
+def _prompt_logprobs(model: Model, tokens: list[int], type_k: str, type_v: str) -> np.ndarray:
+    with Context(model, n_ctx=512, n_batch=512, type_k=type_k, type_v=type_v, n_threads=2) as ctx:
+        ctx.decode_tokens(tokens, all_logits=True)
+        logits = ctx.logits_rows(len(tokens)).astype(np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_kv_stays_close_to_f16(model_8k: str, kv: str) -> None:
+    tokens = [(i * 13) % 4000 + 5 for i in range(200)]
+    with Model(model_8k) as model:
+        reference = _prompt_logprobs(model, tokens, "f16", "f16")
+        quantized = _prompt_logprobs(model, tokens, kv, kv)
+    diff = np.abs(quantized - reference)
+    mean, most = LOGPROB_TOLERANCE[kv]
+    assert 0 < diff.mean() <= mean and diff.max() <= most
+
+
+def test_quantized_kv_generates_through_the_engine(model_8k: str) -> None:
+    with LLM(model_8k, n_ctx=1024, type_k="q8_0", type_v="q8_0") as llm:
+        outs = llm.generate(["hello there", "a b c"], SamplingParams(max_tokens=8, temperature=0))
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+        assert llm.stats().kv_bytes * 2 < llm.stats().kv_bytes_f16 * 1.1  # about halved
+
+
+def test_bad_kv_types_are_refused() -> None:
+    with pytest.raises(ValueError, match="type_k must be one of"):
+        EngineConfig(type_k="q9_9")
+    with pytest.raises(ValueError, match="needs flash attention"):
+        EngineConfig(type_v="q8_0", flash_attn=False)
+    EngineConfig(type_k="q8_0", flash_attn=False)  # a quantized K is fine without it
+    with pytest.raises(ValueError, match="head size"):  # "tiny" has 16-value heads
+        LLM(str(model_path("tiny")), n_ctx=256, type_k="q4_0")
+    with Model(model_path("tiny")) as model, pytest.raises(ValueError, match="needs flash attention"):
+        Context(model, n_ctx=256, type_k="f32", type_v="q8_0", flash_attn=False)
+
+
+def test_kv_types_are_all_known_to_ggml() -> None:
+    assert {"f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"} == set(KV_TYPES)
+    assert set(EngineConfig.__dataclass_fields__["type_k"].metadata["cli"][1]["choices"]) == set(KV_TYPES)
+
+
+def test_cli_flags_as_llama_cpp() -> None:
+    args = build_parser().parse_args(["serve", "-m", "x.gguf", "-ctk", "q8_0", "--cache-type-v", "q4_0"])
+    assert (args.type_k, args.type_v) == ("q8_0", "q4_0")
+    assert args.n_ctx is None and args.kv_unified is True
+    args = build_parser().parse_args(["serve", "-m", "x.gguf", "--no-kv-unified", "-c", "4096"])
+    assert args.kv_unified is False and args.n_ctx == 4096
