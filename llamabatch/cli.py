@@ -309,8 +309,10 @@ def _embed(args: argparse.Namespace) -> int:
 
 def subcommands() -> list[Subcommand]:
     """Every subcommand, in the order ``llamabatch --help`` lists them."""
+    from llamabatch.bench import chat as bench_chat
     from llamabatch.bench import embed as bench_embed
     from llamabatch.bench import generate as bench
+    from llamabatch.bench import layouts as bench_layouts
     from llamabatch.bench import prefix as bench_prefix
     from llamabatch.bench import rerank as bench_rerank
     from llamabatch.bench import serve as bench_serve
@@ -362,6 +364,18 @@ def subcommands() -> list[Subcommand]:
             "prefix-reuse workloads, with reuse off and on side by side",
             bench_prefix.add_arguments,
             bench_prefix.main,
+        ),
+        (
+            "bench-chat",
+            "multi-turn chat, more conversations than slots, in-process or over HTTP",
+            bench_chat.add_arguments,
+            bench_chat.main,
+        ),
+        (
+            "bench-layouts",
+            "the KV layouts and the defaults on shared-prefix, long-among-short and chat workloads",
+            bench_layouts.add_arguments,
+            bench_layouts.main,
         ),
         (
             "bench-soak",

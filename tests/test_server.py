@@ -65,8 +65,11 @@ def serve(app) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    # 4 slots of 4096 tokens: long generations stay busy long enough to disconnect from
-    with LLM(model_path("tiny"), n_ctx=16384, n_parallel=4, n_threads=THREADS, max_queue=64) as llm:
+    # 4 slots of 4096 tokens (one KV stream each): long generations stay busy long enough to
+    # disconnect from
+    with LLM(
+        model_path("tiny"), n_ctx=16384, n_parallel=4, kv_unified=False, n_threads=THREADS, max_queue=64
+    ) as llm:
         yield llm
 
 

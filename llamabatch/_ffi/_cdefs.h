@@ -35,10 +35,10 @@ enum llama_load_mode {
     LLAMA_LOAD_MODE_MMAP_MLOCK, LLAMA_LOAD_MODE_DIRECT_IO, ...
 };
 
-/* the KV cache types llamabatch offers (type_k / type_v); values checked against ggml.h */
+/* the KV cache types llamabatch offers (type_k / type_v); their values come from ggml.h */
 enum ggml_type {
-    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3, GGML_TYPE_Q5_0 = 6,
-    GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_IQ4_NL = 20, GGML_TYPE_BF16 = 30, ...
+    GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
+    GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_IQ4_NL, GGML_TYPE_BF16, ...
 };
 enum ggml_log_level { GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ... };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);

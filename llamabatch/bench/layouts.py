@@ -1,0 +1,162 @@
+"""``llamabatch bench-layouts``: the KV layouts (and the defaults) on the workloads of issue 23.
+
+Each workload runs once per layout, in-process, with the same requests:
+
+- ``per-stream``: ``kv_unified=False`` with ``--n-ctx`` (one stream of ``n_ctx / n_parallel``
+  cells per sequence);
+- ``unified``: ``kv_unified=True`` with ``--n-ctx``;
+- ``defaults``: ``LLM(model)`` with no options but ``n_threads`` (the model's trained context,
+  unified, ``generate/kv_memory.py``).
+
+Workloads:
+
+- ``shared_prefix``: ``--shared-requests`` requests sharing a ``--prefix-tokens`` prompt (plus
+  16 unique tokens each), prefix reuse on, all submitted at once;
+- ``long_among_short``: one ``--long-tokens`` prompt among 16 short ones (64-token prompts),
+  submitted together: a request over a stream's size is refused (counted in ``failures``);
+- ``chat``: :mod:`llamabatch.bench.chat`'s multi-turn chat, in-process.
+
+Uniform batches and mixed arrivals are ``llamabatch bench --workload batched|mixed
+--kv-unified on|off`` (see README, "Memory: defaults, layouts and KV types").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from llamabatch.bench import options
+from llamabatch.bench.chat import Conversations, llm_backend, run_chat
+from llamabatch.errors import PromptTooLong
+
+__all__ = ["LAYOUTS", "WORKLOADS", "add_arguments", "main", "run_layout"]
+
+#: the layouts, by name: the LLM options each adds (``n_ctx`` is added to the explicit ones)
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "per-stream": {"kv_unified": False},
+    "unified": {"kv_unified": True},
+    "defaults": {},
+}
+
+
+def _tokens(llm: Any, n: int, seed: int) -> list[int]:
+    """``n`` ordinary token ids (deterministic for ``seed``)."""
+    n_vocab = llm.model.n_vocab
+    return [(seed * 7919 + i * 104729) % (n_vocab - 300) + 256 for i in range(n)]
+
+
+def _timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Submit every prompt at once; total time, TTFT p50, refusals, prompt counters."""
+    from llamabatch import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    before = llm.stats()
+    start = time.perf_counter()
+    handles, refused = [], 0
+    for prompt in prompts:
+        try:
+            handles.append(llm.submit(prompt, params))
+        except PromptTooLong:
+            refused += 1
+    outs = [h.result() for h in handles]
+    wall = time.perf_counter() - start
+    after = llm.stats()
+    ttfts = [o.outputs[0].timings.time_to_first_token or 0.0 for o in outs]
+    return {
+        "t_total_s": round(wall, 3),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "failures": {"PromptTooLong": refused} if refused else {},
+        "reused_tokens": after.reused_tokens - before.reused_tokens,
+        "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+        "preemptions": after.preemptions - before.preemptions,
+    }
+
+
+def shared_prefix(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    prefix = [llm.model.bos, *_tokens(llm, args.prefix_tokens - 1, 1)]
+    prompts = [prefix + _tokens(llm, 16, 100 + i) for i in range(args.shared_requests)]
+    return _timed(llm, prompts, args.max_tokens)
+
+
+def long_among_short(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = [[llm.model.bos, *_tokens(llm, 63, 200 + i)] for i in range(16)]
+    prompts.insert(8, [llm.model.bos, *_tokens(llm, args.long_tokens - 1, 2)])
+    return _timed(llm, prompts, args.max_tokens)
+
+
+def chat(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    conversations = Conversations.make(
+        args.conversations, args.turns, count=lambda text: len(llm.tokenize(text, add_special=False))
+    )
+    before = llm.stats()
+    result = run_chat(llm_backend(llm), conversations, args.max_tokens).summary()
+    after = llm.stats()
+    return {
+        "t_total_s": result["t_total_s"],
+        "ttft_p50_ms": result["ttft_p50_later_ms"],
+        "failures": result["failures"],
+        "reused_tokens": after.reused_tokens - before.reused_tokens,
+        "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+        "preemptions": after.preemptions - before.preemptions,
+    }
+
+
+WORKLOADS: dict[str, Callable[[Any, argparse.Namespace], dict[str, Any]]] = {
+    "shared_prefix": shared_prefix,
+    "long_among_short": long_among_short,
+    "chat": chat,
+}
+
+
+def run_layout(model_path: str, layout: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One workload on one layout, in a fresh ``LLM`` (warmed up with one short request)."""
+    from llamabatch import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(LAYOUTS[layout])
+    if args.threads:
+        kwargs["n_threads"] = args.threads
+    if layout != "defaults":
+        kwargs.update(n_ctx=args.n_ctx, n_parallel=args.n_parallel)
+    with LLM(model_path, **kwargs) as llm:
+        llm.generate([[llm.model.bos, 300, 400]], SamplingParams(max_tokens=2), use_tqdm=False)
+        row = WORKLOADS[workload](llm, args)
+        return {"workload": workload, "layout": layout, "n_ctx": llm.n_ctx, "n_ctx_seq": llm.n_ctx_seq, **row}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``llamabatch bench-layouts``."""
+    p.description = (
+        "The KV layouts (per-stream, unified) and LLM's defaults side by side on the shared-prefix, "
+        "long-among-short and multi-turn chat workloads (llamabatch.bench.layouts)."
+    )
+    p.add_argument("-m", "--model", default="135m", help="GGUF or a test-model preset (default: 135m)")
+    p.add_argument("-t", "--threads", type=options.positive_int, default=None, help="CPU threads")
+    p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
+    p.add_argument("--layout", choices=(*LAYOUTS, "all"), default="all")
+    p.add_argument("-c", "--n-ctx", type=options.positive_int, default=16384, help="explicit layouts' n_ctx")
+    p.add_argument("--n-parallel", type=options.positive_int, default=8, help="explicit layouts' slots")
+    p.add_argument("--max-tokens", type=options.positive_int, default=64, help="new tokens a request")
+    p.add_argument("--shared-requests", type=options.positive_int, default=16)
+    p.add_argument("--prefix-tokens", type=options.positive_int, default=1452)
+    p.add_argument("--long-tokens", type=options.positive_int, default=6000)
+    p.add_argument("--conversations", type=options.positive_int, default=12)
+    p.add_argument("--turns", type=options.positive_int, default=4)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``llamabatch bench-layouts``: every chosen workload on every chosen layout."""
+    from llamabatch.bench.workloads import resolve_model
+
+    model = str(resolve_model(args.model))
+    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    for workload in workloads:
+        for layout in layouts:
+            row = run_layout(model, layout, workload, args)
+            print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return 0

@@ -1,0 +1,86 @@
+"""The issue-23 workloads (bench-chat, bench-layouts) on the tiny model: they run, count what
+they should, and the chat completes over HTTP against ``llamabatch serve`` with its defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from llamabatch import LLM
+from llamabatch.bench import chat, layouts
+from llamabatch.cli import build_parser
+from llamabatch.gguf.testing import model_path
+
+
+def test_conversations_are_sized_by_the_tokenizer() -> None:
+    conversations = chat.Conversations.make(3, 2, system_tokens=100, user_tokens=10, count=len)
+    assert len(conversations.system) >= 100 and len(conversations.users) == 3
+    assert all(len(turns) == 2 and all(len(u) >= 10 for u in turns) for turns in conversations.users)
+
+
+def test_chat_in_process_more_conversations_than_slots() -> None:
+    with LLM(str(model_path("tiny")), n_ctx=2048, n_parallel=2, n_threads=1) as llm:
+        conversations = chat.Conversations.make(
+            4, 3, system_tokens=120, user_tokens=10, count=lambda t: len(llm.tokenize(t))
+        )
+        result = chat.run_chat(chat.llm_backend(llm), conversations, reply_tokens=8)
+        assert llm.stats().reused_tokens > 0  # later turns reuse the conversation so far
+    summary = result.summary()
+    assert summary["completed_turns"] == 12 and not summary["failures"]
+    assert summary["ttft_p50_later_ms"] is not None
+
+
+def test_chat_over_http_against_llamabatch_serve() -> None:
+    pytest.importorskip("uvicorn")
+    from test_server import serve
+
+    from llamabatch.server import create_app
+
+    with LLM(str(model_path("tiny")), n_ctx=2048, n_parallel=2, n_threads=1) as llm:
+        with serve(create_app(llm, model_name="tiny")) as url:
+            conversations = chat.Conversations.make(3, 2, system_tokens=100, user_tokens=10)
+            result = chat.run_chat(chat.http_backend(url, "tiny"), conversations, reply_tokens=6)
+            assert result.completed_turns == 6 and not result.failures
+            # a prompt over the context is a counted failure, not a crash
+            huge = chat.Conversations("word " * 5000, [["hi"]])
+            refused = chat.run_chat(chat.http_backend(url, "tiny"), huge, reply_tokens=4)
+            assert refused.completed_turns == 0 and sum(refused.failures.values()) == 1
+            assert next(iter(refused.failures)).startswith("400")
+
+
+def _args(**changes: object) -> argparse.Namespace:
+    args = build_parser().parse_args(["bench-layouts", "-m", "tiny"])
+    for key, value in {
+        "threads": 1,
+        "n_ctx": 2048,
+        "n_parallel": 4,
+        "max_tokens": 4,
+        "shared_requests": 6,
+        "prefix_tokens": 200,
+        "long_tokens": 700,
+        "conversations": 3,
+        "turns": 2,
+        **changes,
+    }.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_layouts_shared_prefix_reuses_in_both_layouts() -> None:
+    path = str(model_path("tiny"))
+    rows = [
+        layouts.run_layout(path, layout, "shared_prefix", _args()) for layout in ("per-stream", "unified")
+    ]
+    assert [r["n_ctx_seq"] for r in rows] == [512, 2048]
+    assert all(r["reused_tokens"] > 0 and not r["failures"] for r in rows)
+
+
+def test_layouts_long_prompt_is_refused_per_stream_only() -> None:
+    path = str(model_path("tiny"))
+    per_stream = layouts.run_layout(path, "per-stream", "long_among_short", _args())
+    unified = layouts.run_layout(path, "unified", "long_among_short", _args())
+    assert per_stream["failures"] == {"PromptTooLong": 1}  # 700 tokens > 2048 / 4 per stream
+    assert not unified["failures"]
+    defaults = layouts.run_layout(path, "defaults", "long_among_short", _args())
+    assert defaults["n_ctx"] == 4096 and not defaults["failures"]  # the tiny model's trained context
