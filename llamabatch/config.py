@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,6 +39,8 @@ __all__ = [
 
 #: the built-in batching strategies, by name
 STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
+#: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
+CACHE_RAM_DEFAULT_MIB = 8192
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
@@ -176,6 +179,16 @@ class EngineConfig(OptionsConfig):
             ``"iq4_nl"``, ``"q5_0"``, ``"q5_1"``. A quantized ``type_v`` needs flash attention
             (``flash_attn=False`` with one is refused).
         validate: check the GGUF file before llama.cpp reads it (see ``gguf_check``).
+        cache_ram: the host-RAM prompt cache in MiB (``--cache-ram``, as llama-server):
+            prompt prefixes leaving the KV cache are saved in host memory, least recently
+            used out first, and loaded back when a new prompt matches them better than the
+            KV cache does. Default 8192 (llama-server's), capped at a quarter of the physical
+            memory; ``0`` or ``None``: off. See ``generate/ram_cache.py``.
+        prefix_cache_dir: a directory for pinned prefixes' states (``None``: none). A pinned
+            prefix is saved there once computed, and loaded instead of computed when the same
+            model pins the same tokens again, after a restart too. Files are checked (model,
+            layout, tokens, size, checksum) before loading; a bad one is refused and the
+            prefix computed. See ``generate/prefix_store.py``.
         target_itl_ms: a target inter-token latency in milliseconds (default ``None``: no
             target). Each tick's token budget is then chosen so that the tick's expected
             decode time (a cost model fitted online, ``generate/cost_model.py``) stays under
@@ -279,6 +292,25 @@ class EngineConfig(OptionsConfig):
             help="target inter-token latency in ms: prompt chunks shrink to keep each tick under it",
         ),
     )
+    cache_ram: int | None = field(
+        default=CACHE_RAM_DEFAULT_MIB,
+        metadata=flag(
+            "--cache-ram",
+            type=int,
+            metavar="MiB",
+            help="host-RAM prompt cache in MiB: evicted prompt prefixes are kept there and restored "
+            f"on a match (0: off; default {CACHE_RAM_DEFAULT_MIB}, as llama-server, capped at a quarter "
+            "of physical memory)",
+        ),
+    )
+    prefix_cache_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "--prefix-cache-dir",
+            metavar="PATH",
+            help="a directory where pinned prefixes are saved, and loaded again after a restart",
+        ),
+    )
 
     def __post_init__(self) -> None:
         from llamabatch.strategies import get_strategy
@@ -307,6 +339,14 @@ class EngineConfig(OptionsConfig):
             or not (0 < target < float("inf"))
         ):
             raise ValueError(f"target_itl_ms must be a positive number (ms) or None, got {target!r}")
+        cache_ram = self.cache_ram
+        if cache_ram is not None and (
+            not isinstance(cache_ram, int) or isinstance(cache_ram, bool) or cache_ram < 0
+        ):
+            raise ValueError(f"cache_ram must be an int >= 0 (MiB; 0 or None: off), got {cache_ram!r}")
+        cache_dir = self.prefix_cache_dir
+        if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir)):
+            raise ValueError(f"prefix_cache_dir must be a directory path or None, got {cache_dir!r}")
         max_prefixes = self.max_prefixes
         if max_prefixes is not None and (
             not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from llamabatch._ffi import ffi
-from llamabatch.config import EngineConfig
+from llamabatch.config import CACHE_RAM_DEFAULT_MIB, EngineConfig
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.runtime.telemetry import Telemetry
 
@@ -62,6 +62,10 @@ __all__ = [
 ]
 
 _INF = 2**31 - 1
+
+
+#: how the fake's sequence-state bytes start
+_STATE_MAGIC = b"FAKESEQ1"
 
 
 class FakeLlamaError(AssertionError):
@@ -401,6 +405,35 @@ class FakeContext:
         cells = self.seq_cells[seq_id]
         return min(cells) if cells else -1
 
+    # -- sequence state (the host-RAM prompt cache) --
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The sequence's (position, token) pairs, as llama_state_seq_get_data's bytes."""
+        self._check_seq(seq_id)
+        self.log.append(("state_get", seq_id))
+        pool = self._pool(seq_id)
+        pairs = [(p, pool.tok[c]) for p, c in sorted(self.seq_cells[seq_id].items())]
+        return _STATE_MAGIC + np.asarray(pairs, dtype=np.int32).reshape(-1).tobytes() if pairs else b""
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load ``state_seq_get``'s bytes into ``seq_id`` (cleared first, as llama.cpp does);
+        False without room or for bytes it did not make."""
+        self._check_seq(seq_id)
+        self.log.append(("state_set", seq_id, len(data)))
+        self._remove(seq_id, list(self.seq_cells[seq_id]))
+        if not data.startswith(_STATE_MAGIC) or (len(data) - len(_STATE_MAGIC)) % 8:
+            return False
+        pairs = np.frombuffer(data[len(_STATE_MAGIC) :], dtype=np.int32).reshape(-1, 2)
+        pool = self._pool(seq_id)
+        if pool.free_cells() < len(pairs) or (len(pairs) and int(pairs[:, 0].max()) >= self.n_ctx_seq):
+            return False
+        for p, tok in pairs.tolist():
+            c = pool.take()
+            pool.pos[c], pool.tok[c], pool.seqs[c] = p, tok, {seq_id}
+            pool.n_used += 1
+            self.seq_cells[seq_id][p] = c
+        return True
+
     # -- what tests inspect --
 
     def cells_used(self) -> int:
@@ -586,6 +619,7 @@ def make_core(
     model: FakeModel | None = None,
     telemetry: Telemetry | None = None,
     target_itl_ms: float | None = None,
+    cache_ram: int | None = CACHE_RAM_DEFAULT_MIB,
 ) -> tuple[EngineCore, FakeContext, FakeModel]:
     """An ``EngineCore`` over a fake model and context (``n_ctx``: all cells together;
     default 64 per sequence). The context checks it decodes the core's own batch."""
@@ -603,6 +637,7 @@ def make_core(
         max_prefixes=max_prefixes,
         kv_unified=kv_unified,
         target_itl_ms=target_itl_ms,
+        cache_ram=cache_ram,
     )
     # the wiring LLM and LLMEngine use, over a fake context
     context, core = build_engine(

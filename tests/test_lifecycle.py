@@ -167,6 +167,8 @@ DEFAULTS = {
     "type_v": "f16",
     "validate": True,
     "target_itl_ms": None,
+    "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
+    "prefix_cache_dir": None,
 }
 
 
@@ -198,6 +200,8 @@ def test_config_defaults_and_frozen():
         ({"n_batch": 4, "n_parallel": 8}, r"n_batch \(4\) must be >= n_parallel \+ max_prefixes \(12\)"),
         ({"type_k": "q3"}, "type_k must be one of"),
         ({"type_v": "q4_0", "flash_attn": False}, "needs flash attention"),
+        ({"cache_ram": -1}, "cache_ram must be an int >= 0"),
+        ({"prefix_cache_dir": 3}, "prefix_cache_dir must be a directory path"),
     ],
 )
 def test_config_checks_name_the_option(options, message):

@@ -105,7 +105,7 @@ def test_off_means_no_state_calls_and_recompute():
 
 
 def test_a_state_llama_cpp_refuses_is_computed_instead():
-    rec, core, ctx = _chat_core(True)
+    rec, core, _ctx = _chat_core(True)
     convs = {c: prompt(80, 10 + c) for c in range(3)}
     first = {c: _turn(rec, convs[c]) for c in range(3)}
     ram = core.kv.ram
@@ -118,7 +118,7 @@ def test_a_state_llama_cpp_refuses_is_computed_instead():
 
 
 def test_budget_holds_under_many_conversations():
-    rec, core, ctx = _chat_core(True)
+    rec, core, _ctx = _chat_core(True)
     ram = core.kv.ram
     ram.budget_bytes = 3 * (8 + 8 * 86)  # room for about three saved conversations
     convs = {c: prompt(80, 100 + c) for c in range(8)}
@@ -131,7 +131,7 @@ def test_budget_holds_under_many_conversations():
 
 
 def test_clear_prefix_cache_empties_the_ram_tier():
-    rec, core, ctx = _chat_core(True)
+    rec, core, _ctx = _chat_core(True)
     for c in range(3):
         _turn(rec, prompt(80, 10 + c))
     assert len(core.kv.ram)

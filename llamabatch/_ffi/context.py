@@ -437,7 +437,8 @@ class Context:
         layout that does not match: then ``seq_id`` holds nothing)."""
         if not data:
             return False
-        ok = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id) != 0
+        src = ffi.from_buffer("uint8_t[]", data)
+        ok = lib.llama_state_seq_set_data(self.ptr, src, len(data), seq_id) != 0
         if not ok:
             self.seq_rm(seq_id, -1, -1)
         return ok

@@ -154,6 +154,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "kv_unified",
             "prefix_cache",
             "target_itl_ms",
+            "cache_ram",
         ),
         overrides={
             "n_threads": {"flags": ("-t", "--threads")},
@@ -249,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_cache=args.prefix_cache,
         kv_unified=args.kv_unified,
         target_itl_ms=args.target_itl_ms,
+        cache_ram=args.cache_ram,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
     )

@@ -47,7 +47,9 @@ from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
 from llamabatch.generate.cost_model import LatencyBudget, batch_features
 from llamabatch.generate.kv_cache import KVCache
+from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
+from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.outputs import FinishReason
 from llamabatch.runtime.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
@@ -173,7 +175,16 @@ class EngineCore:
                 model.path.name,
                 "recurrent" if model.is_recurrent else "hybrid",
             )
-        self.kv = KVCache(context, self.table, reuse=prefix_cache, copy_supported=copy_supported)
+        self.kv = KVCache(
+            context,
+            self.table,
+            reuse=prefix_cache,
+            copy_supported=copy_supported,
+            ram=ram_cache_for(config.cache_ram),
+        )
+        if self.kv.reuse and config.prefix_cache_dir is not None:
+            self.kv.store = store_for(config.prefix_cache_dir, model, context, config.flash_attn)
+            self.kv.state_bytes_per_token = state_bytes_per_token(model)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
         self.pool = BatchPool(self.n_batch, 1)

@@ -32,6 +32,7 @@ import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
+from llamabatch.generate.prefix_store import PrefixStore
 from llamabatch.generate.ram_cache import BLOCK, RamCache
 
 #: shared prompt tokens still to be computed elsewhere that make a new request wait
@@ -70,6 +71,10 @@ class KVCache:
     pinned: dict[int, PinnedPrefix] = field(default_factory=dict)
     #: the host-RAM tier below (``cache_ram``; None: off): see ``ram_cache.py``
     ram: RamCache | None = None
+    #: pinned prefixes' files (``prefix_cache_dir``; None: none): see ``prefix_store.py``
+    store: PrefixStore | None = None
+    #: the most bytes a prefix file's state may have per token (bigger files are refused unread)
+    state_bytes_per_token: int = 1 << 20
     _free_pin_seqs: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -279,7 +284,42 @@ class KVCache:
             return False
         self.copy(source_slot, seq, len(prefix.tokens))
         self.pinned[seq] = prefix
+        if self.store is not None:
+            self.store.save(prefix.tokens, self.context.state_seq_get(seq))
         return True
+
+    def load_pin(self, prefix: PinnedPrefix) -> bool:
+        """Pin ``prefix`` from its file in ``prefix_cache_dir`` (checked first: see
+        ``prefix_store.py``); False when there is none or it is refused (then it is computed)."""
+        store, seq, n = self.store, prefix.seq_id, len(prefix.tokens)
+        if store is None or prefix.released or seq in self._free_pin_seqs or seq in self.pinned:
+            return False
+        if n > self.table.n_ctx_seq or (self.table.kv_unified and self.table.cells_free < n):
+            return False
+        payload = store.load(prefix.tokens, n * self.state_bytes_per_token + (1 << 20))
+        if payload is None:
+            return False
+        self.trim(seq, 0)
+        if not self.context.state_seq_set(seq, payload) or self.context.seq_pos_max(seq) != n - 1:
+            self.context.seq_rm(seq, -1, -1)
+            store.refuse(store.path_for(prefix.tokens), "llama.cpp could not load its state")
+            return False
+        self.table.record_cached(seq, prefix.tokens)
+        self.pinned[seq] = prefix
+        store.loaded += 1
+        return True
+
+    def tier_stats(self) -> dict[str, int]:
+        """The RAM tier's and the prefix files' counters (``GenerationStats`` fields)."""
+        out: dict[str, int] = {}
+        if self.ram is not None:
+            for name, value in vars(self.ram.stats()).items():
+                out[f"ram_cache_{name}"] = value
+        if self.store is not None:
+            out["prefix_files_loaded"] = self.store.loaded
+            out["prefix_files_saved"] = self.store.saved
+            out["prefix_files_refused"] = self.store.refused
+        return out
 
     def unpin(self, prefix: PinnedPrefix) -> None:
         if self.pinned.pop(prefix.seq_id, None) is not None:

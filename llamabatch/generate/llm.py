@@ -473,6 +473,8 @@ class LLM(HostFacts):
         kv = self._kv
         seq_id = self._worker.call(kv.new_pin_seq, timeout)
         pinned = PinnedPrefix(seq_id, tokens, text)
+        if self._worker.call(lambda: kv.load_pin(pinned), timeout):  # from prefix_cache_dir
+            return PrefixHandle(self, pinned)
         # Computed like a prompt in a slot, then copied into its own sequence.
         request = Request(tokens, params, streaming=False, pin=pinned)
         self._enqueue([request], block=True, timeout=timeout)

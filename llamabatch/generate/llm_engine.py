@@ -289,6 +289,7 @@ class EngineHost:
             kv_bytes=plan.kv_bytes(self.n_ctx),
             kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
             kv_budget_bytes=plan.budget_bytes,
+            **core.kv.tier_stats(),
         )
 
     def free(self) -> None:

@@ -42,9 +42,8 @@ class RamCacheStats:
     saves: int = 0
     restores: int = 0
     evictions: int = 0
-    #: states llama.cpp refused to load, and persisted files refused (corrupt, wrong model)
+    #: states llama.cpp refused to load
     restore_failures: int = 0
-    files_refused: int = 0
     #: prompt tokens restored instead of computed
     restored_tokens: int = 0
 
@@ -52,7 +51,7 @@ class RamCacheStats:
 class RamEntry:
     """One saved sequence: its tokens (positions ``0..n-1``) and llama.cpp's state bytes."""
 
-    __slots__ = ("tokens", "data", "key")
+    __slots__ = ("data", "key", "tokens")
 
     def __init__(self, tokens: np.ndarray, data: bytes) -> None:
         self.tokens = tokens
@@ -78,7 +77,7 @@ class RamCache:
         self._by_key: dict[bytes, list[RamEntry]] = {}
         self.bytes = 0
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
-        self.restore_failures = self.files_refused = self.restored_tokens = 0
+        self.restore_failures = self.restored_tokens = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -161,7 +160,6 @@ class RamCache:
             restores=self.restores,
             evictions=self.evictions,
             restore_failures=self.restore_failures,
-            files_refused=self.files_refused,
             restored_tokens=self.restored_tokens,
         )
 

@@ -256,6 +256,7 @@ class PrometheusListener:
         kv = family(gauge, "kv_cache_usage_perc", "KV cache cells in use / all cells (0..1).")
         cached = family(gauge, "prefix_cache_tokens", "Prompt tokens kept in the KV cache for reuse.")
         emb_waiting = family(gauge, "embedding_queue_texts", "Texts waiting to be embedded.")
+        tier = {key: family(gauge, key, doc) for key, doc in _TIER_GAUGES.items()}
         for source, name in sources:
             try:
                 stats = source.stats()
@@ -273,7 +274,25 @@ class PrometheusListener:
             if usage is None and used is not None and total:
                 usage = used / total
             _add(kv, name, usage)
+            for key, tier_family in tier.items():
+                _add(tier_family, name, _get(stats, key))
         yield from (running, waiting, slots, kv, cached, emb_waiting)
+        yield from tier.values()
+
+
+#: the host-RAM prompt cache and prefix files (``GenerationStats`` fields of the same names);
+#: the counts are totals since the engine started
+_TIER_GAUGES = {
+    "ram_cache_bytes": "Bytes of prompt states held in the host-RAM prompt cache.",
+    "ram_cache_entries": "Prompt states held in the host-RAM prompt cache.",
+    "ram_cache_hits": "Admissions whose prompt matched a host-RAM state better than the KV cache.",
+    "ram_cache_misses": "Admissions whose prompt matched no better host-RAM state.",
+    "ram_cache_saves": "Prompt states saved to the host-RAM cache.",
+    "ram_cache_restores": "Prompt states loaded back from the host-RAM cache.",
+    "ram_cache_evictions": "Host-RAM prompt states dropped for room (least recently used).",
+    "prefix_files_loaded": "Pinned prefixes loaded from prefix_cache_dir.",
+    "prefix_files_refused": "Prefix files refused (corrupt, another model or layout).",
+}
 
 
 def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:

@@ -63,6 +63,8 @@ class BenchConfig:
     kv_unified: bool = False
     #: the engine's target inter-token latency (``EngineConfig.target_itl_ms``; None: none)
     target_itl_ms: float | None = None
+    #: the host-RAM prompt cache in MiB (``EngineConfig.cache_ram``; 0 or None: off)
+    cache_ram: int | None = 8192
     #: the SLO a request meets for ``goodput`` (ms; None: no bound)
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None

@@ -67,6 +67,7 @@ class EngineRunner:
             prefix_cache=config.prefix_cache,
             kv_unified=config.kv_unified,
             target_itl_ms=config.target_itl_ms,
+            cache_ram=config.cache_ram,
         )
         self._ticks: list[tuple[float, int]] = []
         self.llm.add_listener(self._on_event)

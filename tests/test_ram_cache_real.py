@@ -1,0 +1,118 @@
+"""The host-RAM prompt cache and persistent prefixes on real llama.cpp: a restored prefix
+gives the log-probabilities a computed one gives; pinned prefixes survive a restart; a
+corrupt or mismatched prefix file is refused and the prefix computed."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import llama_cpp
+import pytest
+from llama_reference import check_against_reference
+
+from llamabatch import LLM, SamplingParams, testing
+from llamabatch.generate.prefix_store import SUFFIX, PrefixStore
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return testing.model_path("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    return llama_cpp.Llama(
+        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
+    )
+
+
+def _texts(llm: LLM, n: int, n_tokens: int) -> list[list[int]]:
+    words = " ".join(testing.english_sentences(300)).split()
+    return [llm.tokenize(" ".join(words[41 * i :]))[:n_tokens] for i in range(n)]
+
+
+@pytest.mark.parametrize("kv_unified", [True, False], ids=["unified", "split"])
+def test_restored_prefix_gives_the_computed_logprobs(tiny_path, reference, kv_unified):
+    options = dict(n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=False, kv_unified=kv_unified)
+    with LLM(tiny_path, cache_ram=64, **options) as llm:
+        convs = _texts(llm, 3, 120)
+        firsts = [llm.generate(c, PARAMS)[0].outputs[0] for c in convs]  # 3 conversations, 2 slots
+        follow = convs[0] + firsts[0].token_ids + llm.tokenize(" And then?", add_special=False)
+        out = llm.generate(follow, PARAMS)[0].outputs[0]
+        stats = llm.stats()
+    assert stats.ram_cache_saves >= 1 and stats.ram_cache_restores == 1, stats
+    assert out.usage.reused_tokens >= 120
+    assert stats.ram_cache_restored_tokens == out.usage.reused_tokens
+    check_against_reference(reference, [*firsts, out])
+
+
+def _system(llm: LLM) -> list[int]:
+    return llm.tokenize(" ".join(testing.english_sentences(40)))[:200]
+
+
+def _pin_and_generate(path, cache_dir, **options):
+    with LLM(path, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(cache_dir), **options) as llm:
+        system = _system(llm)
+        handle = llm.register_prefix(system)
+        tail = llm.tokenize(" What next?", add_special=False)
+        out = llm.generate(system + tail, PARAMS)[0].outputs[0]
+        handle.release()
+        stats = llm.stats()
+    return out, stats
+
+
+def test_pinned_prefix_survives_a_restart(tiny_path, reference, tmp_path):
+    first, stats = _pin_and_generate(tiny_path, tmp_path)
+    assert (stats.prefix_files_saved, stats.prefix_files_loaded) == (1, 0)
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
+    assert not list(tmp_path.glob(".tmp-*"))  # written atomically, nothing left over
+    again, stats = _pin_and_generate(tiny_path, tmp_path)  # a new engine: loaded, not computed
+    assert (stats.prefix_files_saved, stats.prefix_files_loaded, stats.prefix_files_refused) == (0, 1, 0)
+    assert stats.prefill_tokens < 20  # only the tail and the generated tokens were computed
+    assert again.usage.reused_tokens >= 199
+    check_against_reference(reference, [first, again])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "garbage"])
+def test_a_corrupt_prefix_file_is_refused_and_recomputed(tiny_path, reference, tmp_path, caplog, damage):
+    _pin_and_generate(tiny_path, tmp_path)
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(b"\x00" * len(data))
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="llamabatch"):
+        out, stats = _pin_and_generate(tiny_path, tmp_path)
+    assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.prefix_files_saved) == (1, 0, 1)
+    assert "refused" in caplog.text
+    check_against_reference(reference, [out])
+    _, stats = _pin_and_generate(tiny_path, tmp_path)  # rewritten by the recompute: good again
+    assert stats.prefix_files_loaded == 1
+
+
+def test_another_models_file_is_refused(tiny_path, tmp_path):
+    small = testing.model_path("small")
+    _pin_and_generate(tiny_path, tmp_path)
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    # put tiny's file where small's store looks for the same tokens
+    with LLM(small, n_ctx=2048, n_parallel=2, flash_attn=False) as llm:
+        system = _system(llm)
+    store = PrefixStore(tmp_path, small, "unused")
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    with LLM(small, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(other_dir)) as llm:
+        target = llm.core.kv.store.path_for(system)
+        shutil.copy(path, target)
+        llm.register_prefix(system).release()
+        stats = llm.stats()
+    assert store.model_id != PrefixStore(tmp_path, tiny_path, "unused").model_id
+    assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.prefix_files_saved) == (1, 0, 1)
