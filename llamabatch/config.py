@@ -39,6 +39,8 @@ __all__ = [
 
 #: the built-in batching strategies, by name
 STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
+#: ``--spec-type`` values (llama-server's names), see ``generate/spec_config.py``
+SPEC_TYPES = ("ngram", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
@@ -312,8 +314,22 @@ class EngineConfig(OptionsConfig):
         ),
     )
 
+    speculative_config: dict[str, Any] | None = field(
+        default=None,
+        hash=False,
+        metadata=flag(
+            "--spec-type",
+            choices=SPEC_TYPES,
+            help="speculative decoding: ngram (prompt lookup) or draft (a draft model: --model-draft); "
+            "--draft-max N drafts per step",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        from llamabatch.generate.spec_config import validate_speculative_config
         from llamabatch.strategies import get_strategy
+
+        object.__setattr__(self, "speculative_config", validate_speculative_config(self.speculative_config))
 
         for name in ("n_parallel", "n_batch", "chunk_size", "max_queue"):
             check_positive_int(name, getattr(self, name))
@@ -414,6 +430,20 @@ class EngineConfig(OptionsConfig):
             if help_text is not None and "default" not in help_text:
                 kwargs["help"] = f"{help_text} (default: {_shown(name, kwargs['default'])})"
             parser.add_argument(*flags, dest=name, **kwargs)
+        if "speculative_config" in names:
+            from llamabatch.generate.spec_config import add_spec_cli_args
+
+            add_spec_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **options: Any) -> EngineConfig:  # type: ignore[override]
+        """The config of parsed arguments (``--spec-type``/``--model-draft``/``--draft-max``
+        make ``speculative_config``); ``options`` override them."""
+        if "speculative_config" not in options and hasattr(args, "spec_model_draft"):
+            from llamabatch.generate.spec_config import spec_config_from_cli
+
+            options["speculative_config"] = spec_config_from_cli(args)
+        return super().from_cli_args(args, **options)
 
     def to_cli_args(self, only: Iterable[str] | None = None) -> list[str]:
         """The command line that :meth:`from_cli_args` reads back as this config (the fields
@@ -427,6 +457,10 @@ class EngineConfig(OptionsConfig):
                 argv.append(main if value else "--no-" + main[2:])
             elif value is None:
                 continue
+            elif name == "speculative_config":
+                from llamabatch.generate.spec_config import spec_cli_argv
+
+                argv += spec_cli_argv(value)
             elif name == "flash_attn":
                 argv += [main, "on" if value is True else "off" if value is False else "auto"]
             elif name == "strategy" and not isinstance(value, str):

@@ -169,6 +169,7 @@ DEFAULTS = {
     "target_itl_ms": None,
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
+    "speculative_config": None,  # off; {"method": "ngram" | "draft_model", ...} (generate/spec_config.py)
 }
 
 
@@ -202,6 +203,7 @@ def test_config_defaults_and_frozen():
         ({"type_v": "q4_0", "flash_attn": False}, "needs flash attention"),
         ({"cache_ram": -1}, "cache_ram must be an int >= 0"),
         ({"prefix_cache_dir": 3}, "prefix_cache_dir must be a directory path"),
+        ({"speculative_config": {"method": "ngram", "k": 3}}, r"speculative_config: unknown keys \['k'\]"),
     ],
 )
 def test_config_checks_name_the_option(options, message):

@@ -51,8 +51,10 @@ from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
+from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
+from llamabatch.generate.speculative import Speculator
 from llamabatch.outputs import FinishReason
-from llamabatch.runtime.telemetry import GenerationCounters, RequestEvent, Telemetry, TickEvent
+from llamabatch.runtime.telemetry import GenerationCounters, Telemetry, TickEvent
 from llamabatch.runtime.worker import halve_and_retry
 
 logger = logging.getLogger("llamabatch")
@@ -187,6 +189,8 @@ class EngineCore:
             self.kv.state_bytes_per_token = state_bytes_per_token(model)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
+        spec = config.speculative_config
+        self.spec = Speculator.from_config(spec, self) if spec else None
         self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()
         self._batch_released = False
@@ -415,6 +419,8 @@ class EngineCore:
         if latency is not None:
             budget = latency.budget(self.table, [s for s, _ in self.slots.busy()])
         self._budget = budget
+        if self.spec is not None:
+            self.spec.prepare(self)
         while True:
             outcome = halve_and_retry(self._try_decode, budget, relieve=self._relieve)
             retries += outcome.retries
@@ -533,6 +539,8 @@ class EngineCore:
         self.kv.release(slot, keep=False)
         request = self.slots.release(slot)
         assert request is not None
+        if self.spec is not None:
+            self.spec.release(request, done=False)
         request.transition(RequestStatus.PREEMPTED)
         request.n_preemptions += 1
         self.counters.preemptions += 1
@@ -546,6 +554,8 @@ class EngineCore:
     def _sample_outputs(self) -> None:
         """Sample every output of the tick: plain greedy requests take the argmax of their
         logits row (numpy, no copy), the others run their own llama.cpp sampler chain."""
+        if self.table.n_draft_tokens and self.spec is not None:
+            return self.spec.sample_tick(self)
         outputs = self.table.outputs()  # [(slot, batch index)], in batch order
         running: list[Any] = self.slots.requests  # every slot of ``outputs`` is busy
         # Output rows are stored in batch order, which is the order of ``outputs``.
@@ -566,37 +576,48 @@ class EngineCore:
                 continue
             if request.fast_greedy:
                 token = greedy[row]
+                logprobs = request.state.logprobs
+                if logprobs is not None:
+                    logprobs.append(self._logprobs(idx, token, request.params.logprobs))
             else:
-                try:
-                    if len(request.output_tokens) < request.params.min_tokens:
-                        token = self._sample_without_stops(request, idx)
-                    else:
-                        token = request.sampler.sample(self.context, idx)
-                except SamplingError as exc:  # a grammar at a dead end: end this request only
-                    self._finish(slot, "error", error=str(exc))
+                sampled = self._sample_row(slot, request, idx, None, row)
+                if sampled is None:
                     continue
-            logprobs = request.state.logprobs
-            if logprobs is not None:
-                logprobs.append(self._logprobs(idx, token, request.params.logprobs))
+                token = sampled
             self._on_token(slot, request, token, now)
 
-    def _sample_without_stops(self, request: Request, idx: int) -> int:
-        """Sample with end-of-generation and stop tokens masked out (``min_tokens``); the
-        logits are restored afterwards, so log-probabilities stay those of the model."""
-        banned = list(request.stop_ids)
-        if not request.params.ignore_eos:
-            banned += self._eog_ids
-        sampler = request.sampler
-        assert sampler is not None  # min_tokens: never the fast greedy path
-        logits = self.context.logits_view(idx)
-        saved = logits[banned].copy()
-        logits[banned] = -np.inf
-        try:
-            return sampler.sample(self.context, idx)
-        finally:
-            logits[banned] = saved
+    def _sample_row(
+        self, slot: int, request: Request, idx: int, logits: Any, row: int, n_before: int = -1
+    ) -> int | None:
+        """The token sampled at batch index ``idx`` (output ``row``; ``logits``: the tick's
+        rows when a fast greedy request is in it) with the request's own sampler, its
+        logprobs recorded; None when sampling failed (the request is ended). ``n_before``:
+        tokens sampled before this one in the tick and not yet emitted (speculation: the
+        caller records the logprobs of the tokens it emits)."""
+        if request.fast_greedy:
+            token = int(logits[row].argmax())
+        else:
+            sampler = request.sampler
+            assert sampler is not None  # never the fast greedy path
+            try:
+                if len(request.output_tokens) + max(n_before, 0) < request.params.min_tokens:
+                    banned = list(request.stop_ids) + ([] if request.params.ignore_eos else self._eog_ids)
+                    token = sample_without(self.context, sampler, idx, banned)
+                else:
+                    token = sampler.sample(self.context, idx)
+            except SamplingError as exc:  # a grammar at a dead end: end this request only
+                self._finish(slot, "error", error=str(exc))
+                return None
+        logprobs = request.state.logprobs
+        if logprobs is not None and n_before < 0:
+            logprobs.append(self._logprobs(idx, token, request.params.logprobs or 0))
+        return token
 
-    def _on_token(self, slot: int, request: Request, token: int, now: float) -> None:
+    def _on_token(
+        self, slot: int, request: Request, token: int, now: float, n_past: int = -1, last: bool = True
+    ) -> bool:
+        """Emit ``token``; whether the request goes on (``n_past``/``last``: speculation's
+        emission of several tokens of one tick, only the last one decoded next)."""
         params = request.params
         if request.t_first_token is None:
             request.t_first_token = now
@@ -605,17 +626,21 @@ class EngineCore:
         if (self._eog[token] and not params.ignore_eos) or token in request.stop_ids:
             self._emit(request, "", token)
             self._finish(slot, "stop", stop_reason=token)
-            return
+            return False
         text, matched = request.state.feed(self._piece(token, not params.skip_special_tokens))
         if matched is not None:
             self._emit(request, text, token)
             self._finish(slot, "stop", stop_reason=matched)
-            return
+            return False
         self._emit(request, text, token)
-        if len(request.output_tokens) >= params.max_tokens or self.table.n_past(slot) + 1 >= self.n_ctx_seq:
+        if n_past < 0:
+            n_past = self.table.n_past(slot)
+        if len(request.output_tokens) >= params.max_tokens or n_past + 1 >= self.n_ctx_seq:
             self._finish(slot, "length")
-            return
-        self.table.accept(slot, token)
+            return False
+        if last:
+            self.table.accept(slot, token)
+        return True
 
     def _emit(self, request: Request, text: str, token: int) -> None:
         state = request.state
@@ -632,16 +657,7 @@ class EngineCore:
         return piece
 
     def _logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
-        logits = self.context.logits_view(idx).astype(np.float64)
-        peak = logits.max()
-        logsumexp = peak + np.log(np.exp(logits - peak).sum())
-        out: dict[int, float] = {}
-        if n > 0:
-            top = np.argpartition(-logits, n - 1)[:n] if n < self._n_vocab else np.arange(self._n_vocab)
-            for t in top[np.argsort(-logits[top], kind="stable")]:
-                out[int(t)] = float(logits[t] - logsumexp)
-        out[int(token)] = float(logits[token] - logsumexp)
-        return out
+        return row_logprobs(self.context, idx, token, n, self._n_vocab)
 
     # -- the end of a request -------------------------------------------------------------
 
@@ -658,6 +674,8 @@ class EngineCore:
     def _end(
         self, request: Request, reason: FinishReason, error: str | None = None, stop_reason: Any = None
     ) -> None:
+        if self.spec is not None:
+            self.spec.release(request)
         rest = request.finish(reason, error, stop_reason)
         if rest is None:
             return
@@ -672,31 +690,4 @@ class EngineCore:
         counters.reused_tokens += out.usage.reused_tokens
         counters.finish_reasons[out.finish_reason] = counters.finish_reasons.get(out.finish_reason, 0) + 1
         if self.telemetry.has_listeners:
-            ttft = out.timings.time_to_first_token
-            gen_time = out.timings.total - ttft if ttft is not None else None
-            prefill_time = ttft - out.timings.queue_wait if ttft is not None else None
-            self.telemetry.emit(
-                RequestEvent(
-                    request_id=out.request_id,
-                    finish_reason=out.finish_reason,
-                    prompt_tokens=out.usage.prompt_tokens,
-                    completion_tokens=out.usage.completion_tokens,
-                    reused_tokens=out.usage.reused_tokens,
-                    queue_wait=out.timings.queue_wait,
-                    time_to_first_token=ttft,
-                    total=out.timings.total,
-                    prompt_tokens_per_s=(out.usage.prompt_tokens / prefill_time) if prefill_time else None,
-                    generation_tokens_per_s=(
-                        (out.usage.completion_tokens - 1) / gen_time
-                        if gen_time and out.usage.completion_tokens > 1
-                        else None
-                    ),
-                    preemptions=request.n_preemptions,
-                    index=request.index,
-                    n=request.params.n,
-                    itl_p50=out.timings.itl_p50,
-                    itl_p99=out.timings.itl_p99,
-                    itl_max=out.timings.itl_max,
-                    inter_token_latencies=tuple(np.diff(request.token_times).tolist()),
-                )
-            )
+            self.telemetry.emit(request_event(request, out))

@@ -290,6 +290,8 @@ class EngineHost:
             kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
             kv_budget_bytes=plan.budget_bytes,
             **core.kv.tier_stats(),
+            spec_draft_tokens=c.spec_draft_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
         )
 
     def free(self) -> None:

@@ -108,9 +108,9 @@ class _NgramIndex:
         for n in sorted(maps, reverse=True):  # longest suffix first
             if end < n:
                 continue
-            e = maps[n].get(tuple(hist[end - n : end]))
-            if e is not None:
-                return list(hist[e : min(e + k, end)])
+            found = maps[n].get(tuple(hist[end - n : end]))
+            if found is not None:
+                return list(hist[found : min(found + k, end)])
         return []
 
 
@@ -331,9 +331,6 @@ class Speculator:
                 request.arrival, _draft_of(draft, st), rows_logits, request.params
             )
             tokens = [*draft[:n_acc], nxt]
-            for i, tok in enumerate(tokens):
-                if request.state.logprobs is not None:
-                    request.state.logprobs.append(core._logprobs(idxs[i], tok, request.params.logprobs))
         else:
             for i in range(d + 1):
                 token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
@@ -346,11 +343,16 @@ class Speculator:
         self._account(st, d, n_acc)
         request.spec_counts[0] += d
         request.spec_counts[1] += n_acc
+        core.counters.spec_draft_tokens += d
+        core.counters.spec_accepted_tokens += n_acc
         if d - n_acc:
             table.reject(slot, d - n_acc)
             core.context.seq_rm(slot, table.n_past(slot), -1)
         base = table.n_past(slot) - 1 - n_acc  # n_past before the pending token was decoded
+        logprobs = request.state.logprobs
         for i, token in enumerate(tokens):
+            if logprobs is not None:  # from the row the token was sampled at
+                logprobs.append(core._logprobs(idxs[i], token, request.params.logprobs or 0))
             last = i == len(tokens) - 1
             if not core._on_token(slot, request, token, now, n_past=base + 1 + i, last=last):
                 return

@@ -111,6 +111,9 @@ class GenerationCounters:
     #: prompt and generated tokens computed again after a preemption
     recomputed_tokens: int = 0
     evictions: int = 0
+    #: speculative decoding: draft tokens verified, and accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,10 @@ class GenerationStats:
     prefix_files_loaded: int = 0
     prefix_files_saved: int = 0
     prefix_files_refused: int = 0
+    # -- speculative decoding (``speculative_config``, ``generate/speculative.py``) --
+    #: draft tokens verified, and those accepted (acceptance = accepted / draft)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

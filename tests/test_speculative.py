@@ -1,0 +1,256 @@
+"""Speculative decoding (``speculative_config``, n-gram method) on real llama.cpp.
+
+Greedy outputs with speculation are checked against a teacher-forced reference
+(log-probabilities within float noise, as the other fidelity tests); stops, limits,
+grammars, penalties and seeds see exactly the tokens of a run without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import llama_cpp
+import pytest
+from llama_reference import check_against_reference
+
+from llamabatch import LLM, EngineConfig, SamplingParams, testing
+from llamabatch._core.slots import MAX_DRAFT
+from llamabatch.generate.spec_config import MAX_SPECULATIVE_TOKENS, validate_speculative_config
+from llamabatch.generate.speculative import DraftJob, NgramDrafter
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the mat. the cat",
+    "one two three one two three one two",
+    "hello world",
+    "a b c d e f a b c d e f a b c",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return testing.model_path("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    return llama_cpp.Llama(
+        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
+    )
+
+
+def _llm(path, spec=NGRAM, **kw):
+    kw.setdefault("n_ctx", 2048)
+    kw.setdefault("n_parallel", 4)
+    return LLM(path, speculative_config=spec, flash_attn=False, **kw)
+
+
+def _completions(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"method": "ngram", "bogus": 1}, "bogus"),
+        ({"method": "eagle"}, "method"),
+        ({"num_speculative_tokens": 3}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
+        ({"method": "ngram", "model": "x.gguf"}, "model"),
+        ({"method": "draft_model"}, "model"),
+        ({"method": "draft_model", "model": "d.gguf", "prompt_lookup_min": 2}, "prompt_lookup_min"),
+        ("ngram", "dict"),
+    ],
+)
+def test_bad_speculative_config_is_a_value_error_naming_it(config, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=config)
+
+
+def test_speculative_config_is_completed_with_defaults():
+    assert MAX_SPECULATIVE_TOKENS == MAX_DRAFT
+    assert validate_speculative_config({"method": "ngram"}) == {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    assert EngineConfig().speculative_config is None
+    config = EngineConfig(speculative_config={"method": "draft_model", "model": "d.gguf"})
+    assert config.speculative_config == {
+        "method": "draft_model",
+        "num_speculative_tokens": 5,
+        "model": "d.gguf",
+    }
+
+
+def test_cli_flags_make_the_speculative_config():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--spec-type", "ngram", "--draft-max", "3"])
+    config = EngineConfig.from_cli_args(args)
+    assert config.speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    again = EngineConfig.from_cli_args(parser.parse_args(config.to_cli_args()))
+    assert again.speculative_config == config.speculative_config
+    args = parser.parse_args(["--model-draft", "d.gguf", "--draft-max", "4"])
+    assert EngineConfig.from_cli_args(args).speculative_config == {
+        "method": "draft_model",
+        "num_speculative_tokens": 4,
+        "model": "d.gguf",
+    }
+    assert EngineConfig.from_cli_args(parser.parse_args([])).speculative_config is None
+    with pytest.raises(ValueError, match="--model-draft"):
+        EngineConfig.from_cli_args(parser.parse_args(["--spec-type", "draft"]))
+
+
+def test_sampling_params_speculative_is_checked():
+    assert SamplingParams().speculative is True
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")  # type: ignore[arg-type]
+
+
+# -- n-gram lookup ------------------------------------------------------------------------
+
+
+def _brute_force(hist: list[int], lo: int, hi: int, k: int) -> list[int]:
+    end = len(hist)
+    for n in range(hi, lo - 1, -1):
+        if end < n:
+            continue
+        suffix = hist[end - n :]
+        for e in range(end - 1, n - 1, -1):  # latest earlier occurrence, ending before the last token
+            if hist[e - n : e] == suffix:
+                return hist[e : min(e + k, end)]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_ngram_index_equals_a_full_rescan(seed):
+    rng = random.Random(seed)
+    lo = rng.randint(1, 3)
+    hi = rng.randint(lo, 5)
+    drafter = NgramDrafter(lo, hi)
+    prompt = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+    output: list[int] = []
+    for _ in range(60):
+        k = rng.randint(1, 8)
+        got = drafter.draft([DraftJob("r", prompt, output, k, SamplingParams())])
+        want = _brute_force(prompt + output, lo, hi, k)
+        assert (got["r"].tokens if "r" in got else []) == want
+        output.extend(rng.randrange(6) for _ in range(rng.randint(1, 3)))
+    drafter.release("r")
+    assert not drafter._index
+
+
+# -- verification against the reference ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("kv_unified", "prefix_cache"), [(True, True), (False, False), (False, True)])
+def test_greedy_speculation_matches_the_reference(tiny_path, reference, kv_unified, prefix_cache):
+    params = SamplingParams(max_tokens=96, temperature=0, logprobs=2)
+    with _llm(tiny_path, kv_unified=kv_unified, prefix_cache=prefix_cache) as llm:
+        outs = _completions(llm, PROMPTS + PROMPTS[:2], params)  # repeats: prefix reuse
+        stats = llm.stats()
+    check_against_reference(reference, outs, top_n=2)
+    drafted = sum(o.timings.spec_draft_tokens for o in outs)
+    accepted = sum(o.timings.spec_accepted_tokens for o in outs)
+    assert 0 < accepted <= drafted
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 96 for o in outs)
+    assert stats.spec_draft_tokens == drafted
+    assert stats.spec_accepted_tokens == accepted
+
+
+def test_speculation_off_and_opt_out_draft_nothing(tiny_path):
+    params = SamplingParams(max_tokens=64, temperature=0)
+    with _llm(tiny_path) as llm:
+        on = _completions(llm, PROMPTS, params)
+        opted = _completions(llm, PROMPTS, SamplingParams(max_tokens=64, temperature=0, speculative=False))
+    with _llm(tiny_path, spec=None) as llm:
+        off = _completions(llm, PROMPTS, params)
+    assert sum(o.timings.spec_accepted_tokens for o in on) > 0
+    assert all(o.timings.spec_draft_tokens == 0 for o in opted + off)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off] == [o.token_ids for o in opted]
+
+
+def test_stops_and_limits_inside_accepted_runs_truncate_them(tiny_path):
+    base = SamplingParams(max_tokens=96, temperature=0, logprobs=0)
+    with _llm(tiny_path, spec=None) as llm:
+        plain = _completions(llm, PROMPTS, base)
+    cases = []
+    for i, out in enumerate(plain):
+        for j in (5, 17, 33, 50, 71):
+            cases.append((i, SamplingParams(max_tokens=j, temperature=0, logprobs=0)))
+            cases.append((i, SamplingParams(max_tokens=96, temperature=0, stop_token_ids=[out.token_ids[j]])))
+            text = out.text
+            if len(text) > 40:
+                cases.append(
+                    (i, SamplingParams(max_tokens=96, temperature=0, stop=[text[j % 30 + 5 : j % 30 + 8]]))
+                )
+    with _llm(tiny_path) as llm:
+        with_spec = [_completions(llm, [PROMPTS[i]], p)[0] for i, p in cases]
+    with _llm(tiny_path, spec=None) as llm:
+        without = [_completions(llm, [PROMPTS[i]], p)[0] for i, p in cases]
+    assert sum(o.timings.spec_accepted_tokens for o in with_spec) > 0
+    for a, b in zip(with_spec, without, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
+        )
+        assert a.logprobs is None or len(a.logprobs) == len(a.token_ids)
+
+
+def test_a_run_that_fills_the_context(tiny_path):
+    outs = {}
+    for spec in (NGRAM, None):
+        with _llm(tiny_path, spec=spec, n_ctx=256, n_parallel=1, kv_unified=False) as llm:
+            limit = 256 - len(llm.tokenize(PROMPTS[1]))
+            params = SamplingParams(max_tokens=limit, temperature=0)
+            outs[spec is None] = _completions(llm, [PROMPTS[1]], params)[0]
+    assert outs[False].finish_reason == outs[True].finish_reason == "length"
+    assert outs[False].token_ids == outs[True].token_ids
+    assert outs[False].timings.spec_accepted_tokens > 0
+
+
+def test_sampled_penalised_and_grammar_requests_match_a_run_without_speculation(tiny_path):
+    grammar = 'root ::= ("ab " | "cd " | "ab cd ")+'
+    params = [
+        SamplingParams(max_tokens=80, temperature=0.7, seed=11, repeat_penalty=1.1),
+        SamplingParams(max_tokens=80, temperature=0.9, seed=12, top_k=5, logprobs=1),
+        SamplingParams(max_tokens=80, temperature=0, presence_penalty=0.3, frequency_penalty=0.2),
+        SamplingParams(max_tokens=40, temperature=0, grammar=grammar),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, grammar=grammar, min_tokens=10),
+        SamplingParams(max_tokens=60, temperature=0, logit_bias={5: 2.0}),
+    ]
+    runs = []
+    for spec in (NGRAM, NGRAM, None):
+        with _llm(tiny_path, spec=spec) as llm:
+            runs.append([_completions(llm, [prompt], p)[0] for prompt in PROMPTS for p in params])
+    a, b, c = runs
+    for x, y, z in zip(a, b, c, strict=True):
+        assert x.token_ids == y.token_ids == z.token_ids  # reproducible, and as without speculation
+        assert x.text == z.text
+    assert sum(o.timings.spec_accepted_tokens for o in a) > 0
+
+
+def test_streaming_with_speculation_delivers_every_token_once(tiny_path):
+    params = SamplingParams(max_tokens=64, temperature=0)
+    with _llm(tiny_path) as llm:
+        deltas = list(llm.stream(PROMPTS[1], params))
+        (full,) = _completions(llm, [PROMPTS[1]], params)
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert "".join(d.text for d in deltas) == full.text

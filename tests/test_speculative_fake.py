@@ -1,0 +1,175 @@
+"""Speculative decoding on the fake context: verification of drafts in the batch keeps every
+completion what it would be alone (greedy and seeded sampled), the KV record exact and
+every request ending once, with drafts right, wrong or partly right, in both KV layouts,
+with prefix reuse, preemption, cancellation and scripted decode failures (the scheduler
+state machine of ``test_scheduler_fake.py`` with speculating requests)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+
+import pytest
+from fake_llama import FakeModel, make_core
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+from test_scheduler_fake import Recorder, SchedulerMachine, greedy, prompt
+
+from llamabatch import SamplingParams
+from llamabatch._core.slots import SlotState
+from llamabatch.generate.speculative import Draft, DraftJob, SpecPolicy, Speculator
+
+
+class OracleDrafter:
+    """Drafts the fake model's greedy continuation, each token wrong with probability
+    ``p_wrong`` (a random other token): acceptance from 100% down to none."""
+
+    def __init__(self, model: FakeModel, p_wrong: float, seed: int = 0) -> None:
+        self.model, self.p_wrong = model, p_wrong
+        self.rng = random.Random(seed)
+        self.released: list[tuple[Hashable, bool]] = []
+        self.calls = 0
+
+    def draft(self, jobs: Sequence[DraftJob]) -> dict[Hashable, Draft]:
+        self.calls += 1
+        out = {}
+        for job in jobs:
+            hist = list(job.prompt) + list(job.output)
+            tokens = []
+            for _ in range(job.k):
+                t = self.model.next_token(hist)
+                if self.rng.random() < self.p_wrong:
+                    t = (t + self.rng.randrange(1, self.model.n_vocab)) % self.model.n_vocab
+                tokens.append(t)
+                hist.append(t)
+            out[job.key] = Draft(tokens, "match")
+        return out
+
+    def verify(self, key, draft, logits_rows, params):  # pragma: no cover - match rule only
+        raise NotImplementedError
+
+    def release(self, key: Hashable, *, done: bool = True) -> None:
+        self.released.append((key, done))
+
+    def close(self) -> None:
+        pass
+
+
+def _speculate(core, model, p_wrong=0.0, k=4, seed=0, **policy) -> OracleDrafter:
+    drafter = OracleDrafter(model, p_wrong, seed)
+    config = {"method": "ngram", "num_speculative_tokens": k}
+    core.spec = Speculator(config, drafter, SpecPolicy(**policy))
+    return drafter
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+@pytest.mark.parametrize("p_wrong", [0.0, 0.3, 1.0])
+def test_completions_are_those_without_speculation(kv_unified, p_wrong):
+    core, ctx, model = make_core(n_parallel=3, kv_unified=kv_unified, prefix_cache=True, n_batch=32)
+    drafter = _speculate(core, model, p_wrong)
+    rec = Recorder(core, ctx, model)
+    for i in range(6):
+        params = greedy(20) if i % 2 else SamplingParams(max_tokens=20, temperature=1.0, seed=i)
+        rec.new(prompt(5 + i, i), params)
+    rec.run()
+    for r in rec.requests:
+        rec.check_done(r)
+    assert core.counters.spec_draft_tokens > 0
+    if p_wrong == 0.0:
+        assert core.counters.spec_accepted_tokens > core.counters.spec_draft_tokens // 2
+    if p_wrong == 1.0:
+        assert core.counters.spec_accepted_tokens < core.counters.spec_draft_tokens // 4
+    assert sorted(k for k, done in drafter.released if done) == sorted(r.arrival for r in rec.requests)
+
+
+def test_full_acceptance_takes_fewer_ticks_and_the_draft_length_grows():
+    steps = []
+    for spec in (False, True):
+        core, ctx, model = make_core(n_parallel=1, n_batch=32)
+        if spec:
+            _speculate(core, model, 0.0, k=8)
+        rec = Recorder(core, ctx, model)
+        (r,) = rec.new(prompt(6, 1), greedy(40))
+        steps.append(rec.run())
+        rec.check_done(r)
+        if spec:
+            assert r.output.timings.spec_accepted_tokens == r.output.timings.spec_draft_tokens > 0
+    assert steps[1] * 3 < steps[0]
+
+
+def test_stops_and_limits_inside_an_accepted_run():
+    core, ctx, model = make_core(n_parallel=2, n_batch=32)
+    _speculate(core, model, 0.0, k=8)
+    rec = Recorder(core, ctx, model)
+    full, _ = model.completion(prompt(6, 2), 30, 64, False, None)
+    rec.new(prompt(6, 2), greedy(7))  # max_tokens inside a run of 8 drafts
+    rec.new(prompt(6, 2), greedy(30, stop_token_ids=[full[10]]))
+    rec.run()
+    rec.check_done(rec.requests[0])  # (the recorder's expectation knows no stop tokens)
+    assert rec.requests[0].output.token_ids == full[:7]
+    assert rec.requests[1].output.finish_reason == "stop"
+    assert rec.requests[1].output.stop_reason == full[10]
+    assert rec.requests[1].output.token_ids == full[: full.index(full[10]) + 1]
+
+
+def test_drafts_only_take_spare_budget_and_never_run_at_full_concurrency():
+    core, ctx, model = make_core(n_parallel=4, n_batch=8, chunk_size=8)
+    _speculate(core, model, 0.0, k=8, max_streams=2)
+    rec = Recorder(core, ctx, model)
+    for i in range(4):
+        rec.new(prompt(8, i), greedy(12))
+    while core.has_unfinished():
+        streams = core.table.count(SlotState.DECODE)
+        rec.step()
+        n_decode, n_prefill = core.table.last_fill_stats
+        assert n_decode + n_prefill + core.table.n_draft_tokens <= 8
+        if streams > 2:
+            assert core.table.n_draft_tokens == 0
+    assert core.counters.spec_draft_tokens > 0  # once fewer than 3 streams decode
+    for r in rec.requests:
+        rec.check_done(r)
+
+
+def test_a_request_that_opts_out_or_keeps_rejecting_stops_drafting():
+    core, ctx, model = make_core(n_parallel=2, n_batch=32)
+    drafter = _speculate(core, model, 1.0, k=4)
+    rec = Recorder(core, ctx, model)
+    (opt_out,) = rec.new(prompt(6, 3), greedy(40, speculative=False))
+    (rejected,) = rec.new(prompt(6, 4), greedy(40))
+    rec.run()
+    rec.check_done(opt_out)
+    rec.check_done(rejected)
+    assert opt_out.output.timings.spec_draft_tokens == 0
+    # 3 rejected drafts (1 token each after the first shrink), then a back-off of 4+ ticks
+    assert rejected.output.timings.spec_draft_tokens < 40 // 2
+    assert drafter.calls < 40
+
+
+# -- the state machine with speculating requests -------------------------------------------
+
+
+class SpeculatingMachine(SchedulerMachine):
+    """``SchedulerMachine`` with an oracle drafter of random accuracy attached."""
+
+    @initialize(p_wrong=st.sampled_from([0.0, 0.2, 0.6, 1.0]), k=st.integers(1, 8), seed=st.integers(0, 99))
+    def choose_speculation(self, p_wrong, k, seed):
+        self.spec_choice = (p_wrong, k, seed)
+
+    @rule(n=st.integers(1, 8))
+    def step(self, n):
+        if self.core.spec is None:
+            p_wrong, k, seed = self.spec_choice
+            _speculate(self.core, self.model, p_wrong, k, seed)
+        super().step(n)
+
+    def teardown(self):
+        super().teardown()
+        if hasattr(self, "rec") and self.core.spec is not None:
+            assert self.core.counters.spec_accepted_tokens <= self.core.counters.spec_draft_tokens
+            drafted = sum(r.output.timings.spec_draft_tokens for r in self.rec.requests if r.output)
+            assert drafted <= self.core.counters.spec_draft_tokens
+
+
+TestSpeculatingMachine = SpeculatingMachine.TestCase
+TestSpeculatingMachine.settings = settings(settings.default, stateful_step_count=60)
