@@ -173,3 +173,22 @@ class SpeculatingMachine(SchedulerMachine):
 
 TestSpeculatingMachine = SpeculatingMachine.TestCase
 TestSpeculatingMachine.settings = settings(settings.default, stateful_step_count=60)
+
+
+def test_under_a_latency_target_drafts_stay_within_the_predicted_tick_time():
+    core, ctx, model = make_core(n_parallel=1, n_batch=32, target_itl_ms=10.0)
+    ctx.cost = (0.004, 0.0005, 0.001, 1e-6)  # a scripted decode time: 1 stream + 8 drafts ~ 18 ms
+    core.clock = ctx.clock
+    _speculate(core, model, 0.0, k=8)
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(6, 5), greedy(120))
+    times = []
+    while core.has_unfinished():
+        t0 = ctx.clock()
+        rec.step()
+        times.append((ctx.clock() - t0, core.table.n_draft_tokens))
+    rec.check_done(r)
+    assert r.output.timings.spec_accepted_tokens > 0
+    late = times[10:]  # once the cost model has seen a few ticks
+    assert max(d for _, d in late) < 8
+    assert all(t <= 0.0105 for t, _ in late)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from llamabatch._core.slots import SlotState
+from llamabatch.generate.cost_model import TickFeatures
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_config import validate_speculative_config
@@ -255,6 +256,8 @@ class Speculator:
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         if table.kv_unified:
             room = min(room, table.cells_free - core.watermark - n_decode)
+        if room > 0 and core.latency is not None:
+            room = latency_room(core, n_decode, room)
         if room <= 0:
             return
         jobs: list[DraftJob] = []
@@ -393,6 +396,37 @@ class Speculator:
 
     def close(self) -> None:
         self.drafter.close()
+
+
+def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
+    """The most draft tokens (up to ``room``) that keep the tick's predicted decode time
+    under ``target_itl_ms``: the batch is this tick's decode and prefill tokens (what its
+    budget lets the plan take) plus the drafts, each draft with its logits row, as the
+    ``LatencyBudget``'s cost model predicts it."""
+    latency = core.latency
+    assert latency is not None
+    table = core.table
+    busy = [s for s, _ in core.slots.busy()]
+    pending = sum(table.n_pending(s) for s in busy)
+    prefill = max(0, min(core._budget - n_decode, pending))
+    decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
+    used = table.cells_used
+
+    def cost(d: int) -> float:
+        n = n_decode + prefill + d
+        attended = (
+            float(n * (used + n)) if table.kv_unified else float(decode_past * (1 + d / max(n_decode, 1)))
+        )
+        return latency.model.predict(TickFeatures(n, n_decode + d + (1 if prefill else 0), attended))
+
+    lo, hi = 0, room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= latency.target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _draft_of(tokens: list[int], st: _SpecState) -> Draft:
