@@ -31,6 +31,7 @@ from typing import Any
 
 from llamabatch.bench import options
 from llamabatch.bench.chat import Conversations, llm_backend, run_chat
+from llamabatch.config import EngineConfig
 from llamabatch.errors import PromptTooLong
 
 __all__ = ["LAYOUTS", "WORKLOADS", "add_arguments", "main", "run_layout"]
@@ -119,12 +120,21 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
     kwargs: dict[str, Any] = dict(LAYOUTS[layout])
     if args.threads:
         kwargs["n_threads"] = args.threads
+    kwargs.update(type_k=args.type_k, type_v=args.type_v)  # f16 unless -ctk / -ctv say otherwise
     if layout != "defaults":
         kwargs.update(n_ctx=args.n_ctx, n_parallel=args.n_parallel)
     with LLM(model_path, **kwargs) as llm:
         llm.generate([[llm.model.bos, 300, 400]], SamplingParams(max_tokens=2), use_tqdm=False)
         row = WORKLOADS[workload](llm, args)
-        return {"workload": workload, "layout": layout, "n_ctx": llm.n_ctx, "n_ctx_seq": llm.n_ctx_seq, **row}
+        kv = f"{args.type_k}/{args.type_v}"
+        return {
+            "workload": workload,
+            "layout": layout,
+            "kv": kv,
+            "n_ctx": llm.n_ctx,
+            "n_ctx_seq": llm.n_ctx_seq,
+            **row,
+        }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,6 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=options.positive_int, default=12)
     p.add_argument("--turns", type=options.positive_int, default=4)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    EngineConfig.add_cli_args(p, only=("type_k", "type_v"))
 
 
 def main(args: argparse.Namespace) -> int:

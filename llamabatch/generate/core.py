@@ -47,6 +47,7 @@ from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
 from llamabatch.generate.cost_model import LatencyBudget, batch_features
 from llamabatch.generate.kv_cache import KVCache
+from llamabatch.generate.kv_memory import resolved_n_ctx
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
@@ -125,7 +126,7 @@ def build_engine(
     make_context = context_factory if context_factory is not None else Context
     context = make_context(
         model,
-        n_ctx=config.n_ctx,
+        n_ctx=resolved_n_ctx(model, config),
         n_batch=config.n_batch,
         n_ubatch=config.n_ubatch,
         n_seq_max=config.n_seq_max,

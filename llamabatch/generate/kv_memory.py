@@ -24,7 +24,15 @@ if TYPE_CHECKING:
     from llamabatch._ffi.model import Model
     from llamabatch.config import EngineConfig
 
-__all__ = ["KV_BUDGET_FRACTION", "MIN_N_CTX", "KVPlan", "kv_budget_bytes", "log_plan", "plan_kv"]
+__all__ = [
+    "KV_BUDGET_FRACTION",
+    "MIN_N_CTX",
+    "KVPlan",
+    "kv_budget_bytes",
+    "log_plan",
+    "plan_kv",
+    "resolved_n_ctx",
+]
 
 logger = logging.getLogger("llamabatch")
 
@@ -98,6 +106,11 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
         )
     n_ctx = max(n_ctx, config.n_seq_max)
     return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, config.type_k, config.type_v)
+
+
+def resolved_n_ctx(model: Model, config: EngineConfig) -> int:
+    """``config.n_ctx``, or the default of :func:`plan_kv` when it is None."""
+    return config.n_ctx if config.n_ctx is not None else plan_kv(model, config).n_ctx
 
 
 def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, kv_unified: bool, n_seq_max: int) -> None:
