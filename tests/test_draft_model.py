@@ -195,3 +195,22 @@ def test_from_config(tmp_path) -> None:
     assert drafter.context.n_ctx >= 256 + 2 * 4 and drafter.context.n_seq_max == 2
     drafter.close()
     target.close()
+
+
+def test_draft_context_without_room_drafts_nothing_and_backs_off() -> None:
+    pair = draft_pair("tiny")
+    target = Model(pair.target, vocab_only=True)
+    drafter = DraftModelDrafter(pair.draft, target, n_seq=2, n_ctx=64, n_batch=32, n_threads=1)
+    n_cells = drafter.context.n_ctx  # llama.cpp may round n_ctx up
+    long_prompt = target.tokenize(" ".join(english_sentences(60)))[: n_cells + 20]
+    assert len(long_prompt) == n_cells + 20
+    job = DraftJob("a", long_prompt, [], 3, GREEDY)
+    assert drafter.draft([job]) == {}
+    assert drafter.n_failures == 1 and drafter.context.seq_pos_max(drafter._seqs["a"].seq_id) == -1
+    decodes = drafter.n_decodes
+    assert drafter.draft([job]) == {} and drafter.draft([job]) == {}  # skipped: no decode
+    assert drafter.n_decodes == decodes
+    short = DraftJob("b", long_prompt[:10], [], 2, GREEDY)
+    assert len(drafter.draft([short])["b"].tokens) == 2 and drafter.n_failures == 0
+    drafter.close()
+    target.close()

@@ -153,6 +153,9 @@ class DraftModelDrafter:
         #: Draft decodes run and tokens drafted (telemetry, tests).
         self.n_decodes = 0
         self.n_drafted = 0
+        #: failed draft decodes in a row (no KV room), and draft() calls still to skip after them
+        self.n_failures = 0
+        self._skip = 0
 
     @classmethod
     def from_config(
@@ -213,7 +216,12 @@ class DraftModelDrafter:
     def draft(self, jobs: Iterable[DraftJob]) -> dict[Hashable, Draft]:
         """Draft up to ``job.k`` tokens for each job (see the module doc); a request gets no
         entry when it has nothing to draft or no sequence is free. A failed draft decode (no KV
-        room) drafts nothing this time and clears the draft KV of the requests involved."""
+        room) drafts nothing this time, clears the draft KV of the requests involved and skips
+        the next ``2 ** n`` calls after ``n`` failures in a row (at most 256), so a draft
+        context too small for the moment does not refill its KV every tick."""
+        if self._skip > 0:
+            self._skip -= 1
+            return {}
         work: list[_Work] = []
         batch = self._pool.acquire()
         try:
@@ -291,12 +299,15 @@ class DraftModelDrafter:
         self.n_decodes += 1
         batch.clear()
         if code != 0:
+            self.n_failures += 1
+            self._skip = min(256, 2**self.n_failures)
             for _job, seq, draft in work:  # the KV may hold part of the batch: start over
                 self.context.seq_rm(seq.seq_id)
                 seq.tokens.clear()
                 seq.stable = 0
                 draft.tokens.clear()
             return False
+        self.n_failures = 0
         for index, batch_index in rows:
             job, _, draft = work[index]
             logits = self.context.logits_view(batch_index)
