@@ -254,3 +254,36 @@ def test_streaming_with_speculation_delivers_every_token_once(tiny_path):
         (full,) = _completions(llm, [PROMPTS[1]], params)
     assert [t for d in deltas for t in d.token_ids] == full.token_ids
     assert "".join(d.text for d in deltas) == full.text
+
+
+def test_serve_and_generate_take_llama_servers_flags():
+    from llamabatch.cli import build_parser
+    from llamabatch.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-m", "x.gguf", "--spec-type", "ngram", "--draft-max", "7"])
+    assert EngineConfig.from_cli_args(args).speculative_config["num_speculative_tokens"] == 7
+    args = build_parser().parse_args(["generate", "-m", "x.gguf", "--spec-type", "draft", "-md", "d.gguf"])
+    assert EngineConfig.from_cli_args(args).speculative_config["model"] == "d.gguf"
+
+
+def test_metrics_export_the_spec_decode_counters(tiny_path):
+    from llamabatch.runtime.metrics import PrometheusListener
+
+    metrics = PrometheusListener()
+    with _llm(tiny_path) as llm:
+        metrics.attach(llm)
+        outs = _completions(llm, PROMPTS, SamplingParams(max_tokens=64, temperature=0))
+        text = metrics.generate_latest().decode()
+        stats = llm.stats()
+    accepted = sum(o.timings.spec_accepted_tokens for o in outs)
+    assert accepted == stats.spec_accepted_tokens == sum(stats.spec_accepted_per_pos) > 0
+    assert stats.spec_drafts > 0
+    assert (
+        f'llamabatch:spec_decode_num_accepted_tokens_total{{model_name="{tiny_path.stem}"}} {float(accepted)}'
+        in text
+    )
+    assert "llamabatch:spec_decode_num_draft_tokens_total" in text
+    assert "llamabatch:spec_decode_num_drafts_total" in text
+    assert 'llamabatch:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text

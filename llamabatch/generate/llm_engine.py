@@ -290,7 +290,9 @@ class EngineHost:
             kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
             kv_budget_bytes=plan.budget_bytes,
             **core.kv.tier_stats(),
+            spec_drafts=c.spec_drafts,
             spec_draft_tokens=c.spec_draft_tokens,
+            spec_accepted_per_pos=tuple(c.spec_accepted_per_pos),
             spec_accepted_tokens=c.spec_accepted_tokens,
         )
 

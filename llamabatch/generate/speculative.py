@@ -346,8 +346,15 @@ class Speculator:
         self._account(st, d, n_acc)
         request.spec_counts[0] += d
         request.spec_counts[1] += n_acc
-        core.counters.spec_draft_tokens += d
-        core.counters.spec_accepted_tokens += n_acc
+        counters = core.counters
+        counters.spec_drafts += 1
+        counters.spec_draft_tokens += d
+        counters.spec_accepted_tokens += n_acc
+        per_pos = counters.spec_accepted_per_pos
+        if len(per_pos) < d:
+            per_pos.extend([0] * (d - len(per_pos)))
+        for i in range(n_acc):
+            per_pos[i] += 1
         if d - n_acc:
             table.reject(slot, d - n_acc)
             core.context.seq_rm(slot, table.n_past(slot), -1)

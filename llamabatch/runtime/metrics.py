@@ -30,7 +30,13 @@ label (the GGUF's file stem unless given):
 ``llamabatch:prefix_cache_queries_total`` / ``_hits_``    counters: prompt tokens / of them reused
 ``llamabatch:iteration_tokens_total``                     counter: tokens decoded by forward passes
 ``llamabatch:embedding_*``                                packs, sequences, tokens, pack utilisation
+``llamabatch:spec_decode_num_drafts_total``               counter: drafts verified (speculative decoding)
+``llamabatch:spec_decode_num_draft_tokens_total``         counter: draft tokens verified
+``llamabatch:spec_decode_num_accepted_tokens_total``      counter: draft tokens accepted
+``llamabatch:spec_decode_num_accepted_tokens_per_pos``    counter{position}: accepted, by draft position
 ========================================================  ===========================================
+
+The ``spec_decode_*`` counters are llama-server's (``llamacpp:spec_decode_*``) and vLLM's names.
 
 A request with ``n > 1`` counts as ``n`` completions (each finishes on its own).
 """
@@ -245,6 +251,7 @@ class PrometheusListener:
             yield histogram
 
         yield from self._gauges(sources, GaugeMetricFamily)
+        yield from _spec_counters(sources, CounterMetricFamily)
 
     def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
         def family(kind: Any, key: str, doc: str) -> Any:
@@ -293,6 +300,41 @@ _TIER_GAUGES = {
     "prefix_files_loaded": "Pinned prefixes loaded from prefix_cache_dir.",
     "prefix_files_refused": "Prefix files refused (corrupt, another model or layout).",
 }
+
+
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("spec_drafts", "Speculative decoding: drafts verified."),
+    "spec_decode_num_draft_tokens": ("spec_draft_tokens", "Speculative decoding: draft tokens verified."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_accepted_tokens",
+        "Speculative decoding: draft tokens accepted.",
+    ),
+}
+
+
+def _spec_counters(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any]:
+    """Speculative decoding's totals (``GenerationStats.spec_*``), as llama-server names them."""
+    families = {
+        key: counter(PREFIX + key, doc, labels=["model_name"]) for key, (_, doc) in _SPEC_COUNTERS.items()
+    }
+    per_pos = counter(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Speculative decoding: accepted draft tokens by draft position.",
+        labels=["model_name", "position"],
+    )
+    for source, name in sources:
+        try:
+            stats = source.stats()
+        except Exception:  # a closed engine: nothing to report
+            continue
+        if _get(stats, "spec_drafts") is None:  # an Embedder, or an engine without the fields
+            continue
+        for key, (field_name, _) in _SPEC_COUNTERS.items():
+            families[key].add_metric([name], _get(stats, field_name))
+        for position, n in enumerate(_get(stats, "spec_accepted_per_pos") or ()):
+            per_pos.add_metric([name, str(position)], n)
+    yield from families.values()
+    yield per_pos
 
 
 def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:

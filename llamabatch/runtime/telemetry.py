@@ -111,9 +111,11 @@ class GenerationCounters:
     #: prompt and generated tokens computed again after a preemption
     recomputed_tokens: int = 0
     evictions: int = 0
-    #: speculative decoding: draft tokens verified, and accepted
+    #: speculative decoding: drafts verified, their tokens, those accepted (and by position)
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,12 @@ class GenerationStats:
     prefix_files_saved: int = 0
     prefix_files_refused: int = 0
     # -- speculative decoding (``speculative_config``, ``generate/speculative.py``) --
-    #: draft tokens verified, and those accepted (acceptance = accepted / draft)
+    #: drafts verified (one per speculating sequence and tick), their tokens, and those
+    #: accepted (acceptance = accepted / draft tokens); accepted tokens by draft position
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
