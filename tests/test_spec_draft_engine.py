@@ -144,3 +144,25 @@ def test_draft_kv_under_preemption_and_cancel(pair) -> None:
         str(pair.target), n_ctx=1024, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
     check_against_reference(reference, outs)
+
+
+def test_seeded_sampled_requests_are_reproducible(pair) -> None:
+    """Rule "sampled" (plain temperature sampling): the same seed gives the same tokens run after
+    run. Rule "match" (a repetition penalty: the target's own sampler chain decides every
+    token): the same tokens as without speculation, seed for seed."""
+    kwargs = dict(n_ctx=1024, n_parallel=2, n_threads=1, flash_attn=False)
+    prompts = _prompts(2)
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(2)]
+    match = [
+        SamplingParams(max_tokens=24, temperature=0.9, repeat_penalty=1.2, seed=11 + i, ignore_eos=True)
+        for i in range(2)
+    ]
+    with LLM(pair.target, speculative_config=_spec(pair.draft), **kwargs) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+        spec_match = [o.outputs[0] for o in llm.generate(prompts, match)]
+    with LLM(pair.target, **kwargs) as llm:
+        plain_match = [o.outputs[0] for o in llm.generate(prompts, match)]
+    assert first == again
+    assert [o.token_ids for o in spec_match] == [o.token_ids for o in plain_match]
+    assert sum(o.timings.spec_draft_tokens or 0 for o in spec_match) > 0
