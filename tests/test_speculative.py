@@ -287,3 +287,40 @@ def test_metrics_export_the_spec_decode_counters(tiny_path):
     assert "llamabatch:spec_decode_num_draft_tokens_total" in text
     assert "llamabatch:spec_decode_num_drafts_total" in text
     assert 'llamabatch:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+
+
+def test_bench_repeat_workload_with_speculation(tiny_path, capsys):
+    import json
+
+    from llamabatch.bench.workloads import REPEAT_PASSAGE, open_tokenizer, repeat_requests
+    from llamabatch.cli import main
+
+    vocab = open_tokenizer(tiny_path)
+    try:
+        requests = repeat_requests(vocab, 100, 8, 2)
+    finally:
+        vocab.close()
+    assert len(requests) == 2 and requests[0].prompt != requests[1].prompt
+    for r in requests:
+        assert len(r.prompt) == 100 and r.prompt[REPEAT_PASSAGE:] == r.prompt[: 100 - REPEAT_PASSAGE]
+    argv = [
+        "bench",
+        "-m",
+        str(tiny_path),
+        "--workload",
+        "repeat",
+        "--npp",
+        "64",
+        "--ntg",
+        "16",
+        "--npl",
+        "1,2",
+    ]
+    argv += ["--spec-type", "ngram", "--draft-max", "4", "-t", "2", "--json", "--no-progress"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["workload"], r["npl"], r["speculative"]) for r in rows] == [
+        ("repeat", 1, "ngram:4"),
+        ("repeat", 2, "ngram:4"),
+    ]
+    assert all(r["gen_tokens"] == 16 * r["npl"] for r in rows)

@@ -45,6 +45,7 @@ from llamabatch.bench.workloads import (
     batched_requests,
     mixed_requests,
     open_tokenizer,
+    repeat_requests,
     warm_prompt,
 )
 
@@ -127,16 +128,19 @@ def run_batched(
     n_requests: int | None = None,
     others: Mapping[str, Runner] | None = None,
     engine_name: str = ENGINE,
+    repeat_prompts: bool = False,
 ) -> list[RunResult]:
     """llama-batched-bench's grid (every ``npp`` x ``ntg`` x ``npl``) through ``runners``
     (names of :data:`RUNNERS`) and the ready-made runners ``others`` (warmed up here, closed
     by the caller). The engine gets ``config.n_parallel`` slots (default ``npl``) and is
-    named ``engine_name``. ``progress(label)`` is called after every run."""
+    named ``engine_name``. ``progress(label)`` is called after every run. ``repeat_prompts``:
+    the ``repeat`` workload's prompts (:func:`repeat_requests`)."""
     _check_runners(runners)
     vocab = open_tokenizer(config.model)
+    make = repeat_requests if repeat_prompts else batched_requests
     try:
         grid = [
-            (npp, ntg, npl, batched_requests(vocab, npp, ntg, npl, config.seed, n_requests))
+            (npp, ntg, npl, make(vocab, npp, ntg, npl, config.seed, n_requests))
             for npp in npps
             for ntg in ntgs
             for npl in npls
@@ -244,7 +248,7 @@ def run_workload(
     n_runs = workload.n_points * (len(runners) + len(others or {})) * repeat
     advance, close = progress_bar(n_runs, command, show_progress)
     try:
-        if workload.kind == "batched":
+        if workload.kind in ("batched", "repeat"):
             return run_batched(
                 config,
                 workload.npps,
@@ -256,6 +260,7 @@ def run_workload(
                 n_requests=workload.n_requests,
                 others=others,
                 engine_name=engine_name,
+                repeat_prompts=workload.kind == "repeat",
             )
         return run_mixed(
             config,
@@ -331,6 +336,9 @@ def engine_settings(config: BenchConfig, workload: WorkloadSpec) -> dict[str, An
     }
     if config.target_itl_ms is not None:
         settings["target_itl_ms"] = config.target_itl_ms
+    if config.speculative_config is not None:
+        spec = config.speculative_config
+        settings["speculative"] = f"{spec['method']}:{spec['num_speculative_tokens']}"
     if workload.kind == "mixed":
         settings["mix"] = ",".join(f"{npp}:{ntg}:{w:g}" for npp, ntg, w in workload.mix)
     return settings

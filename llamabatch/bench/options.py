@@ -12,6 +12,7 @@ import argparse
 from llamabatch.bench.runners.base import BenchConfig
 from llamabatch.bench.workloads import DEFAULT_MIX, WorkloadSpec, parse_mix, resolve_model
 from llamabatch.config import EngineConfig, on_off, positive_float, positive_int
+from llamabatch.generate.spec_config import spec_config_from_cli
 
 __all__ = [
     "add_engine_arguments",
@@ -91,7 +92,12 @@ def _mix(text: str) -> tuple[tuple[int, int, float], ...]:
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, npl_help: str = "parallel requests") -> None:
     """``--workload``, ``--npp``, ``--ntg``, ``--npl``, ``--requests``, ``--rate``, ``--mix``."""
-    p.add_argument("--workload", choices=("batched", "mixed"), default="batched")
+    p.add_argument(
+        "--workload",
+        choices=("batched", "mixed", "repeat"),
+        default="batched",
+        help="repeat: as batched, each prompt a short passage repeated (speculative decoding's case)",
+    )
     p.add_argument(
         "--npp",
         type=positive_int_list,
@@ -155,6 +161,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "prefix_cache",
             "target_itl_ms",
             "cache_ram",
+            "speculative_config",
         ),
         overrides={
             "n_threads": {"flags": ("-t", "--threads")},
@@ -251,6 +258,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kv_unified=args.kv_unified,
         target_itl_ms=args.target_itl_ms,
         cache_ram=args.cache_ram,
+        speculative_config=spec_config_from_cli(args),
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
     )

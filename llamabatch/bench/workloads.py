@@ -3,6 +3,10 @@
 ``batched`` (llama-batched-bench's workload)
     For every ``npl``: requests of ``npp`` prompt tokens and ``ntg`` generated tokens, all
     arriving at once (``npl`` of them unless another count is asked for).
+``repeat``
+    As ``batched``, but each prompt is a passage of 48 tokens (cut at a seeded random offset)
+    repeated to ``npp`` tokens: a greedy continuation then tends to repeat it too, the case
+    n-gram speculative decoding (prompt lookup) is for.
 ``mixed``
     ``n_requests`` requests arriving as a Poisson process at ``rate`` requests/s, with prompt
     and output lengths drawn from a weighted mix (e.g. chat-like, balanced, RAG-like).
@@ -32,6 +36,7 @@ __all__ = [
     "mixed_requests",
     "open_tokenizer",
     "parse_mix",
+    "repeat_requests",
     "resolve_model",
     "text_token_pool",
     "warm_prompt",
@@ -39,6 +44,9 @@ __all__ = [
 
 #: The default request mix of the mixed workload: (prompt tokens, generated tokens, weight).
 DEFAULT_MIX = ((16, 128, 1.0), (128, 64, 1.0), (512, 16, 1.0))
+
+#: Tokens of the passage a ``repeat`` workload prompt repeats.
+REPEAT_PASSAGE = 48
 
 # Prompts of a workload that get a first token of their own (the check scans the text).
 _MAX_DISTINCT_STARTS = 256
@@ -48,9 +56,9 @@ _MAX_DISTINCT_STARTS = 256
 class WorkloadSpec:
     """Which workload points to run.
 
-    ``kind`` ``"batched"``: every ``npp`` x ``ntg`` x ``npl``, ``n_requests`` requests each
-    (default ``npl``), all at once. ``"mixed"``: ``n_requests`` (default 32) Poisson
-    arrivals at every rate of ``rates``, lengths from ``mix``."""
+    ``kind`` ``"batched"`` (or ``"repeat"``, its prompts repeating a passage): every ``npp`` x
+    ``ntg`` x ``npl``, ``n_requests`` requests each (default ``npl``), all at once. ``"mixed"``:
+    ``n_requests`` (default 32) Poisson arrivals at every rate of ``rates``, lengths from ``mix``."""
 
     kind: str = "batched"
     npps: tuple[int, ...] = (128,)
@@ -63,7 +71,7 @@ class WorkloadSpec:
     @property
     def n_points(self) -> int:
         """Workload points (rows per runner)."""
-        if self.kind == "batched":
+        if self.kind in ("batched", "repeat"):
             return len(self.npps) * len(self.ntgs) * len(self.npls)
         return len(self.rates)
 
@@ -155,6 +163,18 @@ def batched_requests(
     count = npl if n_requests is None else n_requests
     prompts = make_prompts(model, [npp] * count, seed=seed * 1_000_003 + npp * 1009 + npl)
     return [BenchRequest(p, ntg, 0.0) for p in prompts]
+
+
+def repeat_requests(
+    model: Tokenizer, npp: int, ntg: int, npl: int, seed: int = 0, n_requests: int | None = None
+) -> list[BenchRequest]:
+    """As :func:`batched_requests`, each prompt a 48-token passage repeated to ``npp`` tokens
+    (the ``repeat`` workload)."""
+    count = npl if n_requests is None else n_requests
+    passages = make_prompts(
+        model, [min(REPEAT_PASSAGE, npp)] * count, seed=seed * 1_000_003 + npp * 1013 + npl
+    )
+    return [BenchRequest(tuple((p * (npp // len(p) + 1))[:npp]), ntg, 0.0) for p in passages]
 
 
 def parse_mix(text: str) -> tuple[tuple[int, int, float], ...]:

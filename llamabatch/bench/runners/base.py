@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from llamabatch.bench.report import RunResult
 from llamabatch.bench.workloads import BenchRequest
@@ -65,6 +65,8 @@ class BenchConfig:
     target_itl_ms: float | None = None
     #: the host-RAM prompt cache in MiB (``EngineConfig.cache_ram``; 0 or None: off)
     cache_ram: int | None = 8192
+    #: the engine's speculative decoding (``EngineConfig.speculative_config``; None: off)
+    speculative_config: dict[str, Any] | None = field(default=None, hash=False)
     #: the SLO a request meets for ``goodput`` (ms; None: no bound)
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None

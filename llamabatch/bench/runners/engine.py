@@ -68,6 +68,7 @@ class EngineRunner:
             kv_unified=config.kv_unified,
             target_itl_ms=config.target_itl_ms,
             cache_ram=config.cache_ram,
+            speculative_config=config.speculative_config,
         )
         self._ticks: list[tuple[float, int]] = []
         self.llm.add_listener(self._on_event)
