@@ -74,6 +74,20 @@ def _timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
         "reused_tokens": after.reused_tokens - before.reused_tokens,
         "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
         "preemptions": after.preemptions - before.preemptions,
+        **_ticks(before, after),
+    }
+
+
+def _ticks(before: Any, after: Any) -> dict[str, Any]:
+    """Ticks, tokens per tick and seconds per tick inside ``llama_decode``: more ticks is the
+    scheduler's doing, slower ticks the layout's."""
+    ticks = after.ticks - before.ticks
+    return {
+        "ticks": ticks,
+        "tokens_per_tick": round((after.batch_tokens - before.batch_tokens) / ticks, 1) if ticks else 0,
+        "decode_ms_per_tick": round((after.decode_time_s - before.decode_time_s) / ticks * 1000, 2)
+        if ticks
+        else 0,
     }
 
 
@@ -103,6 +117,7 @@ def chat(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
         "reused_tokens": after.reused_tokens - before.reused_tokens,
         "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
         "preemptions": after.preemptions - before.preemptions,
+        **_ticks(before, after),
     }
 
 

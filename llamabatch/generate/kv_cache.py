@@ -135,19 +135,13 @@ class KVCache:
             restored = self._restore(tokens, best_n, limit)
             if restored is not None:
                 return restored
-        # one stream per sequence: the lowest idle slot (see packed_slot), else any idle slot
-        packed = self.packed_slot() if self._whole_streams else -1
-        if (
-            0 <= best_seq < table.n_parallel
-            and table.state(best_seq) == SlotState.IDLE
-            and packed in (-1, best_seq)
-        ):
+        if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
             slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
             if table.seq_len(slot) - best_n >= BLOCK:
                 self.save(slot)  # the tokens past the match leave the KV cache
             self.trim(slot, best_n)
         else:
-            slot = packed if packed >= 0 else table.lru_slot()
+            slot = table.lru_slot()
             self.save(slot)  # its cached tokens leave the KV cache: keep them in RAM
             if best_seq >= 0:
                 self.copy(best_seq, slot, best_n)
@@ -155,16 +149,6 @@ class KVCache:
                 self.trim(slot, 0)
         table.touch(slot)
         return Placement(slot, best_seq, best_n)
-
-    def packed_slot(self) -> int:
-        """The lowest-numbered idle slot, or -1: where a request goes with one KV stream per
-        sequence. llama.cpp then splits a batch into one forward pass per run of consecutive
-        seq_ids (``split_equal`` with ``sequential``: a pass spans a contiguous range of
-        streams), so busy slots scattered over the seq_ids (LRU placement, prefix copies)
-        turn a tick into several passes over the weights; packed at the low seq_ids they
-        keep one. A prefix in another idle slot is copied (a whole-stream copy) instead."""
-        table = self.table
-        return next((s for s in range(table.n_parallel) if table.state(s) == SlotState.IDLE), -1)
 
     def should_wait(self, tokens: list[int], admitting: list[list[int]]) -> bool:
         """True when a prompt being prefilled (or ``admitting`` in this same step) shares
