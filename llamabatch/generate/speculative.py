@@ -178,7 +178,7 @@ class SpecPolicy:
     """When drafts are worth their tokens (see the module docstring)."""
 
     #: no drafting while more sequences than this decode in a tick
-    max_streams: int = 8
+    max_streams: int = 4
     #: the most tokens (decode + drafts) a tick's speculating part may reach
     max_batch_tokens: int = 32
     #: consecutive rejected drafts before a request backs off

@@ -137,6 +137,12 @@ class EngineRunner:
         result.ticks = ticks_after - ticks_before
         if stream:
             result.notes.append("itl: streamed (a consumer thread per request)")
+        drafted = sum(o.timings.spec_draft_tokens for o in outputs)
+        if drafted:  # speculative decoding: tick-based ITL counts one token per stream and tick
+            accepted = sum(o.timings.spec_accepted_tokens for o in outputs)
+            result.notes.append(
+                f"speculative: {accepted}/{drafted} draft tokens accepted ({accepted / drafted:.0%})"
+            )
         return result
 
     def _run_generate(
