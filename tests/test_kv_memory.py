@@ -52,6 +52,17 @@ def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog
     assert len(lines) == 1 and "16.0 MiB" in lines[0] and "budget" in lines[0]
 
 
+def test_default_capacity_is_the_whole_context(model_8k: str) -> None:
+    from llamabatch.errors import PromptTooLong
+
+    with LLM(model_8k) as llm:
+        prompt = [(i * 7) % 3000 + 10 for i in range(8190)]
+        with pytest.raises(PromptTooLong, match="8192"):
+            llm.submit(prompt, SamplingParams(max_tokens=8))
+        with pytest.raises(PromptTooLong, match="8192"):  # prompt + max_tokens over the context
+            llm.submit(prompt[:8000], SamplingParams(max_tokens=500))
+
+
 def test_budget_caps_the_default_n_ctx(model_8k: str) -> None:
     with Model(model_8k) as model:
         cell = kv_bytes_per_cell(model)
