@@ -90,6 +90,7 @@ def add_spec_cli_args(parser: argparse.ArgumentParser | Any) -> None:
     )
     parser.add_argument(
         "--draft-max",
+        "--spec-draft-n-max",
         "--draft",
         "--draft-n",
         dest="spec_draft_max",
