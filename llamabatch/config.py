@@ -197,6 +197,12 @@ class EngineConfig(OptionsConfig):
             it: running streams always get their token, prompt chunks shrink (never below
             32 tokens while a prompt waits). Trades some prompt throughput and time to first
             token for a bounded inter-token latency.
+        speculative_config: speculative decoding (default ``None``: off), vLLM's keys:
+            ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+            "prompt_lookup_max": b}`` (drafts looked up in the request's own text) or
+            ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": k}``;
+            checked by ``generate/spec_config.py``, run by ``generate/speculative.py``. CLI:
+            ``--spec-type ngram|draft``, ``--model-draft FILE``, ``--draft-max N``.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
