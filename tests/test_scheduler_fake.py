@@ -25,6 +25,7 @@ from llamabatch import LLM, LLMEngine, PromptTooLong, QueueFull, SamplingParams
 from llamabatch._core.slots import SlotState
 from llamabatch.generate.core import EngineCore
 from llamabatch.generate.kv_cache import PinnedPrefix
+from llamabatch.generate.ram_cache import RamCache
 from llamabatch.generate.request import Request, RequestStatus
 from llamabatch.runtime.telemetry import RequestEvent, Telemetry, TickEvent
 
@@ -798,6 +799,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         pins=st.booleans(),
         seed=st.integers(0, 2**16),
         target_itl_ms=st.sampled_from([None, None, 25.0]),
+        ram_budget=st.sampled_from([0, 300, 1200, 1 << 20]),
+        ram_block=st.sampled_from([2, 8, 32]),
     )
     def setup(
         self,
@@ -815,6 +818,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         pins,
         seed,
         target_itl_ms,
+        ram_budget,
+        ram_block,
     ):
         n_pinned = 1 if pins and reuse else 0
         n_seq = n_parallel + n_pinned
@@ -840,6 +845,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if target_itl_ms is not None:  # a scripted decode time: the budgets follow it
             self.ctx.cost = (0.004, 0.0005, 0.001, 1e-6)
             self.core.clock = self.ctx.clock
+        if self.core.kv.ram is not None:  # the host-RAM tier (cache_ram): off, tiny budgets, room
+            self.core.kv.ram = RamCache(ram_budget, block=ram_block) if ram_budget else None
         self.rec = Recorder(self.core, self.ctx, self.model)
         rng = random.Random(seed)
         self.bases = [[rng.randrange(1, 64) for _ in range(40)] for _ in range(3)]
@@ -933,6 +940,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.rec.check()
+        ram = self.core.kv.ram
+        if ram is not None:  # bytes within the budget, index and LRU agree
+            ram.check()
+            assert ram.restores + ram.restore_failures <= ram.hits
         assert self.core.counters.preemptions == sum(r.n_preemptions for r in self.rec.requests)
         for r in self.rec.requests:
             if r.done and r not in self.checked:

@@ -33,7 +33,7 @@ import numpy as np
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
 from llamabatch.generate.prefix_store import PrefixStore
-from llamabatch.generate.ram_cache import BLOCK, RamCache
+from llamabatch.generate.ram_cache import RamCache
 
 #: shared prompt tokens still to be computed elsewhere that make a new request wait
 MIN_WAIT_TOKENS = 16
@@ -123,21 +123,16 @@ class KVCache:
         With reuse off, only a parallel-sampling leader's prompt is shared."""
         table = self.table
         limit = len(tokens) - 1  # the last prompt token is always computed
-        best_seq, best_n = -1, 0
-        if self.reuse:
-            best_seq, best_n = table.best_prefix(tokens)
-        elif self.copy_supported and leader_slot >= 0 and table.state(leader_slot) != SlotState.IDLE:
-            best_seq, best_n = leader_slot, table.common_prefix(leader_slot, tokens)
-        best_n = min(best_n, limit)
-        if best_n <= 0:
-            best_seq, best_n = -1, 0
-        if self.ram is not None and len(tokens) > BLOCK:
+        best_seq, best_n = self._best_source(tokens, leader_slot, limit)
+        if self.ram is not None and len(tokens) > self.ram.block:
             restored = self._restore(tokens, best_n, limit)
             if restored is not None:
                 return restored
+            # not restored: the attempt may have emptied an idle slot, look again
+            best_seq, best_n = self._best_source(tokens, leader_slot, limit)
         if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
             slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
-            if table.seq_len(slot) - best_n >= BLOCK:
+            if self.ram is not None and table.seq_len(slot) - best_n >= self.ram.block:
                 self.save(slot)  # the tokens past the match leave the KV cache
             self.trim(slot, best_n)
         else:
@@ -149,6 +144,18 @@ class KVCache:
                 self.trim(slot, 0)
         table.touch(slot)
         return Placement(slot, best_seq, best_n)
+
+    def _best_source(self, tokens: list[int], leader_slot: int, limit: int) -> tuple[int, int]:
+        """``(seq, n)``: the sequence holding the longest reusable prefix of ``tokens`` (at
+        most ``limit``), or ``(-1, 0)``."""
+        table = self.table
+        best_seq, best_n = -1, 0
+        if self.reuse:
+            best_seq, best_n = table.best_prefix(tokens)
+        elif self.copy_supported and leader_slot >= 0 and table.state(leader_slot) != SlotState.IDLE:
+            best_seq, best_n = leader_slot, table.common_prefix(leader_slot, tokens)
+        best_n = min(best_n, limit)
+        return (best_seq, best_n) if best_n > 0 else (-1, 0)
 
     def should_wait(self, tokens: list[int], admitting: list[list[int]]) -> bool:
         """True when a prompt being prefilled (or ``admitting`` in this same step) shares
@@ -202,7 +209,7 @@ class KVCache:
         """Copy the state of the idle ``seq`` (about to lose its cached tokens) to the RAM
         tier; False when off, too short, already there or not copyable."""
         ram = self.ram
-        if ram is None or self.table.seq_len(seq) < BLOCK:
+        if ram is None or self.table.seq_len(seq) < ram.block:
             return False
         tokens = self.table.seq_tokens(seq)
         covering = ram.covers(tokens)
@@ -221,12 +228,16 @@ class KVCache:
         array = np.asarray(tokens, dtype=np.int32)
         entry, n = ram.match(array)
         n = min(n, limit)
-        if entry is None or n < BLOCK or n <= best_n:
+        if entry is None or n < ram.block or n <= best_n:
             ram.misses += 1
             return None
         ram.hits += 1
         slot = table.lru_slot()
         self.save(slot)
+        entry, n = ram.match(array)  # saving may have replaced or dropped that entry
+        n = min(n, limit)
+        if entry is None or n < ram.block or n <= best_n:
+            return None
         self.trim(slot, 0)
         pending = sum(table.n_pending(s) for s in range(table.n_parallel))
         if table.kv_unified and table.cells_free - pending < len(entry.tokens):

@@ -53,10 +53,10 @@ class RamEntry:
 
     __slots__ = ("data", "key", "tokens")
 
-    def __init__(self, tokens: np.ndarray, data: bytes) -> None:
+    def __init__(self, tokens: np.ndarray, data: bytes, block: int = BLOCK) -> None:
         self.tokens = tokens
         self.data = data
-        self.key = tokens[:BLOCK].tobytes()
+        self.key = tokens[:block].tobytes()
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -69,10 +69,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class RamCache:
     """Saved sequence states in host memory, LRU, up to ``budget_bytes`` (see the module doc)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, block: int = BLOCK) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
         self.budget_bytes = budget_bytes
+        #: tokens indexing an entry, and the shortest prefix saved or restored
+        self.block = block
         self._lru: OrderedDict[int, RamEntry] = OrderedDict()  # id(entry) -> entry, oldest first
         self._by_key: dict[bytes, list[RamEntry]] = {}
         self.bytes = 0
@@ -88,7 +92,7 @@ class RamCache:
 
     def covers(self, tokens: np.ndarray) -> RamEntry | None:
         """An entry whose tokens start with all of ``tokens`` (saving them again is useless)."""
-        for entry in self._by_key.get(tokens[:BLOCK].tobytes(), ()):
+        for entry in self._by_key.get(tokens[: self.block].tobytes(), ()):
             if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(tokens):
                 return entry
         return None
@@ -98,13 +102,13 @@ class RamCache:
         prefixes of it are dropped, older entries leave while over budget. False when it
         is too short, empty, or bigger than the whole budget."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        if len(tokens) < BLOCK or not data or len(data) > self.budget_bytes:
+        if len(tokens) < self.block or not data or len(data) > self.budget_bytes:
             return False
         covering = self.covers(tokens)
         if covering is not None:
             self.touch(covering)
             return False
-        entry = RamEntry(tokens.copy(), data)
+        entry = RamEntry(tokens.copy(), data, self.block)
         for old in list(self._by_key.get(entry.key, ())):
             if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
                 self._remove(old)
@@ -118,12 +122,12 @@ class RamCache:
         return True
 
     def match(self, tokens: np.ndarray) -> tuple[RamEntry | None, int]:
-        """The entry sharing the longest prefix with ``tokens``, and its length (>= BLOCK),
+        """The entry sharing the longest prefix with ``tokens``, and its length (>= ``block``),
         or ``(None, 0)``."""
         tokens = np.asarray(tokens, dtype=np.int32)
         best, best_n = None, 0
-        if len(tokens) >= BLOCK:
-            for entry in self._by_key.get(tokens[:BLOCK].tobytes(), ()):
+        if len(tokens) >= self.block:
+            for entry in self._by_key.get(tokens[: self.block].tobytes(), ()):
                 n = common_prefix(entry.tokens, tokens)
                 if n > best_n:
                     best, best_n = entry, n
