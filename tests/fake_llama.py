@@ -620,6 +620,7 @@ def make_core(
     telemetry: Telemetry | None = None,
     target_itl_ms: float | None = None,
     cache_ram: int | None = CACHE_RAM_DEFAULT_MIB,
+    speculative_config: dict[str, Any] | None = None,
 ) -> tuple[EngineCore, FakeContext, FakeModel]:
     """An ``EngineCore`` over a fake model and context (``n_ctx``: all cells together;
     default 64 per sequence). The context checks it decodes the core's own batch."""
@@ -638,6 +639,7 @@ def make_core(
         kv_unified=kv_unified,
         target_itl_ms=target_itl_ms,
         cache_ram=cache_ram,
+        speculative_config=speculative_config,
     )
     # the wiring LLM and LLMEngine use, over a fake context
     context, core = build_engine(

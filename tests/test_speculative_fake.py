@@ -192,3 +192,23 @@ def test_under_a_latency_target_drafts_stay_within_the_predicted_tick_time():
     late = times[10:]  # once the cost model has seen a few ticks
     assert max(d for _, d in late) < 8
     assert all(t <= 0.0105 for t, _ in late)
+
+
+def test_recurrent_models_do_not_speculate(caplog):
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    core, _, _ = make_core(n_parallel=1, model=FakeModel(is_recurrent=True), speculative_config=ngram)
+    assert core.spec is None
+    assert "speculative decoding switched off" in caplog.text
+
+
+def test_the_ngram_method_on_the_fake_context():
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    core, ctx, model = make_core(n_parallel=2, speculative_config=ngram, n_batch=32)
+    assert isinstance(core.spec, Speculator)
+    rec = Recorder(core, ctx, model)
+    for i in range(4):
+        rec.new(prompt(4, i) * 4, greedy(30))  # repeated prompts: lookups find drafts
+    rec.run()
+    for r in rec.requests:
+        rec.check_done(r)
+    assert core.counters.spec_draft_tokens > 0

@@ -53,7 +53,7 @@ from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
-from llamabatch.generate.speculative import Speculator
+from llamabatch.generate.speculative import speculator_for
 from llamabatch.outputs import FinishReason
 from llamabatch.runtime.telemetry import GenerationCounters, Telemetry, TickEvent
 from llamabatch.runtime.worker import halve_and_retry
@@ -190,8 +190,7 @@ class EngineCore:
             self.kv.state_bytes_per_token = state_bytes_per_token(model)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
-        spec = config.speculative_config
-        self.spec = Speculator.from_config(spec, self) if spec else None
+        self.spec = speculator_for(config.speculative_config, self)
         self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()
         self._batch_released = False

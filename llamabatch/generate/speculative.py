@@ -61,6 +61,7 @@ __all__ = [
     "NgramDrafter",
     "SpecPolicy",
     "Speculator",
+    "speculator_for",
     "validate_speculative_config",
 ]
 
@@ -403,6 +404,24 @@ class Speculator:
 
     def close(self) -> None:
         self.drafter.close()
+
+
+def speculator_for(config: dict[str, Any] | None, core: EngineCore) -> Speculator | None:
+    """The engine's ``Speculator`` of a checked ``speculative_config`` (None: off). Recurrent and
+    hybrid models cannot speculate (their memory cannot drop rejected positions): off, with a
+    warning, as prefix reuse."""
+    if not config:
+        return None
+    model = core.model
+    if model.is_recurrent or model.is_hybrid:
+        logger.warning(
+            "llamabatch: speculative decoding switched off: %s has %s memory (rejected drafts "
+            "cannot be removed)",
+            model.path.name,
+            "recurrent" if model.is_recurrent else "hybrid",
+        )
+        return None
+    return Speculator.from_config(config, core)
 
 
 def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
