@@ -49,12 +49,35 @@ def test_restored_prefix_gives_the_computed_logprobs(tiny_path, reference, kv_un
     check_against_reference(reference, [*firsts, out])
 
 
+def test_ram_tier_in_metrics(tiny_path):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llamabatch.runtime.metrics import PrometheusListener
+
+    metrics = PrometheusListener(prometheus_client.CollectorRegistry())
+    with LLM(tiny_path, n_ctx=2048, n_parallel=2, cache_ram=64) as llm:
+        metrics.attach(llm, model_name="tiny")
+        convs = _texts(llm, 3, 100)
+        outs = [llm.generate(c, PARAMS)[0].outputs[0] for c in convs]
+        llm.generate(convs[0] + outs[0].token_ids + [5, 6, 7], PARAMS)
+        stats = llm.stats()
+        text = metrics.generate_latest().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["llamabatch:ram_cache_restores"] == stats.ram_cache_restores == 1
+    assert samples["llamabatch:ram_cache_bytes"] == stats.ram_cache_bytes > 0
+    assert samples["llamabatch:ram_cache_saves"] == stats.ram_cache_saves >= 1
+    assert samples["llamabatch:ram_cache_entries"] == stats.ram_cache_entries >= 1
+
+
 def _system(llm: LLM) -> list[int]:
     return llm.tokenize(" ".join(testing.english_sentences(40)))[:200]
 
 
 def _pin_and_generate(path, cache_dir, **options):
-    with LLM(path, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(cache_dir), **options) as llm:
+    with LLM(
+        path, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(cache_dir), **options
+    ) as llm:
         system = _system(llm)
         handle = llm.register_prefix(system)
         tail = llm.tokenize(" What next?", add_special=False)
