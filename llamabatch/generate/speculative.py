@@ -24,9 +24,9 @@ The Drafter interface (both methods implement it; ``draft_model.py`` is the othe
     drafter.release(key, done=True)   # request ended (done) or preempted (done=False)
     drafter.close()
 
-Only where it pays (``SpecPolicy``): drafts fill spare budget only; nobody drafts while
-requests wait for a slot or more than ``max_streams`` sequences decode (the batch is then
-big enough that extra tokens are not free on a CPU); the draft length adapts per request
+Only where it pays (``SpecPolicy``): drafts fill spare budget only (decode tokens and
+prompt chunks come first); nobody drafts while more than ``max_streams`` sequences decode
+(the batch is then wide enough that extra tokens are not free on a CPU); the draft length adapts per request
 (doubles after a fully accepted draft, shrinks to what was accepted plus one otherwise),
 and a request whose drafts keep being rejected backs off for a growing number of ticks.
 """
@@ -252,7 +252,7 @@ class Speculator:
         self._set.clear()
         n_decode = table.count(SlotState.DECODE)
         policy = self.policy
-        if not n_decode or n_decode > policy.max_streams or core.waiting:
+        if not n_decode or n_decode > policy.max_streams:
             return
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         if table.kv_unified:
