@@ -10,14 +10,15 @@ import random
 from collections.abc import Hashable, Sequence
 
 import pytest
-from fake_llama import FakeModel, make_core
+from fake_llama import FakeModel, FakeSampler, make_core
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from test_scheduler_fake import Recorder, SchedulerMachine, greedy, prompt
+from test_scheduler_fake import Recorder, SchedulerMachine, check_core, greedy, prompt
 
 from llamabatch import SamplingParams
 from llamabatch._core.slots import SlotState
+from llamabatch._ffi.sampler import SamplingError
 from llamabatch.generate.speculative import Draft, DraftJob, SpecPolicy, Speculator
 
 
@@ -212,3 +213,35 @@ def test_the_ngram_method_on_the_fake_context():
     for r in rec.requests:
         rec.check_done(r)
     assert core.counters.spec_draft_tokens > 0
+
+
+class _DeadEnd(FakeSampler):
+    """A sampler whose grammar reaches a dead end at its ``after``-th call."""
+
+    def __init__(self, model, params, after):
+        super().__init__(model, params)
+        self.after = after
+
+    def sample(self, context, idx):
+        if self.calls >= self.after:
+            raise SamplingError("no token the grammar accepts")
+        return super().sample(context, idx)
+
+
+def test_a_grammar_dead_end_inside_a_draft_emits_what_came_before():
+    outs = []
+    for spec in (False, True):
+        core, ctx, model = make_core(n_parallel=1, n_batch=32)
+        if spec:
+            _speculate(core, model, 0.0, k=8)
+        rec = Recorder(core, ctx, model)
+        params = SamplingParams(max_tokens=30, temperature=0, repeat_penalty=1.01)
+        (r,) = rec.new(prompt(6, 9), params)
+        r.sampler = _DeadEnd(model, params, 7)
+        rec.run()
+        assert r.output.finish_reason == "error" and "grammar" in r.output.error
+        assert rec.tokens[r] == r.output.token_ids
+        check_core(core, ctx)
+        outs.append(r.output)
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 7
+    assert outs[1].timings.spec_accepted_tokens > 0

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from llamabatch._core.slots import SlotState
+from llamabatch._ffi.sampler import SamplingError
 from llamabatch.generate.cost_model import TickFeatures
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
@@ -329,6 +330,7 @@ class Speculator:
         d = len(idxs) - 1
         draft = st.draft[:d]
         tokens: list[int] = []
+        error: str | None = None
         if st.rule == "sampled":
             rows_logits = np.stack([core.context.logits_view(i) for i in idxs]).astype(np.float32)
             n_acc, nxt = self.drafter.verify(
@@ -337,13 +339,17 @@ class Speculator:
             tokens = [*draft[:n_acc], nxt]
         else:
             for i in range(d + 1):
-                token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
-                if token is None:  # a grammar at a dead end: the request ended
-                    return
+                try:
+                    token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
+                except SamplingError as exc:  # a grammar at a dead end: what came before is emitted
+                    error = str(exc)
+                    break
+                assert token is not None
                 tokens.append(token)
                 if i < d and token != draft[i]:
                     break
-        n_acc = len(tokens) - 1
+        # drafts kept: all tokens but the last (the next decode input), or all before an error
+        n_acc = len(tokens) - 1 if error is None else len(tokens)
         self._account(st, d, n_acc)
         request.spec_counts[0] += d
         request.spec_counts[1] += n_acc
@@ -364,9 +370,11 @@ class Speculator:
         for i, token in enumerate(tokens):
             if logprobs is not None:  # from the row the token was sampled at
                 logprobs.append(core._logprobs(idxs[i], token, request.params.logprobs or 0))
-            last = i == len(tokens) - 1
+            last = i == len(tokens) - 1 and error is None
             if not core._on_token(slot, request, token, now, n_past=base + 1 + i, last=last):
                 return
+        if error is not None:
+            core._finish(slot, "error", error=error)
 
     def _account(self, st: _SpecState, d: int, n_acc: int) -> None:
         st.drafted += d
