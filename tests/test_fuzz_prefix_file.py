@@ -126,7 +126,7 @@ _CHILD = textwrap.dedent(
     seed, n, workdir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     rng = random.Random(seed)
     path = testing.model_path("tiny")
-    options = dict(n_ctx=1024, n_parallel=2, flash_attn=False, prefix_cache_dir=str(workdir))
+    options = dict(n_ctx=1024, n_parallel=2, flash_attn=False, cache_ram=0, prefix_cache_dir=str(workdir))
     with LLM(path, **options) as llm:
         prefix = llm.tokenize(" ".join(testing.english_sentences(20)))[:120]
         llm.register_prefix(prefix).release()
@@ -144,7 +144,7 @@ _CHILD = textwrap.dedent(
             data = data[: rng.randrange(1, len(data))]
         else:
             i = rng.randrange(min(len(data), 1024))
-            data[i : i + 4] = rng.choice([b"\\xff\\xff\\xff\\xff", b"\\xff\\xff\\xff\\x7f", b"\\x00\\x00\\x00\\x80"])
+            data[i : i + 4] = rng.choice([b"\\xff" * 4, b"\\xff\\xff\\xff\\x7f", b"\\x00\\x00\\x00\\x80"])
         file.write_bytes(encode_prefix_file(store.model_id, store.layout, tokens, bytes(data)))
         with LLM(path, **options) as llm:
             llm.register_prefix(prefix).release()

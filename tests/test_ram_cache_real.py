@@ -75,6 +75,7 @@ def _system(llm: LLM) -> list[int]:
 
 
 def _pin_and_generate(path, cache_dir, **options):
+    options = {"cache_ram": 0, **options}  # pinned prefixes only (no RAM tier files at close)
     with LLM(
         path, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(cache_dir), **options
     ) as llm:
@@ -132,10 +133,29 @@ def test_another_models_file_is_refused(tiny_path, tmp_path):
     store = PrefixStore(tmp_path, small, "unused")
     other_dir = tmp_path / "other"
     other_dir.mkdir()
-    with LLM(small, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(other_dir)) as llm:
+    options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=0, prefix_cache_dir=str(other_dir))
+    with LLM(small, **options) as llm:
         target = llm.core.kv.store.path_for(system)
         shutil.copy(path, target)
         llm.register_prefix(system).release()
         stats = llm.stats()
     assert store.model_id != PrefixStore(tmp_path, tiny_path, "unused").model_id
     assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.prefix_files_saved) == (1, 0, 1)
+
+
+def test_ram_tier_survives_a_restart(tiny_path, reference, tmp_path):
+    options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=64, prefix_cache_dir=str(tmp_path))
+    with LLM(tiny_path, **options) as llm:
+        convs = _texts(llm, 3, 120)
+        first = llm.generate(convs[0], PARAMS)[0].outputs[0]
+        for c in convs[1:]:
+            llm.generate(c, PARAMS)
+    # at close the RAM tier (and the idle slots' tokens) went to files
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) >= 2
+    with LLM(tiny_path, **options) as llm:
+        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
+        out = llm.generate(follow, PARAMS)[0].outputs[0]
+        stats = llm.stats()
+    assert (stats.prefix_files_loaded, stats.ram_cache_restores, stats.prefix_files_refused) == (1, 1, 0)
+    assert out.usage.reused_tokens >= 120
+    check_against_reference(reference, [first, out])

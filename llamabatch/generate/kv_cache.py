@@ -26,6 +26,7 @@ with a common system prompt compute it once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,8 @@ from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
 from llamabatch.generate.prefix_store import PrefixStore
 from llamabatch.generate.ram_cache import RamCache
+
+logger = logging.getLogger("llamabatch")
 
 #: shared prompt tokens still to be computed elsewhere that make a new request wait
 MIN_WAIT_TOKENS = 16
@@ -226,6 +229,8 @@ class KVCache:
         assert ram is not None
         table = self.table
         array = np.asarray(tokens, dtype=np.int32)
+        if self.store is not None and self.store.disk:
+            self._from_disk(array, best_n, limit)
         entry, n = ram.match(array)
         n = min(n, limit)
         if entry is None or n < ram.block or n <= best_n:
@@ -282,6 +287,49 @@ class KVCache:
         if self.store is not None:
             self.store.save(prefix.tokens, self.context.state_seq_get(seq))
         return True
+
+    def use_store(self, store: PrefixStore | None, state_bytes_per_token: int) -> None:
+        """Persist pinned prefixes (and, with the RAM tier on, its states at close) to
+        ``store``; with the RAM tier, its files from earlier runs are indexed for matching."""
+        self.store = store
+        self.state_bytes_per_token = state_bytes_per_token
+        if store is not None and self.ram is not None:
+            store.scan(self.ram.block)
+
+    def persist(self) -> int:
+        """At close: write the RAM tier's states (idle slots' cached tokens first saved to
+        it) to the prefix store, most recently used first; returns the files written."""
+        store, ram, table = self.store, self.ram, self.table
+        if store is None or ram is None:
+            return 0
+        try:
+            for slot in range(table.n_parallel):
+                if table.state(slot) == SlotState.IDLE:
+                    self.save(slot)
+            written = 0
+            for entry in reversed(ram.entries()):
+                if not store.path_for(entry.tokens).exists() and store.save(entry.tokens, entry.data):
+                    written += 1
+            return written
+        except Exception:  # closing must not fail for a cache
+            logger.exception("llamabatch: could not persist the host-RAM prompt cache")
+            return 0
+
+    def _from_disk(self, tokens: np.ndarray, best_n: int, limit: int) -> None:
+        """Load into the RAM tier the file of an earlier run that beats both the KV cache's
+        ``best_n`` and the RAM tier's match for ``tokens`` (checked first: a bad file is
+        refused and forgotten)."""
+        store, ram = self.store, self.ram
+        assert store is not None and ram is not None
+        file_tokens, n = store.best(tokens)
+        if file_tokens is None or min(n, limit) < ram.block:
+            return
+        if min(n, limit) <= max(best_n, min(ram.match(tokens)[1], limit)):
+            return
+        store.forget(file_tokens)
+        payload = store.load(file_tokens, len(file_tokens) * self.state_bytes_per_token + (1 << 20))
+        if payload is not None and ram.save(file_tokens, payload):
+            store.loaded += 1
 
     def load_pin(self, prefix: PinnedPrefix) -> bool:
         """Pin ``prefix`` from its file in ``prefix_cache_dir`` (checked first: see

@@ -142,6 +142,63 @@ class PrefixStore:
         self.model_id = model_identity(model_path)
         self.layout = layout
         self.loaded = self.saved = self.refused = 0
+        #: the files of this model and layout found at start (``scan``), by their first
+        #: ``block`` tokens: what the RAM tier may load on a match
+        self.disk: dict[bytes, list[tuple[np.ndarray, Path]]] = {}
+        self.block = 32
+
+    def scan(self, block: int, max_files: int = 10_000) -> int:
+        """Index the files of this model and layout in the directory by their tokens (only
+        their headers are read; the rest is checked when one is loaded). Returns how many."""
+        self.block = block
+        self.disk.clear()
+        n = 0
+        for path in sorted(self.directory.glob(f"*{SUFFIX}"))[:max_files]:
+            tokens = self._peek_tokens(path)
+            if tokens is not None and len(tokens) >= block:
+                self.disk.setdefault(tokens[:block].tobytes(), []).append((tokens, path))
+                n += 1
+        return n
+
+    def _peek_tokens(self, path: Path) -> np.ndarray | None:
+        """The tokens in a file's header when it is of this model and layout, else None."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEAD.size + MAX_LAYOUT + _SIZES.size)
+                if len(head) < _HEAD.size:
+                    return None
+                magic, version, model, n_layout = _HEAD.unpack_from(head, 0)
+                if magic != MAGIC or version != VERSION or model != self.model_id or n_layout > MAX_LAYOUT:
+                    return None
+                if head[_HEAD.size : _HEAD.size + n_layout] != self.layout.encode():
+                    return None
+                at = _HEAD.size + n_layout
+                if len(head) < at + _SIZES.size:
+                    return None
+                n_tokens, _ = _SIZES.unpack_from(head, at)
+                f.seek(at + _SIZES.size)
+                raw = f.read(4 * n_tokens)
+            if len(raw) != 4 * n_tokens:
+                return None
+            return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+        except OSError:
+            return None
+
+    def best(self, tokens: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """The indexed file's tokens sharing the longest prefix with ``tokens``, and its length."""
+        from llamabatch.generate.ram_cache import common_prefix
+
+        best, best_n = None, 0
+        for file_tokens, _ in self.disk.get(tokens[: self.block].tobytes(), ()):
+            n = common_prefix(file_tokens, tokens)
+            if n > best_n:
+                best, best_n = file_tokens, n
+        return best, best_n
+
+    def forget(self, tokens: np.ndarray) -> None:
+        """Drop ``tokens``' file from the index (loaded into RAM, or refused)."""
+        group = self.disk.get(tokens[: self.block].tobytes(), [])
+        group[:] = [(t, p) for t, p in group if not np.array_equal(t, tokens)]
 
     def path_for(self, tokens: np.ndarray | list[int]) -> Path:
         """The file of ``tokens`` (a hash of the model, the layout and the tokens)."""
