@@ -84,3 +84,29 @@ def test_layouts_long_prompt_is_refused_per_stream_only() -> None:
     assert not unified["failures"]
     defaults = layouts.run_layout(path, "defaults", "long_among_short", _args())
     assert defaults["n_ctx"] == 4096 and not defaults["failures"]  # the tiny model's trained context
+
+
+def test_issue_chat_completes_over_http_with_the_defaults() -> None:
+    """Issue 23's "done when": 12 conversations x 4 turns with a ~450-token system prompt, more
+    conversations than slots, complete against a server on LLM's defaults (no per-request cap
+    below the trained context; the KV cache is smaller than all conversations together)."""
+    pytest.importorskip("uvicorn")
+    from test_server import serve
+
+    from llamabatch.server import create_app
+
+    with LLM(str(model_path("tiny")), n_threads=1) as llm:
+        assert llm.n_ctx_seq == llm.n_ctx == 4096
+        with serve(create_app(llm, model_name="tiny")) as url:
+            count = lambda text: len(llm.tokenize(text, add_special=False))  # noqa: E731
+            conversations = chat.Conversations.make(12, 4, system_tokens=450, count=count)
+            result = chat.run_chat(chat.http_backend(url, "tiny"), conversations, reply_tokens=16)
+        stats = llm.stats()
+    assert result.completed_turns == 48 and not result.failures
+    assert stats.reused_tokens > 0
+    # the old defaults (n_ctx=4096 in 8 streams: 512 tokens a request) refuse the later turns
+    with LLM(str(model_path("tiny")), n_ctx=4096, kv_unified=False, n_threads=1) as old:
+        with serve(create_app(old, model_name="tiny")) as url:
+            refused = chat.run_chat(chat.http_backend(url, "tiny"), conversations, reply_tokens=16)
+    assert refused.completed_turns < 48
+    assert set(refused.failures) == {"400 context_length_exceeded"}
