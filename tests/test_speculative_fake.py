@@ -245,3 +245,17 @@ def test_a_grammar_dead_end_inside_a_draft_emits_what_came_before():
         outs.append(r.output)
     assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 7
     assert outs[1].timings.spec_accepted_tokens > 0
+
+
+def test_stats_count_drafts_as_computed_and_kept_drafts_as_generated():
+    core, ctx, model = make_core(n_parallel=1, n_batch=32)
+    _speculate(core, model, 0.3, k=4)
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(6, 11), greedy(40))
+    rec.run()
+    rec.check_done(r)
+    c = core.counters
+    assert c.decode_tokens == 40 - 1  # every generated token but the first came from a decode row
+    assert c.batch_tokens == c.prefill_tokens + c.decode_tokens + (
+        c.spec_draft_tokens - c.spec_accepted_tokens
+    )

@@ -354,6 +354,10 @@ class Speculator:
         request.spec_counts[0] += d
         request.spec_counts[1] += n_acc
         counters = core.counters
+        # the tick's counts knew one decode token per stream: drafts were computed too, and
+        # the kept ones are generated tokens (stats' batch_tokens, decode_tokens, tokens/s)
+        counters.batch_tokens += d
+        counters.decode_tokens += n_acc
         counters.spec_drafts += 1
         counters.spec_draft_tokens += d
         counters.spec_accepted_tokens += n_acc
