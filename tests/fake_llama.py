@@ -407,13 +407,16 @@ class FakeContext:
 
     # -- sequence state (the host-RAM prompt cache) --
 
-    def state_seq_get(self, seq_id: int) -> bytes:
-        """The sequence's (position, token) pairs, as llama_state_seq_get_data's bytes."""
+    def state_seq_get(self, seq_id: int, max_bytes: int | None = None) -> bytes:
+        """The sequence's (position, token) pairs, as llama_state_seq_get_data's bytes
+        (empty when none, or more than ``max_bytes``)."""
         self._check_seq(seq_id)
         self.log.append(("state_get", seq_id))
         pool = self._pool(seq_id)
         pairs = [(p, pool.tok[c]) for p, c in sorted(self.seq_cells[seq_id].items())]
-        return _STATE_MAGIC + np.asarray(pairs, dtype=np.int32).reshape(-1).tobytes() if pairs else b""
+        if not pairs or (max_bytes is not None and len(_STATE_MAGIC) + 8 * len(pairs) > max_bytes):
+            return b""
+        return _STATE_MAGIC + np.asarray(pairs, dtype=np.int32).reshape(-1).tobytes()
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load ``state_seq_get``'s bytes into ``seq_id`` (cleared first, as llama.cpp does);

@@ -420,12 +420,13 @@ class Context:
 
     # -- sequence state (host-RAM prompt cache, persistent prefixes) ---------------------
 
-    def state_seq_get(self, seq_id: int) -> bytes:
+    def state_seq_get(self, seq_id: int, max_bytes: int | None = None) -> bytes:
         """The state of ``seq_id`` (its KV cells, with their positions) as bytes, in
-        llama.cpp's format for ``state_seq_set``; empty when it cannot be copied."""
+        llama.cpp's format for ``state_seq_set``; empty when it cannot be copied or would
+        take more than ``max_bytes``."""
         ptr = self.ptr
         size = lib.llama_state_seq_get_size(ptr, seq_id)
-        if size == 0:
+        if size == 0 or (max_bytes is not None and size > max_bytes):
             return b""
         buf = ffi.new("uint8_t[]", size)
         n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)

@@ -219,7 +219,7 @@ class KVCache:
         if covering is not None:
             ram.touch(covering)
             return False
-        return ram.save(tokens, self.context.state_seq_get(seq))
+        return ram.save(tokens, self.context.state_seq_get(seq, ram.budget_bytes))
 
     def _restore(self, tokens: list[int], best_n: int, limit: int) -> Placement | None:
         """Load the saved state sharing the longest prefix with ``tokens`` into the least
