@@ -294,6 +294,8 @@ class EngineCore:
         if not self._batch_released:
             self._batch_released = True
             self.pool.release(self.batch)
+            if self.spec is not None:  # a draft model's context and weights
+                self.spec.close()
 
     # -- admission ------------------------------------------------------------------------
 
