@@ -74,6 +74,12 @@ def test_layouts_shared_prefix_reuses_in_both_layouts() -> None:
     ]
     assert [r["n_ctx_seq"] for r in rows] == [512, 2048]
     assert all(r["reused_tokens"] > 0 and not r["failures"] for r in rows)
+    # same schedule (ticks, tokens, reuse), but per-stream holds a copy of the shared prefix per
+    # stream, so every decode tick attends several times the KV cells (README: the shared-prefix gap)
+    per_stream, unified = rows
+    for key in ("ticks", "tokens_per_tick", "reused_tokens", "prefill_tokens"):
+        assert per_stream[key] == unified[key]
+    assert per_stream["kv_cells_per_tick"] > 2 * unified["kv_cells_per_tick"]
 
 
 def test_layouts_long_prompt_is_refused_per_stream_only() -> None:

@@ -33,6 +33,7 @@ from llamabatch.bench import options
 from llamabatch.bench.chat import Conversations, llm_backend, run_chat
 from llamabatch.config import EngineConfig
 from llamabatch.errors import PromptTooLong
+from llamabatch.runtime.telemetry import TickEvent
 
 __all__ = ["LAYOUTS", "WORKLOADS", "add_arguments", "main", "run_layout"]
 
@@ -140,7 +141,13 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
         kwargs.update(n_ctx=args.n_ctx, n_parallel=args.n_parallel)
     with LLM(model_path, **kwargs) as llm:
         llm.generate([[llm.model.bos, 300, 400]], SamplingParams(max_tokens=2), use_tqdm=False)
+        cells: list[int] = []
+        llm.add_listener(
+            lambda event: cells.append(event.kv_cells_used) if isinstance(event, TickEvent) else None
+        )
         row = WORKLOADS[workload](llm, args)
+        # KV cells in use per decode tick (shared cells once): what each tick's attention reads
+        row["kv_cells_per_tick"] = round(statistics.mean(cells)) if cells else 0
         kv = f"{args.type_k}/{args.type_v}"
         return {
             "workload": workload,
