@@ -186,8 +186,8 @@ class EngineCore:
             ram=ram_cache_for(config.cache_ram),
         )
         if self.kv.reuse and config.prefix_cache_dir is not None:
-            self.kv.store = store_for(config.prefix_cache_dir, model, context, config.flash_attn)
-            self.kv.state_bytes_per_token = state_bytes_per_token(model)
+            store = store_for(config.prefix_cache_dir, model, context, config.flash_attn)
+            self.kv.use_store(store, state_bytes_per_token(model))
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
         self.spec = speculator_for(config.speculative_config, self)
@@ -290,9 +290,11 @@ class EngineCore:
         return events
 
     def close(self) -> None:
-        """Return the batch buffer (after ``fail_all``)."""
+        """Return the batch buffer (after ``fail_all``); the RAM tier goes to
+        ``prefix_cache_dir`` when both are on."""
         if not self._batch_released:
             self._batch_released = True
+            self.kv.persist()
             self.pool.release(self.batch)
             if self.spec is not None:  # a draft model's context and weights
                 self.spec.close()
