@@ -324,3 +324,14 @@ def test_bench_repeat_workload_with_speculation(tiny_path, capsys):
         ("repeat", 2, "ngram:4"),
     ]
     assert all(r["gen_tokens"] == 16 * r["npl"] for r in rows)
+
+
+def test_an_http_request_can_opt_out_of_speculation():
+    from llamabatch.server.protocol import Body, sampling_params
+
+    body = Body({"prompt": "x", "speculative": False}, "/v1/completions")
+    assert (
+        sampling_params(body, chat=False, prompt_tokens=3, n_ctx_seq=64, logprobs=None).speculative is False
+    )
+    body = Body({"prompt": "x"}, "/v1/completions")
+    assert sampling_params(body, chat=False, prompt_tokens=3, n_ctx_seq=64, logprobs=None).speculative is True

@@ -198,6 +198,7 @@ def sampling_params(
         ("min_tokens", "int"),
         ("grammar", "str"),
         ("skip_special_tokens", "bool"),
+        ("speculative", "bool"),  # false: this request does not speculate (speculative_config)
     ):
         value = body.get(name, kind)
         if value is not None:
