@@ -73,6 +73,12 @@ def test_bench_cli_table(tiny_path, capsys):
     assert "note: llamabatch: itl: streamed" in out
 
 
+def test_bench_cli_kv_types_reach_the_engine(tiny_path, capsys):
+    argv = ["bench", "-m", str(tiny_path), "--npl", "2", "--npp", "8", "--ntg", "4", "-t", "2"]
+    assert main([*argv, "--no-progress", "-fa", "on", "-ctk", "bf16", "-ctv", "bf16"]) == 0
+    assert "kv_types bf16/bf16" in capsys.readouterr().out
+
+
 def test_bench_cli_more_requests_than_slots(tiny_path, capsys):
     argv = ["bench", "-m", str(tiny_path), "--npl", "2", "--requests", "5", "--npp", "8", "--ntg", "3"]
     assert main([*argv, "-t", "2", "--raw", "--json", "--no-progress"]) == 0

@@ -334,6 +334,8 @@ def engine_settings(config: BenchConfig, workload: WorkloadSpec) -> dict[str, An
         "kv_unified": config.kv_unified,
         "workload": workload.kind,
     }
+    if (config.type_k, config.type_v) != ("f16", "f16"):
+        settings["kv_types"] = f"{config.type_k}/{config.type_v}"
     if config.target_itl_ms is not None:
         settings["target_itl_ms"] = config.target_itl_ms
     if config.speculative_config is not None:

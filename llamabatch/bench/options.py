@@ -158,6 +158,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             "strategy",
             "flash_attn",
             "kv_unified",
+            "type_k",
+            "type_v",
             "prefix_cache",
             "target_itl_ms",
             "cache_ram",
@@ -188,7 +190,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                 "type": on_off,
                 "default": False,
                 "metavar": "on|off",
-                "help": "off (default, as LLM's): one KV stream per sequence; on: one buffer for all",
+                "help": (
+                    "off (default here, as llama-batched-bench; LLM's default is on): one KV stream "
+                    "per sequence; on: one buffer for all"
+                ),
             },
             "prefix_cache": {
                 "action": "store_true",
@@ -256,6 +261,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         prefix_cache=args.prefix_cache,
         kv_unified=args.kv_unified,
+        type_k=args.type_k,
+        type_v=args.type_v,
         target_itl_ms=args.target_itl_ms,
         cache_ram=args.cache_ram,
         speculative_config=spec_config_from_cli(args),

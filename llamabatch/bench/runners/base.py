@@ -61,6 +61,9 @@ class BenchConfig:
     seed: int = 0
     prefix_cache: bool = False
     kv_unified: bool = False
+    #: the KV cache types (``EngineConfig.type_k`` / ``type_v``)
+    type_k: str = "f16"
+    type_v: str = "f16"
     #: the engine's target inter-token latency (``EngineConfig.target_itl_ms``; None: none)
     target_itl_ms: float | None = None
     #: the host-RAM prompt cache in MiB (``EngineConfig.cache_ram``; 0 or None: off)

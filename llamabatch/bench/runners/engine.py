@@ -66,6 +66,8 @@ class EngineRunner:
             max_queue=1 << 20,
             prefix_cache=config.prefix_cache,
             kv_unified=config.kv_unified,
+            type_k=config.type_k,
+            type_v=config.type_v,
             target_itl_ms=config.target_itl_ms,
             cache_ram=config.cache_ram,
             speculative_config=config.speculative_config,
