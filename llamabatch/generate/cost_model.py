@@ -23,13 +23,14 @@ a tick then holds the decodes plus ``min_chunk`` prompt tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 
-__all__ = ["DecodeCostModel", "LatencyBudget", "TickFeatures"]
+__all__ = ["DecodeCostModel", "LatencyBudget", "TickFeatures", "most_within"]
 
 # Feature scales: each feature divided by its scale is about 1 in a typical tick, so the
 # covariance starts well conditioned.
@@ -193,14 +194,20 @@ class LatencyBudget:
         if room <= 0 or not n_decode:  # no stream waits on this tick, or nothing to prefill
             self.predicted = cost(0)
             return self.n_batch
-        # the most prompt tokens whose tick stays under the target (the cost grows with p)
-        lo, hi = 0, room
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cost(mid) <= self.target:
-                lo = mid
-            else:
-                hi = mid - 1
-        p = max(lo, min(self.min_chunk, room))
+        # the most prompt tokens whose tick stays under the target
+        p = max(most_within(cost, self.target, room), min(self.min_chunk, room))
         self.predicted = cost(p)
         return n_decode + p
+
+
+def most_within(cost: Callable[[int], float], limit: float, hi: int) -> int:
+    """The largest ``n`` in ``[0, hi]`` with ``cost(n) <= limit`` (0 when none), by bisection:
+    ``cost`` grows with ``n``."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -43,7 +43,7 @@ import numpy as np
 
 from llamabatch._core.slots import SlotState
 from llamabatch._ffi.sampler import SamplingError
-from llamabatch.generate.cost_model import TickFeatures
+from llamabatch.generate.cost_model import TickFeatures, most_within
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_config import validate_speculative_config
@@ -457,14 +457,7 @@ def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
         )
         return latency.model.predict(TickFeatures(n, n_decode + d + (1 if prefill else 0), attended))
 
-    lo, hi = 0, room
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost(mid) <= latency.target:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return most_within(cost, latency.target, room)
 
 
 def _draft_of(tokens: list[int], st: _SpecState) -> Draft:

@@ -40,7 +40,7 @@ import os
 import re
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -572,10 +572,8 @@ def cache_dir() -> Path:
 def model_path(preset: str | ModelSpec = "tiny", cache: str | os.PathLike[str] | None = None) -> Path:
     """The path of the GGUF file for ``preset`` (a :data:`PRESETS` name or a :class:`ModelSpec`).
 
-    The file is built on first use and reused afterwards. Its name carries :func:`spec_hash`, so a
-    different spec or generator version gets a different file. Concurrent callers (threads or
-    processes) serialise on a lock file; only one builds. ``cache`` overrides :func:`cache_dir`.
-    """
+    Built on first use (:func:`built_once`) and reused; its name carries :func:`spec_hash`, so a
+    different spec or generator version gets another file. ``cache`` overrides :func:`cache_dir`."""
     if isinstance(preset, str):
         try:
             spec = PRESETS[preset]
@@ -585,16 +583,23 @@ def model_path(preset: str | ModelSpec = "tiny", cache: str | os.PathLike[str] |
         spec = preset
     directory = Path(cache) if cache is not None else cache_dir()
     path = directory / f"{spec.name}-{spec_hash(spec)}.gguf"
+    return built_once(path, lambda tmp: write_llama_gguf(tmp, spec))
+
+
+def built_once(path: Path, build: Callable[[Path], object]) -> Path:
+    """``path``, built once by ``build(tmp)`` and renamed into place; concurrent callers wait."""
     if path.exists():
         return path
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f".{path.stem}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not path.exists():
-                write_llama_gguf(path, spec)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.stem}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.build")
+            try:
+                build(tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
     return path
 
 

@@ -20,12 +20,11 @@ function of ``n_vocab`` alone) and the same special tokens.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 from pathlib import Path
 from typing import NamedTuple
 
-from llamabatch.gguf.testing import PRESETS, ModelSpec, cache_dir, spec_hash, write_llama_gguf
+from llamabatch.gguf.testing import PRESETS, ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
 
 __all__ = ["PAIR_PRESETS", "DraftPair", "draft_pair"]
 
@@ -68,25 +67,13 @@ def _zero_output_projections(path: Path, from_layer: int) -> None:
 
 def _cached(spec: ModelSpec, zero_from: int | None, directory: Path) -> Path:
     suffix = "" if zero_from is None else f"-z{zero_from}"
-    path = directory / f"{spec.name}-{spec_hash(spec)}{suffix}.gguf"
-    if path.exists():
-        return path
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f".{path.stem}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not path.exists():
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.build")
-                try:
-                    write_llama_gguf(tmp, spec)
-                    if zero_from is not None:
-                        _zero_output_projections(tmp, zero_from)
-                    os.replace(tmp, path)
-                finally:
-                    tmp.unlink(missing_ok=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return path
+
+    def build(tmp: Path) -> None:
+        write_llama_gguf(tmp, spec)
+        if zero_from is not None:
+            _zero_output_projections(tmp, zero_from)
+
+    return built_once(directory / f"{spec.name}-{spec_hash(spec)}{suffix}.gguf", build)
 
 
 def draft_pair(preset: str = "tiny", cache: str | os.PathLike[str] | None = None) -> DraftPair:
