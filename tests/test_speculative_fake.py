@@ -57,10 +57,20 @@ class OracleDrafter:
         pass
 
 
-def _speculate(core, model, p_wrong=0.0, k=4, seed=0, **policy) -> OracleDrafter:
+#: a scripted decode time (fixed, per token, per logits row, per attended cell; seconds) under
+#: which drafts pay when they are mostly accepted: a decode's fixed cost dominates
+CHEAP_DRAFTS = (0.008, 0.0002, 0.0003, 0.0)
+
+
+def _speculate(core, model, p_wrong=0.0, k=4, seed=0, cost=CHEAP_DRAFTS, **policy) -> OracleDrafter:
+    """Attach an oracle drafter; decodes take the scripted ``cost`` (unless the test scripted
+    one already), so the speculator's decisions do not depend on this machine's timings."""
     drafter = OracleDrafter(model, p_wrong, seed)
     config = {"method": "ngram", "num_speculative_tokens": k}
     core.spec = Speculator(config, drafter, SpecPolicy(**policy))
+    if cost is not None and core.context.cost is None:
+        core.context.cost = cost
+        core.clock = core.context.clock
     return drafter
 
 
@@ -77,8 +87,9 @@ def test_completions_are_those_without_speculation(kv_unified, p_wrong):
     for r in rec.requests:
         rec.check_done(r)
     assert core.counters.spec_draft_tokens > 0
-    if p_wrong == 0.0:
-        assert core.counters.spec_accepted_tokens > core.counters.spec_draft_tokens // 2
+    if p_wrong == 0.0:  # the greedy ones' drafts are right (the sampled ones' often not)
+        timings = [r.output.timings for i, r in enumerate(rec.requests) if i % 2]
+        assert sum(t.spec_accepted_tokens for t in timings) > sum(t.spec_draft_tokens for t in timings) // 2
     if p_wrong == 1.0:
         assert core.counters.spec_accepted_tokens < core.counters.spec_draft_tokens // 4
     assert sorted(k for k, done in drafter.released if done) == sorted(r.arrival for r in rec.requests)
@@ -142,9 +153,10 @@ def test_a_request_that_opts_out_or_keeps_rejecting_stops_drafting():
     rec.check_done(opt_out)
     rec.check_done(rejected)
     assert opt_out.output.timings.spec_draft_tokens == 0
-    # 3 rejected drafts (1 token each after the first shrink), then a back-off of 4+ ticks
-    assert rejected.output.timings.spec_draft_tokens < 40 // 2
-    assert drafter.calls < 40
+    # its acceptance estimate falls with each rejected draft: it soon stops drafting (and
+    # the drafter is not even asked)
+    assert rejected.output.timings.spec_draft_tokens < 40 // 4
+    assert drafter.calls < 40 // 4
 
 
 # -- the state machine with speculating requests -------------------------------------------
@@ -206,6 +218,7 @@ def test_the_ngram_method_on_the_fake_context():
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     core, ctx, model = make_core(n_parallel=2, speculative_config=ngram, n_batch=32)
     assert isinstance(core.spec, Speculator)
+    ctx.cost, core.clock = CHEAP_DRAFTS, ctx.clock  # (the decisions do not hang on this machine)
     rec = Recorder(core, ctx, model)
     for i in range(4):
         rec.new(prompt(4, i) * 4, greedy(30))  # repeated prompts: lookups find drafts

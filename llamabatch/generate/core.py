@@ -45,7 +45,8 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
-from llamabatch.generate.cost_model import LatencyBudget, batch_features
+from llamabatch.generate.cost_model import LatencyBudget
+from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import KVCache
 from llamabatch.generate.kv_memory import resolved_n_ctx
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
@@ -498,11 +499,7 @@ class EngineCore:
         elapsed = clock() - t0
         self._decode_time += elapsed
         if code == 0:
-            latency = self.latency
-            if latency is not None:  # what the model expected of this batch; then fit it
-                features = batch_features(self.table, [s for s, _ in self.slots.busy()])
-                latency.predicted = latency.model.predict(features)
-                latency.model.observe(features, elapsed)
+            fit_decode_costs(self, elapsed)  # the latency budget's and the speculator's models
             self._last_fill = self.table.last_fill_stats
             self.table.commit()
             return 0, n_tokens

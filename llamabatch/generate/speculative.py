@@ -24,11 +24,11 @@ The Drafter interface (both methods implement it; ``draft_model.py`` is the othe
     drafter.release(key, done=True)   # request ended (done) or preempted (done=False)
     drafter.close()
 
-Only where it pays (``SpecPolicy``): drafts fill spare budget only (decode tokens and
-prompt chunks come first); nobody drafts while more than ``max_streams`` sequences decode
-(the batch is then wide enough that extra tokens are not free on a CPU); the draft length adapts per request
-(doubles after a fully accepted draft, shrinks to what was accepted plus one otherwise),
-and a request whose drafts keep being rejected backs off for a growing number of ticks.
+Only where it pays (``spec_policy.py``): drafts fill spare budget only (decode tokens and
+prompt chunks come first), within KV room and under ``target_itl_ms``; each tick, every
+speculating request's draft length (0 allowed) is the one that maximises the tick's expected
+tokens per second, from a decode cost model fitted on every decode (``observe``), the draft
+model's measured time per step and per-request acceptance estimates per draft position.
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ from llamabatch.generate.cost_model import TickFeatures, most_within
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_config import validate_speculative_config
+from llamabatch.generate.spec_policy import (
+    AcceptanceModel,
+    DraftTimer,
+    RequestAcceptance,
+    SpecPolicy,
+    choose_draft_lengths,
+    decode_cost_model,
+    tick_cost,
+)
 
 if TYPE_CHECKING:
     from llamabatch.generate.core import EngineCore
@@ -113,15 +122,20 @@ class _NgramIndex:
                 continue
             found = maps[n].get(tuple(hist[end - n : end]))
             if found is not None:
-                return list(hist[found : min(found + k, end)])
+                tokens = list(hist[found : min(found + k, end)])
+                while len(tokens) < k:  # the continuation reaches the end: it repeats itself
+                    tokens.append(tokens[found + len(tokens) - end])
+                return tokens
         return []
 
 
 class NgramDrafter:
     """Prompt-lookup drafts: the longest suffix n-gram (``prompt_lookup_max`` down to
     ``prompt_lookup_min`` tokens) of the request's prompt + output is looked up in that
-    history, and the up to k tokens that followed its latest earlier occurrence are the draft
-    (rule ``"match"``). The index per request grows with the history, never rescanned."""
+    history, and the k tokens that followed its latest earlier occurrence are the draft
+    (rule ``"match"``); where they reach the end of the history they go on as the history
+    would if it repeated (a loop of period p < k drafts k tokens, not p). The index per
+    request grows with the history, never rescanned."""
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
@@ -176,30 +190,15 @@ class _History(Sequence[int]):
 
 
 @dataclass
-class SpecPolicy:
-    """When drafts are worth their tokens (see the module docstring)."""
-
-    #: no drafting while more sequences than this decode in a tick
-    max_streams: int = 4
-    #: the most tokens (decode + drafts) a tick's speculating part may reach
-    max_batch_tokens: int = 32
-    #: consecutive rejected drafts before a request backs off
-    reject_streak: int = 3
-    #: the longest back-off, in ticks (it doubles from 4 each time)
-    max_backoff: int = 256
-
-
-@dataclass
 class _SpecState:
-    k: int
-    streak: int = 0
-    backoff: int = 0
-    skip_until: int = 0
+    acc: RequestAcceptance
     drafted: int = 0
     accepted: int = 0
     draft: list[int] = field(default_factory=list)
     rule: str = "match"
     q: Any = None
+    #: len(prompt) + len(output) at its last draft call (-1: the drafter holds nothing of it)
+    synced: int = -1
 
 
 class Speculator:
@@ -210,6 +209,13 @@ class Speculator:
         self.k = int(config["num_speculative_tokens"])
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
+        #: the decode cost model, fitted on every decode of the engine (``observe``)
+        self.cost = decode_cost_model()
+        self.acceptance = AcceptanceModel(self.k, self.policy)
+        #: whether drafting itself costs (a draft model: lengths are chosen before drafting,
+        #: its time per step is measured); n-gram lookups are free and made first
+        self.draft_costs = config.get("method") == "draft_model"
+        self.draft_timer = DraftTimer()
         self._states: dict[int, _SpecState] = {}
         self._tick = 0
         self._set: list[int] = []  # slots given drafts this tick
@@ -238,22 +244,27 @@ class Speculator:
     def state(self, request: Request) -> _SpecState:
         st = self._states.get(request.arrival)
         if st is None:
-            st = self._states[request.arrival] = _SpecState(self.k)
+            st = self._states[request.arrival] = _SpecState(RequestAcceptance(self.k))
         return st
+
+    def observe(self, features: TickFeatures, seconds: float) -> None:
+        """Fit the decode cost model on one measured ``llama_decode`` of the engine."""
+        self.cost.observe(features, seconds)
 
     # -- before the fill ------------------------------------------------------------------
 
     def prepare(self, core: EngineCore) -> None:
-        """Set this tick's drafts on the DECODE slots that speculate."""
+        """Set this tick's drafts on the DECODE slots that speculate (see ``spec_policy``)."""
         self._tick += 1
         table = core.table
         for slot in self._set:  # drafts a fill left out are not kept for a later tick
             if table.state(slot) == SlotState.DECODE:
                 table.set_draft(slot, ())
         self._set.clear()
+        self.acceptance.tick()
         n_decode = table.count(SlotState.DECODE)
         policy = self.policy
-        if not n_decode or n_decode > policy.max_streams:
+        if not n_decode or (policy.max_streams is not None and n_decode > policy.max_streams):
             return
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         if table.kv_unified:
@@ -262,30 +273,59 @@ class Speculator:
             room = latency_room(core, n_decode, room)
         if room <= 0:
             return
-        jobs: list[DraftJob] = []
+        cands: list[tuple[int, Request, _SpecState]] = []
+        caps: list[int] = []  # the most drafts each may use (max_tokens: no draft past the limit)
         for slot, request in core.slots.busy():
             if table.state(slot) != SlotState.DECODE or not request.params.speculative:
                 continue
             if request.kind is RequestKind.PIN:
                 continue
+            cap = min(self.k, request.params.max_tokens - len(request.output_tokens) - 1)
+            if cap <= 0:
+                continue
             st = self.state(request)
-            if st.skip_until > self._tick:
-                continue
-            jobs.append(
-                DraftJob(request.arrival, request.prompt_tokens, request.output_tokens, st.k, request.params)
-            )
-        if not jobs:
+            self.acceptance.decay(st.acc)
+            cands.append((slot, request, st))
+            caps.append(cap)
+        if not cands:
             return
+        target = tick_cost(core, n_decode, self.cost)
+        timer = self.draft_timer if self.draft_costs else None
+
+        def cost(total: int, longest: int) -> float:
+            return target(total) + (timer.predict(longest) if timer is not None else 0.0)
+
+        gains = [self.acceptance.gains(st.acc, cap) for (_, _, st), cap in zip(cands, caps, strict=True)]
+        ks = choose_draft_lengths(gains, n_decode, cost, room, policy.margin)
+        chosen = [(c, k, cap) for c, k, cap in zip(cands, ks, caps, strict=True) if k > 0]
+        if not chosen:
+            return
+        jobs = [  # a draft model drafts what was chosen; a lookup as much as may serve
+            DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k if timer else cap, r.params)
+            for (_, r, _), k, cap in chosen
+        ]
+        t0 = core.clock()
         drafts = self.drafter.draft(jobs)
-        for slot, request in core.slots.busy():
-            draft = drafts.get(request.arrival)
-            if draft is None or room <= 0 or not draft.tokens:
+        elapsed = core.clock() - t0
+        fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
+        for (_, r, st), k, _ in chosen:
+            n = len(r.prompt_tokens) + len(r.output_tokens)
+            fresh = fresh or st.synced < 0 or n - st.synced > k + 1
+            st.synced = n
+        if timer is not None and not fresh:
+            timer.observe(elapsed, max(k for _, k, _ in chosen))
+        sets = [(c, k, d) for c, k, _ in chosen if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
+        if timer is None and sets:  # n-gram: choose again, knowing how long each draft is
+            gains = [self.acceptance.gains(st.acc, len(d.tokens)) for (_, _, st), _, d in sets]
+            ks = choose_draft_lengths(gains, n_decode, cost, room, policy.margin)
+            sets = [(c, k, d) for (c, _, d), k in zip(sets, ks, strict=True)]
+        for (slot, _, st), k, d in sets:
+            if room <= 0 or k <= 0:
                 continue
-            tokens = draft.tokens[: min(room, self._states[request.arrival].k)]
+            tokens = d.tokens[: min(room, k)]  # (a drafter may give more than asked)
             n = table.set_draft(slot, tokens)
             self._set.append(slot)
-            st = self._states[request.arrival]
-            st.draft, st.rule, st.q = tokens[:n], draft.rule, draft.q
+            st.draft, st.rule, st.q = tokens[:n], d.rule, d.q
             room -= n
 
     # -- after the decode -----------------------------------------------------------------
@@ -348,34 +388,38 @@ class Speculator:
                 tokens.append(token)
                 if i < d and token != draft[i]:
                     break
-        # drafts kept: all tokens but the last (the next decode input), or all before an error
+        # drafts accepted: all tokens but the last (the next decode input), or all before an error
         n_acc = len(tokens) - 1 if error is None else len(tokens)
         self._account(st, d, n_acc)
         request.spec_counts[0] += d
-        request.spec_counts[1] += n_acc
         counters = core.counters
         # the tick's counts knew one decode token per stream: drafts were computed too, and
         # the kept ones are generated tokens (stats' batch_tokens, decode_tokens, tokens/s)
         counters.batch_tokens += d
-        counters.decode_tokens += n_acc
         counters.spec_drafts += 1
         counters.spec_draft_tokens += d
-        counters.spec_accepted_tokens += n_acc
         per_pos = counters.spec_accepted_per_pos
         if len(per_pos) < d:
             per_pos.extend([0] * (d - len(per_pos)))
-        for i in range(n_acc):
-            per_pos[i] += 1
         if d - n_acc:
             table.reject(slot, d - n_acc)
             core.context.seq_rm(slot, table.n_past(slot), -1)
         base = table.n_past(slot) - 1 - n_acc  # n_past before the pending token was decoded
         logprobs = request.state.logprobs
+        kept = 0  # accepted drafts emitted so far (a stop or limit inside the run cuts it)
         for i, token in enumerate(tokens):
             if logprobs is not None:  # from the row the token was sampled at
                 logprobs.append(core._logprobs(idxs[i], token, request.params.logprobs or 0))
-            last = i == len(tokens) - 1 and error is None
-            if not core._on_token(slot, request, token, now, n_past=base + 1 + i, last=last):
+            last = i == len(tokens) - 1
+            # emitting token i keeps draft i - 1 (and, after an error, the token is a draft too)
+            while kept < min(n_acc, i + (1 if last and error is not None else 0)):
+                per_pos[kept] += 1
+                kept += 1
+                request.spec_counts[1] += 1
+                counters.decode_tokens += 1
+                counters.spec_accepted_tokens += 1
+            n_past = base + 1 + i
+            if not core._on_token(slot, request, token, now, n_past=n_past, last=last and error is None):
                 return
         if error is not None:
             core._finish(slot, "error", error=error)
@@ -385,18 +429,7 @@ class Speculator:
         st.accepted += n_acc
         self.drafted += d
         self.accepted += n_acc
-        policy = self.policy
-        if n_acc == d:
-            st.k = min(self.k, st.k * 2)
-            st.streak = 0
-            st.backoff = 0
-        else:
-            st.k = max(1, n_acc + 1)
-            st.streak = st.streak + 1 if n_acc == 0 else 0
-            if st.streak >= policy.reject_streak:
-                st.backoff = min(policy.max_backoff, max(4, st.backoff * 2))
-                st.skip_until = self._tick + st.backoff
-                st.streak = 0
+        self.acceptance.observe(st.acc, d, n_acc)
 
     # -- the end of a request -------------------------------------------------------------
 
@@ -409,6 +442,8 @@ class Speculator:
         """``request`` ended (``done``) or was preempted."""
         if done:
             self._states.pop(request.arrival, None)
+        elif (st := self._states.get(request.arrival)) is not None:
+            st.synced = -1  # the drafter forgets what it held of it
         try:
             self.drafter.release(request.arrival, done=done)
         except Exception:  # pragma: no cover - a drafter's cleanup never fails a request
@@ -438,26 +473,11 @@ def speculator_for(config: dict[str, Any] | None, core: EngineCore) -> Speculato
 
 def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
     """The most draft tokens (up to ``room``) that keep the tick's predicted decode time
-    under ``target_itl_ms``: the batch is this tick's decode and prefill tokens (what its
-    budget lets the plan take) plus the drafts, each draft with its logits row, as the
-    ``LatencyBudget``'s cost model predicts it."""
+    under ``target_itl_ms``, as the ``LatencyBudget``'s cost model predicts it
+    (``spec_policy.tick_cost``)."""
     latency = core.latency
     assert latency is not None
-    table = core.table
-    busy = [s for s, _ in core.slots.busy()]
-    pending = sum(table.n_pending(s) for s in busy)
-    prefill = max(0, min(core._budget - n_decode, pending))
-    decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
-    used = table.cells_used
-
-    def cost(d: int) -> float:
-        n = n_decode + prefill + d
-        attended = (
-            float(n * (used + n)) if table.kv_unified else float(decode_past * (1 + d / max(n_decode, 1)))
-        )
-        return latency.model.predict(TickFeatures(n, n_decode + d + (1 if prefill else 0), attended))
-
-    return most_within(cost, latency.target, room)
+    return most_within(tick_cost(core, n_decode, latency.model), latency.target, room)
 
 
 def _draft_of(tokens: list[int], st: _SpecState) -> Draft:

@@ -1,0 +1,222 @@
+"""When speculation pays: each tick's draft lengths from measured costs and acceptance.
+
+Extra tokens in a batch are not free on a CPU: a sequence's decode with four drafts can cost
+three times its decode alone, while an accepted draft saves one tick of that sequence. So
+each tick the speculator chooses every speculating request's draft length ``k`` (0 allowed)
+to maximise the expected generated tokens per second of the tick,
+
+    (streams decoding + sum of expected accepted drafts) / (predicted decode time with the
+     drafts + the draft model's time for the longest draft)
+
+against the tick without drafts (which must be beaten by ``SpecPolicy.margin``):
+
+* the decode time comes from a :class:`DecodeCostModel` fitted on every decode of the engine
+  (``Speculator.observe``), so it follows the machine; the draft model's time per draft step
+  is measured on its own calls (:class:`DraftTimer`);
+* the expected accepted drafts come from :class:`AcceptanceModel`: per request and draft
+  position, the rate at which a draft at that position was accepted once the ones before it
+  were (exponentially weighted: recent drafts count most), pulled toward the engine-wide rate
+  of that position, itself pulled toward a prior. A draft at position ``i`` is worth the
+  product of the rates up to ``i``, so the worth of each further draft token falls, and the
+  best lengths are the top draft tokens by worth (:func:`choose_draft_lengths`).
+
+Consequences: one stream in a loop (drafts always accepted) drafts long runs; a request whose
+drafts fail stops drafting (its estimate falls), and tries again after its evidence fades;
+eight or sixteen streams, whose tick already emits many tokens, draft only drafts that are
+almost sure to be accepted. No timing is built in: only a starting guess the fit replaces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llamabatch._core.slots import SlotState
+from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
+
+if TYPE_CHECKING:
+    from llamabatch.generate.core import EngineCore
+
+__all__ = [
+    "AcceptanceModel",
+    "DraftTimer",
+    "RequestAcceptance",
+    "SpecPolicy",
+    "choose_draft_lengths",
+    "decode_cost_model",
+    "tick_cost",
+]
+
+
+@dataclass
+class SpecPolicy:
+    """The speculator's knobs (see the module docstring); the defaults need no tuning."""
+
+    #: a hard cap: no drafting while more sequences than this decode (None: the costs decide)
+    max_streams: int | None = None
+    #: the most tokens (decode + drafts) a tick's speculating part may reach
+    max_batch_tokens: int = 32
+    #: drafting must raise the tick's expected tokens per second by this fraction
+    margin: float = 0.03
+    #: per tick, the weight of a request's past drafts decays by this factor
+    request_decay: float = 0.9
+    #: how many drafts the engine-wide rate of a position weighs in a request's estimate
+    request_prior_weight: float = 1.0
+    #: per tick, the weight of the engine-wide counts decays by this factor
+    global_decay: float = 0.995
+    #: the acceptance rate assumed before any draft was verified, and its weight in drafts
+    prior: float = 0.5
+    prior_weight: float = 2.0
+
+
+class RequestAcceptance:
+    """One request's exponentially weighted draft outcomes, by position: ``hits[i]`` of
+    ``tries[i]`` drafts at position ``i`` (tried when every draft before it was accepted)."""
+
+    __slots__ = ("hits", "tries")
+
+    def __init__(self, n: int) -> None:
+        self.hits = [0.0] * n
+        self.tries = [0.0] * n
+
+
+class AcceptanceModel:
+    """Acceptance estimates per draft position: per request, pulled toward the engine's."""
+
+    def __init__(self, n: int, policy: SpecPolicy) -> None:
+        self.n = n
+        self.policy = policy
+        self.hits = [0.0] * n
+        self.tries = [0.0] * n
+
+    def rate(self, req: RequestAcceptance, i: int) -> float:
+        """The estimated chance that a draft at position ``i`` is accepted when the drafts
+        before it were."""
+        p = self.policy
+        g = (self.hits[i] + p.prior_weight * p.prior) / (self.tries[i] + p.prior_weight)
+        m = p.request_prior_weight
+        return (req.hits[i] + m * g) / (req.tries[i] + m)
+
+    def gains(self, req: RequestAcceptance, cap: int) -> list[float]:
+        """The expected accepted drafts each further draft token adds, for up to ``cap``
+        tokens: the product of the rates up to its position (non-increasing)."""
+        out: list[float] = []
+        g = 1.0
+        for i in range(min(cap, self.n)):
+            g *= self.rate(req, i)
+            out.append(g)
+        return out
+
+    def observe(self, req: RequestAcceptance, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` drafts were accepted (the first rejection ends them)."""
+        for i in range(min(drafted, accepted + 1, self.n)):
+            hit = 1.0 if i < accepted else 0.0
+            req.hits[i] += hit
+            req.tries[i] += 1.0
+            self.hits[i] += hit
+            self.tries[i] += 1.0
+
+    def decay(self, req: RequestAcceptance) -> None:
+        """A tick passed for ``req`` (its older drafts weigh less)."""
+        f = self.policy.request_decay
+        req.hits = [h * f for h in req.hits]
+        req.tries = [t * f for t in req.tries]
+
+    def tick(self) -> None:
+        """A tick passed for the engine-wide counts."""
+        f = self.policy.global_decay
+        self.hits = [h * f for h in self.hits]
+        self.tries = [t * f for t in self.tries]
+
+
+class DraftTimer:
+    """The draft model's seconds per draft step (one batched draft decode over all requests),
+    exponentially weighted over its measured calls; 0 until one was measured."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.per_step = 0.0
+        self.n_observed = 0
+
+    def observe(self, seconds: float, steps: int) -> None:
+        if steps <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        x = seconds / steps
+        self.per_step = x if not self.n_observed else self.per_step + self.weight * (x - self.per_step)
+        self.n_observed += 1
+
+    def predict(self, steps: int) -> float:
+        return self.per_step * steps
+
+
+def decode_cost_model() -> DecodeCostModel:
+    """The speculator's decode cost model: its starting guess makes a draft token cheap next
+    to a decode's fixed cost, so the first ticks try drafts and the fit learns what they
+    cost (a guess that never drafted could never learn it)."""
+    return DecodeCostModel(prior=(0.01, 0.001, 0.0005, 1e-6))
+
+
+def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callable[[int], float]:
+    """The predicted decode time (seconds) of this tick's batch with ``d`` draft tokens: its
+    decode tokens, the prompt tokens its budget lets the plan take and the drafts, each draft
+    with its logits row, as ``model`` predicts it."""
+    table = core.table
+    busy = [s for s, _ in core.slots.busy()]
+    pending = sum(table.n_pending(s) for s in busy)
+    prefill = max(0, min(core._budget - n_decode, pending))
+    decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
+    used = table.cells_used
+    unified = table.kv_unified
+    # the model is linear: its coefficients once, then arithmetic (called ~60 times a tick)
+    c0 = model.predict(TickFeatures(0, 0, 0.0))
+    c_token = model.predict(TickFeatures(1, 0, 0.0)) - c0
+    c_output = model.predict(TickFeatures(0, 1, 0.0)) - c0
+    c_cell = model.predict(TickFeatures(0, 0, 1.0)) - c0
+    outputs0 = n_decode + (1 if prefill else 0)
+
+    def cost(d: int) -> float:
+        n = n_decode + prefill + d
+        attended = float(n * (used + n)) if unified else float(decode_past * (1 + d / max(n_decode, 1)))
+        return max(0.0, c0 + c_token * n + c_output * (outputs0 + d) + c_cell * attended)
+
+    return cost
+
+
+def choose_draft_lengths(
+    gains: Sequence[Sequence[float]],
+    n_emit: int,
+    cost: Callable[[int, int], float],
+    room: int,
+    margin: float = 0.0,
+) -> list[int]:
+    """The draft length of each request that maximises the tick's expected tokens per second.
+
+    ``gains[r][i]``: the expected accepted drafts that request ``r``'s ``i``-th draft token
+    adds (non-increasing in ``i``; its length is the most ``r`` may draft); ``n_emit``: the
+    tokens the tick emits without drafts (one per decoding stream); ``cost(total, longest)``:
+    the predicted seconds of the tick with ``total`` draft tokens whose longest run is
+    ``longest``; ``room``: the most draft tokens in all. For each total, the best drafts are
+    the ones worth most (a request's tokens come in position order); the best total wins if
+    its rate beats the tick without drafts by ``margin`` (a fraction), else nobody drafts."""
+    ks = [0] * len(gains)
+    order = sorted(
+        ((g, i, r) for r, gs in enumerate(gains) for i, g in enumerate(gs) if g > 0),
+        key=lambda x: (-x[0], x[1], x[2]),
+    )
+    base = n_emit / max(cost(0, 0), 1e-12)
+    best_rate, best_total = base * (1.0 + margin), 0
+    expected = float(n_emit)
+    longest = 0
+    for total, (g, _, r) in enumerate(order[: max(0, room)], start=1):
+        ks[r] += 1
+        longest = max(longest, ks[r])
+        expected += g
+        rate = expected / max(cost(total, longest), 1e-12)
+        if rate > best_rate:
+            best_rate, best_total = rate, total
+    out = [0] * len(gains)
+    for _, _, r in order[:best_total]:
+        out[r] += 1
+    return out

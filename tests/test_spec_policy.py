@@ -1,0 +1,185 @@
+"""The cost-aware draft lengths (``generate/spec_policy.py``): the chosen lengths are the
+expected-value optimum of the tick's tokens per second, checked by brute force; with a
+scripted decode cost on the fake context the engine drafts nothing when extra tokens are
+dear and drafts are rejected, long runs when tokens are cheap and drafts accepted, and
+nothing with many streams; its decode cost model learns the scripted cost."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from fake_llama import make_core
+from test_scheduler_fake import Recorder, greedy, prompt
+from test_speculative_fake import _speculate
+
+from llamabatch.generate import speculative
+from llamabatch.generate.cost_model import TickFeatures
+from llamabatch.generate.spec_policy import (
+    AcceptanceModel,
+    DraftTimer,
+    RequestAcceptance,
+    SpecPolicy,
+    choose_draft_lengths,
+)
+
+
+def _rate(gains, ks, n_emit, cost):
+    expected = n_emit + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
+    return expected / cost(sum(ks), max(ks, default=0))
+
+
+def _best_by_brute_force(gains, n_emit, cost, room, margin):
+    best, best_ks = n_emit / cost(0, 0) * (1 + margin), [0] * len(gains)
+    for ks in itertools.product(*(range(len(g) + 1) for g in gains)):
+        if 0 < sum(ks) <= room and _rate(gains, ks, n_emit, cost) > best + 1e-12:
+            best, best_ks = _rate(gains, ks, n_emit, cost), list(ks)
+    return best_ks
+
+
+def _linear(fixed, per_token, per_step=0.0, n_decode=1):
+    return lambda total, longest: fixed + per_token * (n_decode + total) + per_step * longest
+
+
+def _geometric(a, n):
+    return [a ** (i + 1) for i in range(n)]
+
+
+def test_dear_tokens_and_low_acceptance_draft_nothing():
+    # a draft token costs half a decode; a 30% draft is not worth it
+    assert choose_draft_lengths([_geometric(0.3, 8)], 1, _linear(0.004, 0.004), 32) == [0]
+
+
+def test_cheap_tokens_and_high_acceptance_draft_long_runs():
+    assert choose_draft_lengths([_geometric(0.99, 16)], 1, _linear(0.010, 0.0002), 32) == [16]
+    assert choose_draft_lengths([_geometric(0.99, 16)], 1, _linear(0.010, 0.0002), 5) == [5]  # room
+
+
+def test_many_streams_draft_nothing():
+    # the same costs and a 90% acceptance: one stream drafts, eight do not (their tick
+    # already emits 8 tokens; a draft adds 0.9 of a token for the price of one)
+    gains = _geometric(0.9, 8)
+    assert choose_draft_lengths([gains], 1, _linear(0.004, 0.003), 32, 0.03)[0] > 0
+    eight = _linear(0.004, 0.003, n_decode=8)
+    assert choose_draft_lengths([gains] * 8, 8, eight, 32, 0.03) == [0] * 8
+
+
+def test_the_draft_models_time_per_step_counts():
+    gains = _geometric(0.95, 8)
+    free = choose_draft_lengths([gains], 1, _linear(0.008, 0.0005), 32)
+    dear = choose_draft_lengths([gains], 1, _linear(0.008, 0.0005, per_step=0.004), 32)
+    assert free == [8] and 0 < dear[0] < 8
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_choice_is_the_expected_value_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 3)
+    gains = [_geometric(rng.uniform(0.05, 1.0), rng.randint(0, 5)) for _ in range(n)]
+    fixed, per_token = rng.uniform(0.001, 0.02), rng.uniform(0.0001, 0.005)
+    per_step = rng.choice([0.0, 0.0, rng.uniform(0.0001, 0.003)])
+    cost = _linear(fixed, per_token, per_step, n_decode=n)
+    room, margin = rng.randint(0, 12), rng.choice([0.0, 0.03])
+    got = choose_draft_lengths(gains, n, cost, room, margin)
+    want = _best_by_brute_force(gains, n, cost, room, margin)
+    assert sum(got) <= room and all(k <= len(g) for k, g in zip(got, gains, strict=True))
+    if per_step == 0.0:  # the cost depends on the total only: the top gains are exact
+        assert _rate(gains, got, n, cost) == pytest.approx(_rate(gains, want, n, cost), rel=1e-12)
+        assert (sum(got) == 0) == (sum(want) == 0)
+    else:  # a longest-run term: the top gains are within a hair of the best
+        assert _rate(gains, got, n, cost) >= 0.97 * _rate(gains, want, n, cost)
+
+
+def test_acceptance_estimates_follow_the_drafts():
+    policy = SpecPolicy()
+    model = AcceptanceModel(8, policy)
+    hot, cold = RequestAcceptance(8), RequestAcceptance(8)
+    assert model.gains(hot, 3) == pytest.approx([0.5, 0.25, 0.125])  # the prior
+    for _ in range(20):
+        model.decay(hot)
+        model.decay(cold)
+        model.observe(hot, 8, 8)  # always accepted
+        model.observe(cold, 4, 0)  # always rejected at the first
+    assert min(model.gains(hot, 8)) > 0.5
+    assert model.gains(cold, 1)[0] < 0.1
+    for _ in range(60):  # no drafts: the request's evidence fades toward the engine's rate
+        model.decay(cold)
+    assert model.gains(cold, 1)[0] == pytest.approx(model.rate(RequestAcceptance(8), 0), rel=0.05)
+
+
+def test_the_draft_timer_averages_seconds_per_step():
+    timer = DraftTimer(weight=0.5)
+    assert timer.predict(4) == 0.0
+    timer.observe(0.008, 4)
+    timer.observe(0.004, 1)
+    assert timer.predict(2) == pytest.approx(2 * 0.003)
+
+
+# -- the engine on the fake context, with a scripted decode cost ----------------------------
+
+
+def _run(n_streams, p_wrong, cost, k=8, max_tokens=60):
+    core, ctx, model = make_core(n_parallel=n_streams, n_batch=64, n_ctx=256 * n_streams)
+    ctx.cost = cost
+    core.clock = ctx.clock
+    _speculate(core, model, p_wrong, k=k)
+    rec = Recorder(core, ctx, model)
+    for i in range(n_streams):
+        rec.new(prompt(6, 20 + i), greedy(max_tokens))
+    drafts = []  # per tick: the draft tokens in its batch, the streams decoding
+    while core.has_unfinished():
+        rec.step()
+        drafts.append(core.table.n_draft_tokens)
+    for r in rec.requests:
+        rec.check_done(r)
+    return core, drafts
+
+
+def test_engine_drafts_nothing_when_tokens_are_dear_and_drafts_fail():
+    core, drafts = _run(1, 0.7, (0.002, 0.003, 0.002, 0.0))  # a draft: 5 ms on a 7 ms tick
+    assert sum(drafts[len(drafts) // 3 :]) == 0
+    assert core.counters.spec_draft_tokens < 10
+
+
+def test_engine_drafts_long_runs_when_tokens_are_cheap_and_drafts_hold():
+    core, drafts = _run(1, 0.0, (0.008, 0.0002, 0.0003, 0.0), k=8, max_tokens=120)
+    assert max(drafts) == 8
+    late = [d for d in drafts[5:] if d]
+    assert sum(late) / len(late) > 7
+    assert core.counters.spec_accepted_tokens == core.counters.spec_draft_tokens
+
+
+def test_engine_with_many_streams_drafts_nothing():
+    cost = (0.004, 0.001, 0.002, 0.0)  # a draft token: 3 ms; one stream's tick: 7 ms
+    _, one = _run(1, 0.1, cost)
+    assert sum(one) > 10  # one stream gains from 90% drafts
+    core, eight = _run(8, 0.1, cost)
+    assert sum(eight[len(eight) // 4 :]) == 0  # 8 streams: nothing once the costs are learned
+    assert core.counters.spec_draft_tokens <= 8
+
+
+def test_engine_decisions_are_the_optimum_of_its_estimates(monkeypatch):
+    calls = []
+    real = speculative.choose_draft_lengths
+
+    def spy(gains, n_emit, cost, room, margin=0.0):
+        got = real(gains, n_emit, cost, room, margin)
+        calls.append((gains, n_emit, cost, room, margin, got))
+        return got
+
+    monkeypatch.setattr(speculative, "choose_draft_lengths", spy)
+    core, _ = _run(2, 0.3, (0.006, 0.0005, 0.001, 0.0), k=4, max_tokens=40)
+    assert calls
+    for gains, n_emit, cost, room, margin, got in calls:
+        want = _best_by_brute_force(gains, n_emit, cost, room, margin)
+        assert _rate(gains, got, n_emit, cost) == pytest.approx(_rate(gains, want, n_emit, cost))
+
+
+def test_the_decode_cost_model_learns_the_scripted_cost():
+    fixed, per_token, per_output = 0.006, 0.0005, 0.001
+    core, _ = _run(1, 0.2, (fixed, per_token, per_output, 0.0), k=8, max_tokens=120)
+    model = core.spec.cost
+    for n in (1, 3, 5, 9):  # decode ticks (each token with its logits row), the drafts' cost
+        want = fixed + (per_token + per_output) * n
+        assert model.predict(TickFeatures(n, n, 0.0)) == pytest.approx(want, rel=0.05)
