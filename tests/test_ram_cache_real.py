@@ -49,6 +49,22 @@ def test_restored_prefix_gives_the_computed_logprobs(tiny_path, reference, kv_un
     check_against_reference(reference, [*firsts, out])
 
 
+def test_restored_conversation_shares_the_system_prompt(tiny_path, reference):
+    """Issue 23's chat in small: conversations sharing a system prompt, more than the slots.
+    The restored one takes the system prompt from the cells the other slot holds (not its
+    own copy: same KV cells in use as before the restore) and gives the computed logprobs."""
+    with LLM(tiny_path, cache_ram=64, n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=False) as llm:
+        system = _system(llm)[:100]
+        convs = [system + tail[1:41] for tail in _texts(llm, 3, 41)]
+        firsts = [llm.generate(c, PARAMS)[0].outputs[0] for c in convs]  # 3 conversations, 2 slots
+        follow = convs[0] + firsts[0].token_ids + llm.tokenize(" And then?", add_special=False)
+        out = llm.generate(follow, PARAMS)[0].outputs[0]
+        stats = llm.stats()
+    assert stats.ram_cache_restores == 1 and out.usage.reused_tokens >= 140, stats
+    assert stats.ram_cache_shared_tokens >= 100  # the system prompt: shared cells, not a copy
+    check_against_reference(reference, [*firsts, out])
+
+
 def test_ram_tier_in_metrics(tiny_path):
     prometheus_client = pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families

@@ -827,18 +827,22 @@ cdef class SlotTable:
             self.slots[dst].n_hist = n
 
     def record_cached(self, int32_t seq, tokens):
-        """Record that the empty idle slot or pinned sequence ``seq`` holds ``tokens`` at
-        positions ``0..len-1`` (computed outside a tick, or restored from a saved state)."""
+        """Record that the idle slot or pinned sequence ``seq`` holds ``tokens`` at positions
+        ``0..len-1`` (computed outside a tick, or restored from a saved state). ``seq`` is empty,
+        or already holds the first of ``tokens`` (a prefix shared with ``copy``): only the rest
+        are recorded as its own new cells."""
         self.check_resting(seq)
         cdef const int32_t[::1] toks = as_int32(tokens)
         cdef int32_t n = <int32_t> toks.shape[0]
-        if self.kv_len(seq)[0]:
-            raise ValueError("sequence %d is not empty (trim it first)" % seq)
+        cdef int32_t have = self.kv_len(seq)[0]
+        cdef int32_t * h = self.hist + <size_t> seq * self.n_ctx_seq
+        if have and (have > n or memcmp(h, &toks[0], have * sizeof(int32_t)) != 0):
+            raise ValueError("sequence %d holds tokens that do not start these (trim it first)" % seq)
         if n > self.n_ctx_seq:
             raise PromptTooLong("%d tokens do not fit the %d-token context of a sequence" % (n, self.n_ctx_seq))
-        if n:
-            memcpy(self.hist + <size_t> seq * self.n_ctx_seq, &toks[0], n * sizeof(int32_t))
-        self.kv_push(seq, n)
+        if n > have:
+            memcpy(h + have, &toks[have], (n - have) * sizeof(int32_t))
+        self.kv_push(seq, n - have)
         self.kv_len(seq)[0] = n
         if seq < self.n_parallel:
             self.slots[seq].n_hist = n

@@ -249,16 +249,37 @@ class KVCache:
             return None  # no room to load the whole state now: compute instead
         if not self.context.state_seq_set(slot, entry.data):
             ram.restore_failures += 1
-            ram.discard(entry)
+            entry.failures += 1
+            if entry.failures > 1:  # refused twice: bad bytes, not a passing lack of room
+                ram.discard(entry)
             return None
         if len(entry.tokens) > n:
             self.context.seq_rm(slot, n, -1)
+        self._share_prefix(slot, entry.tokens[:n])
         table.record_cached(slot, entry.tokens[:n])
         ram.touch(entry)
         ram.restores += 1
         ram.restored_tokens += n
         table.touch(slot)
         return Placement(slot, -1, n)
+
+    def _share_prefix(self, slot: int, tokens: np.ndarray) -> None:
+        """After a restore into ``slot``: the prefix of ``tokens`` another sequence holds
+        (the shared system prompt, say) is taken from its cells instead of the restored copy,
+        as a prefix copied at admission is, so each restored conversation does not keep (and
+        every tick attend to) its own copy. Unified KV cache only (a copy across streams moves
+        the data)."""
+        table = self.table
+        if not table.kv_unified:
+            return
+        source, shared = table.best_prefix(tokens)
+        if source < 0 or shared <= 0:
+            return
+        self.context.seq_rm(slot, 0, shared)
+        self.context.seq_cp(source, slot, 0, shared)
+        table.copy(source, slot, shared)
+        if self.ram is not None:
+            self.ram.shared_tokens += shared
 
     @property
     def cached_tokens(self) -> int:

@@ -46,17 +46,22 @@ class RamCacheStats:
     restore_failures: int = 0
     #: prompt tokens restored instead of computed
     restored_tokens: int = 0
+    #: of those, tokens then taken from cells another sequence holds (a shared system
+    #: prompt) instead of the restored copy (unified KV cache)
+    shared_tokens: int = 0
 
 
 class RamEntry:
     """One saved sequence: its tokens (positions ``0..n-1``) and llama.cpp's state bytes."""
 
-    __slots__ = ("data", "key", "tokens")
+    __slots__ = ("data", "failures", "key", "tokens")
 
     def __init__(self, tokens: np.ndarray, data: bytes, block: int = BLOCK) -> None:
         self.tokens = tokens
         self.data = data
         self.key = tokens[:block].tobytes()
+        #: loads llama.cpp refused (no contiguous room, or bad bytes: dropped at the second)
+        self.failures = 0
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -81,7 +86,7 @@ class RamCache:
         self._by_key: dict[bytes, list[RamEntry]] = {}
         self.bytes = 0
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
-        self.restore_failures = self.restored_tokens = 0
+        self.restore_failures = self.restored_tokens = self.shared_tokens = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -165,6 +170,7 @@ class RamCache:
             evictions=self.evictions,
             restore_failures=self.restore_failures,
             restored_tokens=self.restored_tokens,
+            shared_tokens=self.shared_tokens,
         )
 
     def check(self) -> None:

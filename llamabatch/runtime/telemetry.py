@@ -180,6 +180,8 @@ class GenerationStats:
     ram_cache_restore_failures: int = 0
     #: prompt tokens restored from host RAM instead of computed
     ram_cache_restored_tokens: int = 0
+    #: of those, tokens then shared with another sequence's cells instead of kept as a copy
+    ram_cache_shared_tokens: int = 0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files loaded, written, refused (corrupt, wrong model or layout: recomputed)
     prefix_files_loaded: int = 0
