@@ -45,6 +45,7 @@ from llamabatch.bench.workloads import (
     batched_requests,
     mixed_requests,
     open_tokenizer,
+    point_seed,
     repeat_requests,
     warm_prompt,
 )
@@ -139,11 +140,10 @@ def run_batched(
     vocab = open_tokenizer(config.model)
     make = repeat_requests if repeat_prompts else batched_requests
     try:
+        points = [(npp, ntg, npl) for npp in npps for ntg in ntgs for npl in npls]
         grid = [
-            (npp, ntg, npl, make(vocab, npp, ntg, npl, config.seed, n_requests))
-            for npp in npps
-            for ntg in ntgs
-            for npl in npls
+            (npp, ntg, npl, make(vocab, npp, ntg, npl, point_seed(config.seed, k), n_requests))
+            for k, (npp, ntg, npl) in enumerate(points)
         ]
     finally:
         vocab.close()
@@ -201,7 +201,10 @@ def run_mixed(
     _check_runners(runners)
     vocab = open_tokenizer(config.model)
     try:
-        workloads = [(rate, mixed_requests(vocab, n_requests, rate, mix, config.seed)) for rate in rates]
+        workloads = [
+            (rate, mixed_requests(vocab, n_requests, rate, mix, point_seed(config.seed, k)))
+            for k, rate in enumerate(rates)
+        ]
     finally:
         vocab.close()
     warm_tokens = warm_prompt([r for _, reqs in workloads for r in reqs])

@@ -24,7 +24,7 @@ from llamabatch.bench.generate import engine_settings, generation_report, run_wo
 from llamabatch.bench.plots import check_plotting, plot_results
 from llamabatch.bench.report import RunResult
 from llamabatch.bench.runners import ENGINE, HTTP, BenchConfig, HTTPRunner
-from llamabatch.bench.workloads import WorkloadSpec
+from llamabatch.bench.workloads import WorkloadSpec, point_seed
 
 __all__ = ["IN_PROCESS", "add_arguments", "main"]
 
@@ -129,9 +129,16 @@ def _find_capacity(
 ) -> tuple[list[RunResult], list[dict[str, object]]]:
     """The capacity search against the server (mixed workload, one rate per probe)."""
 
+    probes = 0
+
     def probe(rate: float) -> RunResult:
+        nonlocal probes
         spec = dataclasses.replace(workload, kind="mixed", rates=(rate,))
-        (run,) = run_workload(config, spec, [], show_progress=False, others={HTTP: server})
+        # fresh prompts for every probe: a server's prompt cache must not serve a probe
+        # from an earlier probe's identical prompts (that would measure cache hits, not load)
+        seeded = dataclasses.replace(config, seed=point_seed(config.seed, probes))
+        probes += 1
+        (run,) = run_workload(seeded, spec, [], show_progress=False, others={HTTP: server})
         latency.apply_slo([run], config)
         print(
             f"bench-serve: rate {rate:.3g}/s: ITL p99 {run.row()['itl_p99_ms']:.1f} ms, TTFT p99 "

@@ -36,6 +36,7 @@ __all__ = [
     "mixed_requests",
     "open_tokenizer",
     "parse_mix",
+    "point_seed",
     "repeat_requests",
     "resolve_model",
     "text_token_pool",
@@ -217,6 +218,13 @@ def mixed_requests(
         arrivals.append(arrivals[-1] + rng.expovariate(rate))
     prompts = make_prompts(model, [mix[k][0] for k in kinds], seed=seed + 7)
     return [BenchRequest(p, mix[k][1], t) for p, k, t in zip(prompts, kinds, arrivals, strict=True)]
+
+
+def point_seed(seed: int, point: int) -> int:
+    """The prompt seed of a run's ``point``-th workload point (rate, grid point or capacity
+    probe): each point gets prompts of its own, so a server's prompt cache cannot serve one
+    point from an earlier point's identical prompts; point 0 keeps ``seed``."""
+    return seed + 1009 * point
 
 
 def warm_prompt(requests: Sequence[BenchRequest]) -> tuple[int, ...]:

@@ -116,7 +116,8 @@ class HTTPRunner:
         }
         stamps: list[float] = []
         usage: int | None = None
-        async with self._client.stream("POST", "/v1/completions", json=body) as response:
+        response = await self._send_stream(body)
+        try:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")[:300]
                 raise RuntimeError(f"POST {self.url}/v1/completions answered {response.status_code}: {text}")
@@ -140,7 +141,23 @@ class HTTPRunner:
                         usage = int(chunk["usage"]["completion_tokens"])
             finally:
                 await lines.aclose()  # now, on this loop, not when collected
+        finally:
+            await response.aclose()
         return stamps, len(stamps) if usage is None else usage
+
+    async def _send_stream(self, body: dict[str, Any]) -> Any:
+        """The streamed POST's response (the caller closes it). A pooled keep-alive connection
+        that the server closed just as it was reused fails before any response byte: the
+        request never reached the server, so it is sent once more on a fresh connection."""
+
+        def send() -> Any:
+            request = self._client.build_request("POST", "/v1/completions", json=body)
+            return self._client.send(request, stream=True)
+
+        try:
+            return await send()
+        except self._httpx.RemoteProtocolError:
+            return await send()
 
     async def _serve(
         self, requests: Sequence[BenchRequest], concurrency: int | None
