@@ -465,3 +465,24 @@ def test_fill_does_not_allocate(pool):
     assert end - start < 2048, f"grew {end - start} bytes over 10,000 ticks"
     assert after - mid < 1024, f"fill/commit grew {after - mid} bytes"
     pool.release(b)
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_admission_slot_keeps_busy_streams_consecutive(unified):
+    """Per-stream KV: llama.cpp decodes each run of consecutive busy seq_ids as its own forward
+    pass, so a new request joins a run of busy slots (filling a gap first); ties and a unified
+    cache go by least recent use."""
+    t = SlotTable(6, 16, kv_unified=unified)
+    for seq in (5, 4, 3, 2, 1, 0):  # slot 5 used longest ago ... slot 0 most recently
+        t.touch(seq)
+    assert t.admission_slot() == 5  # nothing busy: the least recently used
+    t.start(0, array("i", [1, 2]))
+    assert t.admission_slot() == (5 if unified else 1)  # extends the run {0}
+    t.start(2, array("i", [1, 2]))
+    assert t.admission_slot() == (5 if unified else 1)  # merges {0} and {2}
+    t.start(1, array("i", [1, 2]))
+    t.touch(4)
+    assert t.admission_slot() == (5 if unified else 3)  # extends {0, 1, 2}, before the older 5
+    for seq in range(3):
+        t.start(seq + 3, array("i", [1, 2]))
+    assert t.admission_slot() == -1

@@ -136,6 +136,9 @@ class SlotTable:
     def touch(self, seq: int) -> None: ...
     def lru_slot(self, cached_only: bool = False, exclude: int = -1) -> int:
         """The least recently used idle slot (cached ones only if ``cached_only``; not ``exclude``), or -1."""
+    def admission_slot(self) -> int:
+        """The idle slot a new request takes when no cached prefix decides it (per-stream KV:
+        one joining a run of busy slots first; else the least recently used), or -1."""
     @property
     def cells_total(self) -> int: ...
     @property

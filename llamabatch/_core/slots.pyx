@@ -862,6 +862,28 @@ cdef class SlotTable:
                     best = i
         return best
 
+    def admission_slot(self):
+        """The idle slot a new request takes when no cached prefix decides it, or -1.
+
+        One KV stream per sequence: llama.cpp decodes each run of *consecutive* busy seq_ids
+        as a separate forward pass (every pass reads all the weights), so the slot that joins
+        or extends a run of busy slots goes first (seqs 0, 3, 6 decode ~1.5x slower than 0,
+        1, 2 on a 2-core CPU); ties, and a unified cache, go to the least recently used."""
+        cdef int32_t i, best = -1, score, best_score = -1
+        if self.kv.kv_unified:
+            return self.lru_slot()
+        for i in range(self.n_parallel):
+            if self.slots[i].state != ST_IDLE:
+                continue
+            score = 0
+            if i > 0 and self.slots[i - 1].state != ST_IDLE:
+                score += 1
+            if i + 1 < self.n_parallel and self.slots[i + 1].state != ST_IDLE:
+                score += 1
+            if score > best_score or (score == best_score and self.kv.last_used[i] < self.kv.last_used[best]):
+                best, best_score = i, score
+        return best
+
     @property
     def kv_unified(self):
         """One cell pool for all sequences (else one KV stream per sequence)."""

@@ -139,7 +139,7 @@ class KVCache:
                 self.save(slot)  # the tokens past the match leave the KV cache
             self.trim(slot, best_n)
         else:
-            slot = table.lru_slot()
+            slot = table.admission_slot()
             self.save(slot)  # its cached tokens leave the KV cache: keep them in RAM
             if best_seq >= 0:
                 self.copy(best_seq, slot, best_n)
