@@ -12,7 +12,7 @@ from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
-from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
+from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 from llamabatch.generate.priority import MAX_PRIORITY_PREEMPTIONS
 from llamabatch.generate.request import RequestStatus
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
@@ -103,11 +103,14 @@ def test_budget_follows_an_exact_model():
 
 
 def test_floor_keeps_prefill_moving():
-    """A target the decodes alone nearly fill: prompts still move 32 tokens a tick."""
-    core, ctx, model, ticks = latency_core(20.0, prior=COST)
+    """A target the decodes alone fill: a waiting prompt still moves one token a tick (the
+    floor), and the tick overshoots the target by that one token only."""
+    core, ctx, model, ticks = latency_core(18.0, prior=COST)
     rec, long = decoding_then_long_prompt(core, ctx, model, n_long=200)
     rec.step()
-    assert ticks[-1].prefill_tokens == 32
+    # 3 decodes: 10 + 3 * 1 + 3 * 2 = 19 ms > 18 ms; the floor's token (no output row) adds 1 ms
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 1)
+    assert ticks[-1].predicted_time == pytest.approx(0.020)
     rec.run()
     rec.check_done(long)
 
@@ -152,7 +155,6 @@ def test_budget_unit():
     assert model.predict(TickFeatures(32, 8, 0.0)) == pytest.approx(0.005 + 0.064, rel=0.02)
     with pytest.raises(ValueError, match="forgetting"):
         DecodeCostModel(forgetting=0.1)
-    assert LatencyBudget(0.05, 512).min_chunk == 32
 
 
 # -- priorities -------------------------------------------------------------------------
