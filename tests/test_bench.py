@@ -232,6 +232,17 @@ def test_mixed_requests_and_mix(vocab):
             workloads.parse_mix(bad)
 
 
+def test_each_point_gets_prompts_of_its_own(vocab):
+    """Rates, grid points and capacity probes draw their prompts from their own seed: a
+    server's prompt cache cannot serve one point from an earlier point's identical prompts."""
+    assert workloads.point_seed(5, 0) == 5
+    mix = workloads.parse_mix("64:4")
+    first, second = (
+        workloads.mixed_requests(vocab, 6, rate=1.0, mix=mix, seed=workloads.point_seed(1, k)) for k in (0, 1)
+    )
+    assert {r.prompt for r in first}.isdisjoint({r.prompt for r in second})
+
+
 def test_batched_requests_count(vocab):
     assert len(workloads.batched_requests(vocab, 8, 2, 4)) == 4
     more = workloads.batched_requests(vocab, 8, 2, 4, n_requests=9)
