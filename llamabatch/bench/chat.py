@@ -13,6 +13,14 @@ with the engine flags given (``EngineConfig``'s defaults when none are).
 
 Reported: the total time, the time to first token (p50 of the later turns, turn >= 2, and
 of all turns), and the requests that failed (a server's ``400 context_length_exceeded``, say).
+Also, as counts (``later_turns``): per later turn, its prompt tokens, those the server took from a
+cache (``cached``) and those it computed; ``history_recomputed`` is what it computed beyond the
+turn's new tokens (the conversation so far that no cache held: the target of a prompt cache),
+``new`` = the prompt minus the previous turn's prompt and reply. Token counts come from the
+usage the server reports (``llamabatch serve``: ``usage.prompt_tokens_details.cached_tokens``
+with ``stream_options.include_usage``; llama-server: ``timings.cache_n``/``prompt_n``). The engine's
+RAM-tier and scheduling counters (``engine``: restores, restored tokens, hits, misses, saves,
+preemptions...) come from ``stats()`` in-process, from ``/metrics`` over HTTP where it answers.
 """
 
 from __future__ import annotations
@@ -32,10 +40,34 @@ from llamabatch.bench import options
 from llamabatch.config import EngineConfig
 from llamabatch.gguf.testing import english_sentences
 
-__all__ = ["ChatResult", "Conversations", "add_arguments", "http_backend", "main", "run_chat"]
+__all__ = [
+    "ChatResult",
+    "Conversations",
+    "add_arguments",
+    "count_summary",
+    "http_backend",
+    "main",
+    "run_chat",
+]
 
-#: a backend: (prompt text, max_tokens) -> (seconds to the first token, the reply's text)
-Backend = Callable[[str, int], tuple[float, str]]
+#: a backend: (prompt text, max_tokens) -> (seconds to the first token, the reply's text), or
+#: with a third item, the usage counts (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``)
+Backend = Callable[[str, int], "tuple[float, str] | tuple[float, str, dict[str, int]]"]
+
+#: the engine counters reported as ``engine`` (``GenerationStats`` fields; ``/metrics`` gauges)
+ENGINE_COUNTERS = (
+    "ram_cache_hits",
+    "ram_cache_misses",
+    "ram_cache_saves",
+    "ram_cache_restores",
+    "ram_cache_restored_tokens",
+    "ram_cache_restore_failures",
+    "ram_cache_evictions",
+    "preemptions",
+    "evictions",
+    "prefill_tokens",
+    "reused_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -83,17 +115,38 @@ class ChatResult:
     ttfts: list[tuple[int, float]] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
     completed_turns: int = 0
+    #: per later turn whose server reported usage: prompt, cached, computed, new tokens
+    later_counts: list[dict[str, int]] = field(default_factory=list)
+    #: the engine's counters over the run (``ENGINE_COUNTERS``), where known
+    engine: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         later = [t for turn, t in self.ttfts if turn >= 1]
         every = [t for _, t in self.ttfts]
-        return {
+        out: dict[str, Any] = {
             "t_total_s": round(self.wall_s, 3),
             "ttft_p50_later_ms": round(statistics.median(later) * 1000, 1) if later else None,
             "ttft_p50_all_ms": round(statistics.median(every) * 1000, 1) if every else None,
             "completed_turns": self.completed_turns,
             "failures": dict(self.failures),
         }
+        if self.later_counts:
+            out["later_turns"] = count_summary(self.later_counts)
+        if self.engine:
+            out["engine"] = dict(self.engine)
+        return out
+
+
+def count_summary(rows: list[dict[str, int]]) -> dict[str, Any]:
+    """Totals and medians of the later turns' token counts (see the module doc)."""
+    out: dict[str, Any] = {"n": len(rows)}
+    for key in ("prompt", "cached", "computed", "new", "history_recomputed"):
+        values = [r[key] for r in rows]
+        out[f"{key}_total"] = sum(values)
+        out[f"{key}_p50"] = statistics.median(values)
+        if key in ("computed", "history_recomputed"):
+            out[f"{key}_max"] = max(values)
+    return out
 
 
 def run_chat(backend: Backend, conversations: Conversations, reply_tokens: int = 64) -> ChatResult:
@@ -104,19 +157,25 @@ def run_chat(backend: Backend, conversations: Conversations, reply_tokens: int =
 
     def converse(users: list[str]) -> None:
         history = conversations.system
+        before = 0  # the previous turn's prompt + reply tokens (usage), 0 before the first
         for turn, user in enumerate(users):
             history += f"\nUser: {user}\nAssistant:"
             try:
-                ttft, reply = backend(history, reply_tokens)
+                ttft, reply, *rest = backend(history, reply_tokens)
             except Exception as exc:  # a benchmark counts failures, by reason
                 with lock:
                     reason = getattr(exc, "reason_code", type(exc).__name__)
                     result.failures[reason] = result.failures.get(reason, 0) + 1
                 return
             history += reply
+            usage = rest[0] if rest else None
             with lock:
                 result.ttfts.append((turn, ttft))
                 result.completed_turns += 1
+                if usage and turn >= 1 and before:
+                    result.later_counts.append(turn_counts(usage, before))
+            if usage:
+                before = usage["prompt_tokens"] + usage["completion_tokens"]
 
     threads = [threading.Thread(target=converse, args=(users,), daemon=True) for users in conversations.users]
     start = time.perf_counter()
@@ -126,6 +185,21 @@ def run_chat(backend: Backend, conversations: Conversations, reply_tokens: int =
         thread.join()
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def turn_counts(usage: dict[str, int], before: int) -> dict[str, int]:
+    """One later turn's counts from its usage; ``before``: the previous turn's prompt and
+    reply tokens (what a cache could hold of this prompt)."""
+    prompt, cached = usage["prompt_tokens"], usage["cached_tokens"]
+    computed = prompt - cached
+    new = max(0, prompt - before)
+    return {
+        "prompt": prompt,
+        "cached": cached,
+        "computed": computed,
+        "new": new,
+        "history_recomputed": max(0, computed - new),
+    }
 
 
 class HTTPFailure(RuntimeError):
@@ -138,16 +212,18 @@ class HTTPFailure(RuntimeError):
 
 def http_backend(url: str, model: str | None = None, timeout: float = 600.0) -> Backend:
     """Streaming ``/v1/completions`` requests to ``url``; the first chunk carrying text is the
-    first token."""
+    first token. The usage comes from the final chunks (``usage`` with
+    ``stream_options.include_usage``, or llama-server's ``timings``) when the server sends it."""
     endpoint = url.rstrip("/") + "/v1/completions"
 
-    def complete(prompt: str, max_tokens: int) -> tuple[float, str]:
+    def complete(prompt: str, max_tokens: int) -> tuple[float, str, dict[str, int]]:
         body: dict[str, Any] = {
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if model:
             body["model"] = model
@@ -156,6 +232,7 @@ def http_backend(url: str, model: str | None = None, timeout: float = 600.0) -> 
         )
         start = time.perf_counter()
         ttft, parts = None, []
+        usage: dict[str, int] = {}
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 for raw in response:
@@ -163,10 +240,11 @@ def http_backend(url: str, model: str | None = None, timeout: float = 600.0) -> 
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
-                    text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                    text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
                     if text and ttft is None:
                         ttft = time.perf_counter() - start
                     parts.append(text)
+                    usage = chunk_usage(chunk) or usage
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode("utf-8", "replace")
             try:
@@ -174,26 +252,91 @@ def http_backend(url: str, model: str | None = None, timeout: float = 600.0) -> 
             except (ValueError, AttributeError):
                 code = ""
             raise HTTPFailure(f"{exc.code} {code}".strip(), detail[:200]) from None
-        return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts)
+        return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts), usage
 
     return complete
+
+
+def chunk_usage(chunk: dict[str, Any]) -> dict[str, int] | None:
+    """The token counts of a streamed chunk: OpenAI's ``usage`` (with
+    ``prompt_tokens_details.cached_tokens``), else llama-server's ``timings``; None if neither."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and "prompt_tokens" in usage:
+        details = usage.get("prompt_tokens_details") or {}
+        return {
+            "prompt_tokens": int(usage["prompt_tokens"]),
+            "cached_tokens": int(details.get("cached_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+        }
+    timings = chunk.get("timings")
+    if isinstance(timings, dict) and "prompt_n" in timings:
+        cached = int(timings.get("cache_n") or 0)
+        return {
+            "prompt_tokens": int(timings["prompt_n"]) + cached,
+            "cached_tokens": cached,
+            "completion_tokens": int(timings.get("predicted_n") or 0),
+        }
+    return None
+
+
+def metrics_counters(url: str) -> dict[str, int]:
+    """``ENGINE_COUNTERS`` a ``llamabatch serve`` exposes on ``/metrics`` (empty when it does
+    not answer: llama-server without ``--metrics``, say)."""
+    names = {f"llamabatch:{key}": key for key in ENGINE_COUNTERS}
+    names["llamabatch:num_preemptions_total"] = "preemptions"
+    out: dict[str, int] = {}
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return out
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        key = names.get(name.split("{", 1)[0])
+        if key is not None:
+            try:
+                out[key] = out.get(key, 0) + int(float(value))
+            except ValueError:
+                continue
+    return out
+
+
+def engine_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What the counters grew by over the run (those known at both ends)."""
+    return {k: after[k] - before[k] for k in ENGINE_COUNTERS if k in after and k in before}
 
 
 def llm_backend(llm: Any) -> Backend:
     """The same requests through an in-process ``LLM`` (``llm.stream``)."""
     from llamabatch import SamplingParams
 
-    def complete(prompt: str, max_tokens: int) -> tuple[float, str]:
+    def complete(prompt: str, max_tokens: int) -> tuple[float, str, dict[str, int]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         ttft, parts = None, []
+        usage: dict[str, int] = {}
         for delta in llm.stream(prompt, params):
             if ttft is None:
                 ttft = time.perf_counter() - start
             parts.append(delta.text)
-        return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts)
+            if delta.output is not None:
+                u = delta.output.usage
+                usage = {
+                    "prompt_tokens": u.prompt_tokens,
+                    "cached_tokens": u.reused_tokens,
+                    "completion_tokens": u.completion_tokens,
+                }
+        return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts), usage
 
     return complete
+
+
+def stats_counters(llm: Any) -> dict[str, int]:
+    """``ENGINE_COUNTERS`` from an in-process ``LLM``'s ``stats()``."""
+    stats = llm.stats()
+    return {k: int(getattr(stats, k)) for k in ENGINE_COUNTERS if getattr(stats, k, None) is not None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,14 +387,18 @@ def main(args: argparse.Namespace) -> int:
             count=lambda text: len(vocab.tokenize(text, add_special=False)),
         )
     if args.url:
+        before = metrics_counters(args.url)
         result = run_chat(http_backend(args.url, args.served_model), conversations, args.reply_tokens)
+        result.engine = engine_delta(before, metrics_counters(args.url))
         where = args.url
     else:
         from llamabatch import LLM
 
         config = EngineConfig.from_cli_args(args)
         with LLM(model_path, config=config) as llm:
+            before = stats_counters(llm)
             result = run_chat(llm_backend(llm), conversations, args.reply_tokens)
+            result.engine = engine_delta(before, stats_counters(llm))
             where = f"in-process (n_ctx={llm.n_ctx}, kv_unified={config.kv_unified})"
     summary = {"where": where, "conversations": args.conversations, "turns": args.turns, **result.summary()}
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))

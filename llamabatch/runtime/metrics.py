@@ -297,6 +297,9 @@ _TIER_GAUGES = {
     "ram_cache_saves": "Prompt states saved to the host-RAM cache.",
     "ram_cache_restores": "Prompt states loaded back from the host-RAM cache.",
     "ram_cache_evictions": "Host-RAM prompt states dropped for room (least recently used).",
+    "ram_cache_restore_failures": "Host-RAM prompt states llama.cpp refused to load.",
+    "ram_cache_restored_tokens": "Prompt tokens restored from the host-RAM cache instead of computed.",
+    "ram_cache_shared_tokens": "Restored tokens then shared with another sequence's KV cells (no copy).",
     "prefix_files_loaded": "Pinned prefixes loaded from prefix_cache_dir.",
     "prefix_files_refused": "Prefix files refused (corrupt, another model or layout).",
 }
