@@ -45,6 +45,7 @@ def test_in_process_counts_and_engine_counters(capsys: pytest.CaptureFixture[str
     engine = summary["engine"]
     assert engine["ram_cache_restores"] > 0 and engine["ram_cache_restored_tokens"] > 0
     assert engine["ram_cache_hits"] >= engine["ram_cache_restores"]
+    assert engine["kv_cells_per_tick"] > 100
     assert summary["later_turns"]["cached_total"] >= engine["ram_cache_restored_tokens"]
 
 

@@ -20,7 +20,8 @@ turn's new tokens (the conversation so far that no cache held: the target of a p
 usage the server reports (``llamabatch serve``: ``usage.prompt_tokens_details.cached_tokens``
 with ``stream_options.include_usage``; llama-server: ``timings.cache_n``/``prompt_n``). The engine's
 RAM-tier and scheduling counters (``engine``: restores, restored tokens, hits, misses, saves,
-preemptions...) come from ``stats()`` in-process, from ``/metrics`` over HTTP where it answers.
+preemptions...) come from ``stats()`` in-process, from ``/metrics`` over HTTP where it answers;
+in-process also ``kv_cells_per_tick``, the KV cells in use per tick (shared cells once).
 """
 
 from __future__ import annotations
@@ -395,10 +396,15 @@ def main(args: argparse.Namespace) -> int:
         from llamabatch import LLM
 
         config = EngineConfig.from_cli_args(args)
+        from llamabatch.runtime.telemetry import TickEvent
+
         with LLM(model_path, config=config) as llm:
+            cells: list[int] = []  # KV cells in use per tick (shared cells once): what attention reads
+            llm.add_listener(lambda e: cells.append(e.kv_cells_used) if isinstance(e, TickEvent) else None)
             before = stats_counters(llm)
             result = run_chat(llm_backend(llm), conversations, args.reply_tokens)
             result.engine = engine_delta(before, stats_counters(llm))
+            result.engine["kv_cells_per_tick"] = round(statistics.mean(cells)) if cells else 0
             where = f"in-process (n_ctx={llm.n_ctx}, kv_unified={config.kv_unified})"
     summary = {"where": where, "conversations": args.conversations, "turns": args.turns, **result.summary()}
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
