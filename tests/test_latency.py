@@ -12,7 +12,7 @@ from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
-from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
+from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
 from llamabatch.generate.priority import MAX_PRIORITY_PREEMPTIONS
 from llamabatch.generate.request import RequestStatus
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
@@ -155,6 +155,21 @@ def test_budget_unit():
     assert model.predict(TickFeatures(32, 8, 0.0)) == pytest.approx(0.005 + 0.064, rel=0.02)
     with pytest.raises(ValueError, match="forgetting"):
         DecodeCostModel(forgetting=0.1)
+
+
+def test_budget_aims_below_the_target_by_the_models_recent_error():
+    """Ticks that come out 30% above or below the model's line (a kernel that changes speed
+    with the batch's shape): the plans aim at target / 1.3, so the slow ticks fit too; an
+    exact model keeps the aim at the target."""
+    noisy = LatencyBudget(0.05, 512, model=DecodeCostModel((0.01, 0.001, 0.0, 0.0)))
+    exact = LatencyBudget(0.05, 512, model=DecodeCostModel((0.01, 0.001, 0.0, 0.0)))
+    for i in range(200):
+        features = TickFeatures(8 + i % 5, 4, 0.0)
+        truth = 0.01 + 0.001 * features.tokens
+        noisy.observe(features, truth * (1.3 if i % 2 else 0.7))
+        exact.observe(features, truth)
+    assert noisy.aim == pytest.approx(0.05 / 1.3, rel=0.05)
+    assert exact.aim == pytest.approx(0.05)
 
 
 # -- priorities -------------------------------------------------------------------------

@@ -25,7 +25,6 @@ def fit_decode_costs(core: EngineCore, elapsed: float) -> None:
         return
     features = batch_features(core.table, [s for s, _ in core.slots.busy()])
     if latency is not None:  # what the model expected of this batch; then fit it
-        latency.predicted = latency.model.predict(features)
-        latency.model.observe(features, elapsed)
+        latency.observe(features, elapsed)
     if spec is not None:
         spec.observe(features, elapsed)
