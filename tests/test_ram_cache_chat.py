@@ -27,13 +27,14 @@ def chat(
     n_turns: int = 3,
     user: int = USER,
     reply: int = REPLY,
+    n_ctx: int = 4096,
 ):
     """Run the chat step by step (invariants checked after every step); a conversation sends
     its next turn one step after its reply ends (another waiting request may take its slot
     meanwhile). Returns the recorder and, per later turn, (prompt tokens, reused, new tokens)."""
     core, ctx, model = make_core(
         n_parallel=n_parallel,
-        n_ctx=4096,
+        n_ctx=n_ctx,
         kv_unified=kv_unified,
         prefix_cache=True,
         cache_ram=cache_ram,
@@ -97,6 +98,19 @@ def test_a_short_turn_costs_less_than_a_block():
     block = rec.core.kv.ram.block
     for n_prompt, reused, new in later:
         assert n_prompt - reused <= new + 1 + block - 1, (n_prompt, reused, new)
+
+
+def test_under_kv_pressure_idle_slots_make_room_for_a_restore():
+    """A restore loads the whole state (system prompt included) before sharing the system
+    prompt again: with few free cells, idle slots' cached tokens are evicted (saved to RAM
+    first) to make room, rather than computing the conversation again."""
+    rec, later, _ = chat(4, cache_ram=64, n_ctx=500)
+    ram, core = rec.core.kv.ram, rec.core
+    assert core.counters.evictions > 0  # there is pressure
+    assert ram.restore_failures == 0 and ram.hits - ram.restores <= 1
+    # at most one return (no idle slot left to evict) computes its history again
+    assert sum(1 for n_prompt, reused, new in later if n_prompt - reused > new + 1) <= 1
+    ram.check()
 
 
 def test_without_the_tier_the_history_is_computed_again():

@@ -244,9 +244,10 @@ class KVCache:
         if entry is None or n < ram.block or n <= best_n:
             return None
         self.trim(slot, 0)
-        pending = sum(table.n_pending(s) for s in range(table.n_parallel))
-        if table.kv_unified and table.cells_free - pending < len(entry.tokens):
+        if table.kv_unified and not self._room_to_load(entry.tokens):
             return None  # no room to load the whole state now: compute instead
+        if not ram.holds(entry):  # an eviction's save replaced it: look again next time
+            return None
         if not self.context.state_seq_set(slot, entry.data):
             ram.restore_failures += 1
             entry.failures += 1
@@ -262,6 +263,20 @@ class KVCache:
         ram.restored_tokens += n
         table.touch(slot)
         return Placement(slot, -1, n)
+
+    def _room_to_load(self, tokens: np.ndarray) -> bool:
+        """Free cells (unified KV cache) to load a state holding ``tokens``: all of them are
+        loaded before the prefix other sequences hold is shared again, so idle slots' cached
+        tokens are evicted for room (saved to RAM first, least recently used first; not the
+        sequence holding that prefix). Computing the prompt instead would take about as many
+        cells, and compute them."""
+        table = self.table
+        pending = sum(table.n_pending(s) for s in range(table.n_parallel))
+        keep = table.best_prefix(tokens)[0]
+        while table.cells_free - pending < len(tokens):
+            if not self.evict_one(keep=keep):
+                return False
+        return True
 
     def _share_prefix(self, slot: int, tokens: np.ndarray) -> None:
         """After a restore into ``slot``: the prefix of ``tokens`` another sequence holds

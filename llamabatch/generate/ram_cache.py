@@ -138,6 +138,10 @@ class RamCache:
                     best, best_n = entry, n
         return best, best_n
 
+    def holds(self, entry: RamEntry) -> bool:
+        """Whether ``entry`` is still held (not dropped or replaced)."""
+        return id(entry) in self._lru and self._lru[id(entry)] is entry
+
     def touch(self, entry: RamEntry) -> None:
         self._lru.move_to_end(id(entry))
 
