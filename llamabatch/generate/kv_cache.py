@@ -222,8 +222,9 @@ class KVCache:
         return ram.save(tokens, self.context.state_seq_get(seq, ram.budget_bytes))
 
     def _restore(self, tokens: list[int], best_n: int, limit: int) -> Placement | None:
-        """Load the saved state sharing the longest prefix with ``tokens`` into the least
-        recently used idle slot when it beats the KV cache's ``best_n`` tokens; None when
+        """Load the saved state sharing the longest prefix with ``tokens`` into the idle slot
+        a fresh placement takes (``admission_slot``) when it beats the KV cache's ``best_n``
+        tokens; None when
         none does (or it cannot be loaded: then the prompt is computed as usual)."""
         ram = self.ram
         assert ram is not None
@@ -237,7 +238,7 @@ class KVCache:
             ram.misses += 1
             return None
         ram.hits += 1
-        slot = table.lru_slot()
+        slot = table.admission_slot()  # as a fresh placement (per-stream: keeps busy streams together)
         self.save(slot)
         entry, n = ram.match(array)  # saving may have replaced or dropped that entry
         n = min(n, limit)
