@@ -224,8 +224,8 @@ class KVCache:
     def _restore(self, tokens: list[int], best_n: int, limit: int) -> Placement | None:
         """Load the saved state sharing the longest prefix with ``tokens`` into the idle slot
         a fresh placement takes (``admission_slot``) when it beats the KV cache's ``best_n``
-        tokens; None when
-        none does (or it cannot be loaded: then the prompt is computed as usual)."""
+        tokens; None when none does (or it cannot be loaded: then the prompt is computed as
+        usual)."""
         ram = self.ram
         assert ram is not None
         table = self.table
