@@ -16,7 +16,9 @@ from llama_reference import check_against_reference
 
 from llamabatch import LLM, EngineConfig, SamplingParams, testing
 from llamabatch._core.slots import MAX_DRAFT
+from llamabatch.generate import speculative
 from llamabatch.generate.spec_config import MAX_SPECULATIVE_TOKENS, validate_speculative_config
+from llamabatch.generate.spec_policy import SpecPolicy
 from llamabatch.generate.speculative import DraftJob, NgramDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -26,6 +28,13 @@ PROMPTS = [
     "hello world",
     "a b c d e f a b c d e f a b c",
 ]
+
+
+@pytest.fixture(autouse=True)
+def always_draft(monkeypatch):
+    """These tests check what verification does with drafts: drafting must happen whatever
+    this machine's timings say it is worth (margin -1: any draft beats none)."""
+    monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +142,8 @@ def _brute_force(hist: list[int], lo: int, hi: int, k: int) -> list[int]:
         suffix = hist[end - n :]
         for e in range(end - 1, n - 1, -1):  # latest earlier occurrence, ending before the last token
             if hist[e - n : e] == suffix:
-                return hist[e : min(e + k, end)]
+                period = end - e  # past the end, the continuation repeats hist[e:]
+                return [hist[e + j % period] for j in range(k)]
     return []
 
 

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from llamabatch._core.slots import SlotState
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 
@@ -49,6 +51,11 @@ __all__ = [
     "tick_cost",
 ]
 
+#: the speculator's cost model's pull toward zero weights, and how far above its prediction
+#: a measured decode counts (see ``decode_cost_model``)
+RIDGE = 1e-4
+CLIP = 10.0
+
 
 @dataclass
 class SpecPolicy:
@@ -60,6 +67,10 @@ class SpecPolicy:
     max_batch_tokens: int = 32
     #: drafting must raise the tick's expected tokens per second by this fraction
     margin: float = 0.03
+    #: the first ticks with drafts hold at most this many (the cost model learns from them
+    #: what drafts cost, and a first guess may be far off)
+    explore_ticks: int = 4
+    explore_tokens: int = 2
     #: per tick, the weight of a request's past drafts decays by this factor
     request_decay: float = 0.9
     #: how many drafts the engine-wide rate of a position weighs in a request's estimate
@@ -67,7 +78,8 @@ class SpecPolicy:
     #: per tick, the weight of the engine-wide counts decays by this factor
     global_decay: float = 0.995
     #: the acceptance rate assumed before any draft was verified, and its weight in drafts
-    prior: float = 0.5
+    #: (hopeful: a draft never tried is never learned about; a wrong hope costs a few drafts)
+    prior: float = 0.7
     prior_weight: float = 2.0
 
 
@@ -152,10 +164,19 @@ class DraftTimer:
 
 
 def decode_cost_model() -> DecodeCostModel:
-    """The speculator's decode cost model: its starting guess makes a draft token cheap next
-    to a decode's fixed cost, so the first ticks try drafts and the fit learns what they
-    cost (a guess that never drafted could never learn it)."""
-    return DecodeCostModel(prior=(0.01, 0.001, 0.0005, 1e-6))
+    """The speculator's decode cost model: a ``DecodeCostModel`` that starts from nothing,
+    with a weak pull toward zero weights (``RIDGE``, in the model's scaled features, where a
+    tick's features are about 1) and a loose clip (a decode may count up to ``CLIP`` times
+    above the prediction), so a few measured decodes set it whatever their scale (a 100 us
+    tick of a tiny model or a 30 ms one). What the decodes do not tell apart (one stream's
+    ticks all hold one token and one logits row) goes mostly to the fixed cost, so drafts
+    look cheap until ticks with drafts are measured: the first ticks try drafts and the fit
+    learns what they cost (a guess under which drafts never ran could never learn it).
+    ``DecodeCostModel`` derives its pull from its prior (as strong as one decode with a
+    millisecond's noise), which would swamp a fast tick's measurements: it is set here."""
+    model = DecodeCostModel(prior=(0.0, 0.0, 0.0, 0.0), clip=CLIP)
+    model._ridge = np.eye(4) * RIDGE
+    return model
 
 
 def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callable[[int], float]:

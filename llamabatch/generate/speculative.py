@@ -34,6 +34,7 @@ model's measured time per step and per-request acceptance estimates per draft po
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +47,10 @@ from llamabatch._ffi.sampler import SamplingError
 from llamabatch.generate.cost_model import TickFeatures, most_within
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
+from llamabatch.generate.spec_accept import acceptance_rule
 from llamabatch.generate.spec_config import validate_speculative_config
 from llamabatch.generate.spec_policy import (
+    CLIP,
     AcceptanceModel,
     DraftTimer,
     RequestAcceptance,
@@ -216,6 +219,8 @@ class Speculator:
         #: its time per step is measured); n-gram lookups are free and made first
         self.draft_costs = config.get("method") == "draft_model"
         self.draft_timer = DraftTimer()
+        self._decodes = 0
+        self._draft_ticks = 0  # ticks given drafts so far
         self._states: dict[int, _SpecState] = {}
         self._tick = 0
         self._set: list[int] = []  # slots given drafts this tick
@@ -248,8 +253,17 @@ class Speculator:
         return st
 
     def observe(self, features: TickFeatures, seconds: float) -> None:
-        """Fit the decode cost model on one measured ``llama_decode`` of the engine."""
-        self.cost.observe(features, seconds)
+        """Fit the decode cost model on one measured ``llama_decode`` of the engine. The
+        engine's first decode is left out: it pages the weights in and sets up buffers, often
+        a hundred times a later one's cost, and one such point would sway a least-squares
+        fit for hundreds of ticks. Attended cells are left out too (``spec_policy.tick_cost``):
+        they grow with the tokens and the context alike, and a fit over the few ticks that
+        matter here cannot tell them apart; the per-token cost follows the context instead."""
+        self._decodes += 1
+        if self._decodes > 1:
+            # the first decodes unclipped: they set the scale the clip works from
+            self.cost.clip = CLIP if self._decodes > 8 else math.inf
+            self.cost.observe(TickFeatures(features.tokens, features.outputs, 0.0), seconds)
 
     # -- before the fill ------------------------------------------------------------------
 
@@ -275,6 +289,7 @@ class Speculator:
             return
         cands: list[tuple[int, Request, _SpecState]] = []
         caps: list[int] = []  # the most drafts each may use (max_tokens: no draft past the limit)
+        fixed: list[bool] = []  # drafts its cap, whatever the costs (see _fixed_length)
         for slot, request in core.slots.busy():
             if table.state(slot) != SlotState.DECODE or not request.params.speculative:
                 continue
@@ -287,16 +302,27 @@ class Speculator:
             self.acceptance.decay(st.acc)
             cands.append((slot, request, st))
             caps.append(cap)
+            fixed.append(self._fixed_length(request))
         if not cands:
             return
         target = tick_cost(core, n_decode, self.cost)
         timer = self.draft_timer if self.draft_costs else None
+        pinned = sum(cap for cap, f in zip(caps, fixed, strict=True) if f)
+        pinned_longest = max((cap for cap, f in zip(caps, fixed, strict=True) if f), default=0)
 
         def cost(total: int, longest: int) -> float:
-            return target(total) + (timer.predict(longest) if timer is not None else 0.0)
+            t = target(pinned + total)
+            return t + (timer.predict(max(longest, pinned_longest)) if timer is not None else 0.0)
 
-        gains = [self.acceptance.gains(st.acc, cap) for (_, _, st), cap in zip(cands, caps, strict=True)]
-        ks = choose_draft_lengths(gains, n_decode, cost, room, policy.margin)
+        gains = [
+            [] if f else self.acceptance.gains(st.acc, cap)
+            for (_, _, st), cap, f in zip(cands, caps, fixed, strict=True)
+        ]
+        free = max(0, room - pinned)  # the room left to drafts chosen by their worth
+        if self._draft_ticks < policy.explore_ticks:  # what drafts cost is not known yet
+            free = min(free, policy.explore_tokens)
+        ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+        ks = [cap if f else k for k, cap, f in zip(ks, caps, fixed, strict=True)]
         chosen = [(c, k, cap) for c, k, cap in zip(cands, ks, caps, strict=True) if k > 0]
         if not chosen:
             return
@@ -327,6 +353,19 @@ class Speculator:
             self._set.append(slot)
             st.draft, st.rule, st.q = tokens[:n], d.rule, d.q
             room -= n
+        if self._set:
+            self._draft_ticks += 1
+
+    def _fixed_length(self, request: Request) -> bool:
+        """Whether ``request`` drafts its full length on every tick it may: a seeded request
+        sampled against a draft model (rule ``"sampled"``), whose tokens depend on how many
+        drafts each tick verified; a length chosen from measured times would make its
+        tokens depend on the machine's speed, and its seed must reproduce them."""
+        return (
+            self.draft_costs
+            and request.params.seed is not None
+            and acceptance_rule(request.params) == "sampled"
+        )
 
     # -- after the decode -----------------------------------------------------------------
 
