@@ -12,8 +12,9 @@ import random
 import pytest
 from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
-from test_speculative_fake import _speculate
+from test_speculative_fake import OracleDrafter, _speculate
 
+from llamabatch import SamplingParams
 from llamabatch._core.slots import SlotState
 from llamabatch.generate import speculative
 from llamabatch.generate.cost_model import TickFeatures
@@ -24,6 +25,7 @@ from llamabatch.generate.spec_policy import (
     SpecPolicy,
     choose_draft_lengths,
 )
+from llamabatch.generate.speculative import Speculator
 
 
 def _rate(gains, ks, n_emit, cost):
@@ -187,3 +189,55 @@ def test_the_decode_cost_model_learns_the_scripted_cost():
     for n in (1, 3, 5, 9):  # decode ticks (each token with its logits row), the drafts' cost
         want = fixed + (per_token + per_output) * n
         assert model.predict(TickFeatures(n, n, 0.0)) == pytest.approx(want, rel=0.05)
+
+
+class _TimedDrafter(OracleDrafter):
+    """An oracle drafter whose draft steps take ``per_step`` seconds of the fake's clock
+    (one step per draft token of the longest job, as the draft model's batched decodes)."""
+
+    def __init__(self, model, ctx, per_step, p_wrong=0.0):
+        super().__init__(model, p_wrong)
+        self.ctx, self.per_step = ctx, per_step
+
+    def draft(self, jobs):
+        self.ctx.now += self.per_step * max((job.k for job in jobs), default=0)
+        return super().draft(jobs)
+
+
+def _draft_model_core(per_step, cost, p_wrong=0.0, k=8):
+    core, ctx, model = make_core(n_parallel=2, n_batch=64, n_ctx=512)
+    ctx.cost, core.clock = cost, ctx.clock
+    drafter = _TimedDrafter(model, ctx, per_step, p_wrong)
+    core.spec = Speculator({"method": "draft_model", "num_speculative_tokens": k}, drafter, SpecPolicy())
+    return core, ctx, model
+
+
+def test_the_draft_models_measured_time_shortens_its_drafts():
+    lengths = {}
+    for per_step in (0.0, 0.004):  # free draft steps, then each half a target decode
+        core, ctx, model = _draft_model_core(per_step, (0.006, 0.0002, 0.0003, 0.0))
+        rec = Recorder(core, ctx, model)
+        (r,) = rec.new(prompt(6, 40), greedy(120))
+        drafts = []
+        while core.has_unfinished():
+            rec.step()
+            drafts.append(core.table.n_draft_tokens)
+        rec.check_done(r)
+        lengths[per_step] = max(drafts[10:-2])
+        if per_step:
+            assert core.spec.draft_timer.per_step == pytest.approx(per_step)
+    assert lengths[0.0] == 8 > lengths[0.004] > 0
+
+
+def test_seeded_sampled_requests_against_a_draft_model_draft_their_full_length():
+    # dear drafts that always fail: a free choice drafts nothing, a seeded sampled request
+    # drafts its full length (its tokens must not depend on timings), an unseeded one chooses
+    core, ctx, model = _draft_model_core(0.004, (0.002, 0.003, 0.002, 0.0), p_wrong=1.0, k=3)
+    rec = Recorder(core, ctx, model)
+    (seeded,) = rec.new(prompt(6, 41), SamplingParams(max_tokens=30, temperature=1.0, seed=5))
+    (free,) = rec.new(prompt(6, 42), SamplingParams(max_tokens=30, temperature=1.0))
+    rec.run()
+    rec.check_done(seeded)
+    rec.check_done(free)
+    assert seeded.output.timings.spec_draft_tokens >= 3 * 25
+    assert free.output.timings.spec_draft_tokens < 3 * 10
