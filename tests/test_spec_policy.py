@@ -25,7 +25,7 @@ from llamabatch.generate.spec_policy import (
     SpecPolicy,
     choose_draft_lengths,
 )
-from llamabatch.generate.speculative import Speculator
+from llamabatch.generate.speculative import DraftJob, NgramDrafter, Speculator
 
 
 def _rate(gains, ks, n_emit, cost):
@@ -162,7 +162,7 @@ def test_engine_with_many_streams_drafts_nothing():
     # 8 streams: nothing once the first ticks have shown what drafts cost (fewer streams, as
     # requests end, may draft again)
     assert sum(d for d, n in eight[len(eight) // 4 :] if n == 8) == 0
-    assert sum(d for d, n in eight if n == 8) < 40  # (the first ticks: a few drafts, to learn)
+    assert sum(d for d, n in eight if n == 8) < 60  # (the first ticks: a few drafts, to learn)
 
 
 def test_engine_decisions_are_the_optimum_of_its_estimates(monkeypatch):
@@ -241,3 +241,29 @@ def test_seeded_sampled_requests_against_a_draft_model_draft_their_full_length()
     rec.check_done(free)
     assert seeded.output.timings.spec_draft_tokens >= 3 * 25
     assert free.output.timings.spec_draft_tokens < 3 * 10
+
+
+def test_draft_classes_are_estimated_apart():
+    # an n-gram draft's class is the length of the suffix it matched: long matches (a loop)
+    # hold, short ones fail, and one request's estimates keep them apart
+    model = AcceptanceModel(4, SpecPolicy())
+    long, short = RequestAcceptance(4), RequestAcceptance(4)
+    for _ in range(10):
+        model.observe(long, 4, 4, cls=5)
+        model.observe(short, 4, 0, cls=2)
+    assert model.gains(long, 4, 5)[-1] > 0.8
+    assert model.gains(short, 1, 2)[0] < 0.15
+    fresh = RequestAcceptance(4)  # a new request starts from the engine's rate of the class
+    assert model.gains(fresh, 1, 5)[0] > 0.8 > 0.3 > model.gains(fresh, 1, 2)[0]
+
+
+def test_the_ngram_drafter_reports_the_match_length():
+    drafter = NgramDrafter(1, 4)
+    loop = [1, 2, 3, 4, 5] * 3
+    got = drafter.draft(
+        [DraftJob("a", loop, [], 8, SamplingParams()), DraftJob("b", [7, 8, 9, 7], [], 3, SamplingParams())]
+    )
+    assert got["a"].tokens == [1, 2, 3, 4, 5, 1, 2, 3]  # the loop goes on past the end
+    assert drafter.last_match == {"a": 4, "b": 1}
+    drafter.release("a")
+    assert "a" not in drafter.last_match

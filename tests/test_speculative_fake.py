@@ -153,10 +153,9 @@ def test_a_request_that_opts_out_or_keeps_rejecting_stops_drafting():
     rec.check_done(opt_out)
     rec.check_done(rejected)
     assert opt_out.output.timings.spec_draft_tokens == 0
-    # its acceptance estimate falls with each rejected draft: it soon stops drafting (and
-    # the drafter is not even asked)
+    # its acceptance estimate falls with each rejected draft: it soon stops drafting
     assert rejected.output.timings.spec_draft_tokens < 40 // 2
-    assert drafter.calls < 40 // 2
+    assert drafter.calls > 0  # (an n-gram lookup is free: it is made every tick, then weighed)
 
 
 # -- the state machine with speculating requests -------------------------------------------

@@ -54,7 +54,7 @@ __all__ = [
 #: the speculator's cost model's pull toward zero weights, and how far above its prediction
 #: a measured decode counts (see ``decode_cost_model``)
 RIDGE = 1e-4
-CLIP = 10.0
+CLIP = 2.0
 
 
 @dataclass
@@ -95,52 +95,66 @@ class RequestAcceptance:
 
 
 class AcceptanceModel:
-    """Acceptance estimates per draft position: per request, pulled toward the engine's."""
+    """Acceptance estimates per draft position: per request, pulled toward the engine's.
+
+    Drafts come in classes (``cls``) that are estimated apart: an n-gram draft's class is the
+    length of the suffix it matched (a long match, as in a loop, is right far more often than
+    a two-token one); a draft model's drafts are all class 0. A request's evidence is its own
+    ``RequestAcceptance`` per class; the engine-wide rates are per class too."""
 
     def __init__(self, n: int, policy: SpecPolicy) -> None:
         self.n = n
         self.policy = policy
-        self.hits = [0.0] * n
-        self.tries = [0.0] * n
+        self._global: dict[int, RequestAcceptance] = {}
 
-    def rate(self, req: RequestAcceptance, i: int) -> float:
+    def _engine(self, cls: int) -> RequestAcceptance:
+        g = self._global.get(cls)
+        if g is None:
+            g = self._global[cls] = RequestAcceptance(self.n)
+        return g
+
+    def rate(self, req: RequestAcceptance, i: int, cls: int = 0) -> float:
         """The estimated chance that a draft at position ``i`` is accepted when the drafts
         before it were."""
         p = self.policy
-        g = (self.hits[i] + p.prior_weight * p.prior) / (self.tries[i] + p.prior_weight)
+        e = self._engine(cls)
+        g = (e.hits[i] + p.prior_weight * p.prior) / (e.tries[i] + p.prior_weight)
         m = p.request_prior_weight
         return (req.hits[i] + m * g) / (req.tries[i] + m)
 
-    def gains(self, req: RequestAcceptance, cap: int) -> list[float]:
+    def gains(self, req: RequestAcceptance, cap: int, cls: int = 0) -> list[float]:
         """The expected accepted drafts each further draft token adds, for up to ``cap``
         tokens: the product of the rates up to its position (non-increasing)."""
         out: list[float] = []
         g = 1.0
         for i in range(min(cap, self.n)):
-            g *= self.rate(req, i)
+            g *= self.rate(req, i, cls)
             out.append(g)
         return out
 
-    def observe(self, req: RequestAcceptance, drafted: int, accepted: int) -> None:
+    def observe(self, req: RequestAcceptance, drafted: int, accepted: int, cls: int = 0) -> None:
         """``accepted`` of ``drafted`` drafts were accepted (the first rejection ends them)."""
+        e = self._engine(cls)
         for i in range(min(drafted, accepted + 1, self.n)):
             hit = 1.0 if i < accepted else 0.0
             req.hits[i] += hit
             req.tries[i] += 1.0
-            self.hits[i] += hit
-            self.tries[i] += 1.0
+            e.hits[i] += hit
+            e.tries[i] += 1.0
 
     def decay(self, req: RequestAcceptance) -> None:
         """A tick passed for ``req`` (its older drafts weigh less)."""
-        f = self.policy.request_decay
-        req.hits = [h * f for h in req.hits]
-        req.tries = [t * f for t in req.tries]
+        _decay(req, self.policy.request_decay)
 
     def tick(self) -> None:
         """A tick passed for the engine-wide counts."""
-        f = self.policy.global_decay
-        self.hits = [h * f for h in self.hits]
-        self.tries = [t * f for t in self.tries]
+        for e in self._global.values():
+            _decay(e, self.policy.global_decay)
+
+
+def _decay(acc: RequestAcceptance, f: float) -> None:
+    acc.hits = [h * f for h in acc.hits]
+    acc.tries = [t * f for t in acc.tries]
 
 
 class DraftTimer:

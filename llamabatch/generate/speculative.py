@@ -111,7 +111,8 @@ class _NgramIndex:
         self.indexed = 0  # n-grams ending before this position are in the maps
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
 
-    def lookup(self, hist: Sequence[int], k: int) -> list[int]:
+    def lookup(self, hist: Sequence[int], k: int) -> tuple[list[int], int]:
+        """The draft (up to ``k`` tokens) and the length of the suffix it matched (0: none)."""
         end = len(hist)
         maps = self.maps
         # index every n-gram that ends before the last position (its continuation is known)
@@ -128,8 +129,8 @@ class _NgramIndex:
                 tokens = list(hist[found : min(found + k, end)])
                 while len(tokens) < k:  # the continuation reaches the end: it repeats itself
                     tokens.append(tokens[found + len(tokens) - end])
-                return tokens
-        return []
+                return tokens, n
+        return [], 0
 
 
 class NgramDrafter:
@@ -143,6 +144,9 @@ class NgramDrafter:
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
         self._index: dict[Hashable, _NgramIndex] = {}
+        #: the length of the suffix each request's last draft matched (its draft class for the
+        #: speculator's acceptance estimates: a long match is right more often)
+        self.last_match: dict[Hashable, int] = {}
 
     def draft(self, jobs: Sequence[DraftJob]) -> dict[Hashable, Draft]:
         out: dict[Hashable, Draft] = {}
@@ -151,9 +155,10 @@ class NgramDrafter:
             if index is None:
                 index = self._index[job.key] = _NgramIndex(self.lo, self.hi)
             hist = _History(job.prompt, job.output)
-            tokens = index.lookup(hist, job.k)
+            tokens, n = index.lookup(hist, job.k)
             if tokens:
                 out[job.key] = Draft(tokens, "match")
+                self.last_match[job.key] = n
         return out
 
     def verify(
@@ -164,9 +169,11 @@ class NgramDrafter:
     def release(self, key: Hashable, *, done: bool = True) -> None:
         if done:
             self._index.pop(key, None)
+            self.last_match.pop(key, None)
 
     def close(self) -> None:
         self._index.clear()
+        self.last_match.clear()
 
 
 class _History(Sequence[int]):
@@ -194,7 +201,7 @@ class _History(Sequence[int]):
 
 @dataclass
 class _SpecState:
-    acc: RequestAcceptance
+    n: int  # the most drafts per step
     drafted: int = 0
     accepted: int = 0
     draft: list[int] = field(default_factory=list)
@@ -202,6 +209,15 @@ class _SpecState:
     q: Any = None
     #: len(prompt) + len(output) at its last draft call (-1: the drafter holds nothing of it)
     synced: int = -1
+    #: its drafts' outcomes, by draft class (``AcceptanceModel``), and the current draft's class
+    accs: dict[int, RequestAcceptance] = field(default_factory=dict)
+    cls: int = 0
+
+    def acc(self, cls: int) -> RequestAcceptance:
+        a = self.accs.get(cls)
+        if a is None:
+            a = self.accs[cls] = RequestAcceptance(self.n)
+        return a
 
 
 class Speculator:
@@ -249,7 +265,7 @@ class Speculator:
     def state(self, request: Request) -> _SpecState:
         st = self._states.get(request.arrival)
         if st is None:
-            st = self._states[request.arrival] = _SpecState(RequestAcceptance(self.k))
+            st = self._states[request.arrival] = _SpecState(self.k)
         return st
 
     def observe(self, features: TickFeatures, seconds: float) -> None:
@@ -299,7 +315,8 @@ class Speculator:
             if cap <= 0:
                 continue
             st = self.state(request)
-            self.acceptance.decay(st.acc)
+            for acc in st.accs.values():
+                self.acceptance.decay(acc)
             cands.append((slot, request, st))
             caps.append(cap)
             fixed.append(self._fixed_length(request))
@@ -314,37 +331,48 @@ class Speculator:
             t = target(pinned + total)
             return t + (timer.predict(max(longest, pinned_longest)) if timer is not None else 0.0)
 
-        gains = [
-            [] if f else self.acceptance.gains(st.acc, cap)
-            for (_, _, st), cap, f in zip(cands, caps, fixed, strict=True)
-        ]
         free = max(0, room - pinned)  # the room left to drafts chosen by their worth
         if self._draft_ticks < policy.explore_ticks:  # what drafts cost is not known yet
             free = min(free, policy.explore_tokens)
-        ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
-        ks = [cap if f else k for k, cap, f in zip(ks, caps, fixed, strict=True)]
-        chosen = [(c, k, cap) for c, k, cap in zip(cands, ks, caps, strict=True) if k > 0]
-        if not chosen:
-            return
-        jobs = [  # a draft model drafts what was chosen; a lookup as much as may serve
-            DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k if timer else cap, r.params)
-            for (_, r, _), k, cap in chosen
-        ]
-        t0 = core.clock()
-        drafts = self.drafter.draft(jobs)
-        elapsed = core.clock() - t0
-        fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
-        for (_, r, st), k, _ in chosen:
-            n = len(r.prompt_tokens) + len(r.output_tokens)
-            fresh = fresh or st.synced < 0 or n - st.synced > k + 1
-            st.synced = n
-        if timer is not None and not fresh:
-            timer.observe(elapsed, max(k for _, k, _ in chosen))
-        sets = [(c, k, d) for c, k, _ in chosen if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
-        if timer is None and sets:  # n-gram: choose again, knowing how long each draft is
-            gains = [self.acceptance.gains(st.acc, len(d.tokens)) for (_, _, st), _, d in sets]
-            ks = choose_draft_lengths(gains, n_decode, cost, room, policy.margin)
-            sets = [(c, k, d) for (c, _, d), k in zip(sets, ks, strict=True)]
+        sets: list[tuple[tuple[int, Request, _SpecState], int, Draft]]
+        if timer is None:  # n-gram: look up first (free), then choose knowing each draft
+            jobs = [
+                DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, cap, r.params)
+                for (_, r, _), cap in zip(cands, caps, strict=True)
+            ]
+            drafts = self.drafter.draft(jobs)
+            classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
+            found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
+            for (_, r, st), _ in found:
+                st.cls = classes.get(r.arrival, 0)
+            gains = [self.acceptance.gains(st.acc(st.cls), len(d.tokens), st.cls) for (_, _, st), d in found]
+            ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+            sets = [(c, k, d) for (c, d), k in zip(found, ks, strict=True)]
+        else:  # a draft model: choose first, then draft what was chosen
+            gains = [
+                [] if f else self.acceptance.gains(st.acc(0), cap)
+                for (_, _, st), cap, f in zip(cands, caps, fixed, strict=True)
+            ]
+            ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+            ks = [cap if f else k for k, cap, f in zip(ks, caps, fixed, strict=True)]
+            chosen = [(c, k) for c, k in zip(cands, ks, strict=True) if k > 0]
+            if not chosen:
+                return
+            jobs = [
+                DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k, r.params) for (_, r, _), k in chosen
+            ]
+            t0 = core.clock()
+            drafts = self.drafter.draft(jobs)
+            elapsed = core.clock() - t0
+            fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
+            for (_, r, st), k in chosen:
+                n = len(r.prompt_tokens) + len(r.output_tokens)
+                fresh = fresh or st.synced < 0 or n - st.synced > k + 1
+                st.synced = n
+                st.cls = 0
+            if not fresh:
+                timer.observe(elapsed, max(k for _, k in chosen))
+            sets = [(c, k, d) for c, k in chosen if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
         for (slot, _, st), k, d in sets:
             if room <= 0 or k <= 0:
                 continue
@@ -468,7 +496,7 @@ class Speculator:
         st.accepted += n_acc
         self.drafted += d
         self.accepted += n_acc
-        self.acceptance.observe(st.acc, d, n_acc)
+        self.acceptance.observe(st.acc(st.cls), d, n_acc, st.cls)
 
     # -- the end of a request -------------------------------------------------------------
 
