@@ -16,7 +16,8 @@ against the tick without drafts (which must be beaten by ``SpecPolicy.margin``):
 * the expected accepted drafts come from :class:`AcceptanceModel`: per request and draft
   position, the rate at which a draft at that position was accepted once the ones before it
   were (exponentially weighted: recent drafts count most), pulled toward the engine-wide rate
-  of that position, itself pulled toward a prior. A draft at position ``i`` is worth the
+  of that position, itself pulled toward a prior; n-gram drafts are estimated apart by the
+  length of the suffix they matched (their class). A draft at position ``i`` is worth the
   product of the rates up to ``i``, so the worth of each further draft token falls, and the
   best lengths are the top draft tokens by worth (:func:`choose_draft_lengths`).
 
