@@ -540,11 +540,11 @@ def speculator_for(config: dict[str, Any] | None, core: EngineCore) -> Speculato
 
 def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
     """The most draft tokens (up to ``room``) that keep the tick's predicted decode time
-    under ``target_itl_ms``, as the ``LatencyBudget``'s cost model predicts it
-    (``spec_policy.tick_cost``)."""
+    under ``target_itl_ms`` (what the ``LatencyBudget``'s plans aim at: the target over the
+    model's recent error), as its cost model predicts it (``spec_policy.tick_cost``)."""
     latency = core.latency
     assert latency is not None
-    return most_within(tick_cost(core, n_decode, latency.model), latency.target, room)
+    return most_within(tick_cost(core, n_decode, latency.model), latency.aim, room)
 
 
 def _draft_of(tokens: list[int], st: _SpecState) -> Draft:
