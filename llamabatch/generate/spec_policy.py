@@ -72,6 +72,12 @@ class SpecPolicy:
     #: what drafts cost, and a first guess may be far off)
     explore_ticks: int = 4
     explore_tokens: int = 2
+    #: ticks with drafts, weighted by ``evidence_decay`` per tick: below ``probe_below``, a tick
+    #: where nobody would draft gives one draft token to the likeliest draft (if its chance is
+    #: at least ``probe_gain``), so the cost model keeps learning what drafts cost
+    evidence_decay: float = 0.98
+    probe_below: float = 1.0
+    probe_gain: float = 0.5
     #: per tick, the weight of a request's past drafts decays by this factor
     request_decay: float = 0.9
     #: how many drafts the engine-wide rate of a position weighs in a request's estimate

@@ -237,6 +237,7 @@ class Speculator:
         self.draft_timer = DraftTimer()
         self._decodes = 0
         self._draft_ticks = 0  # ticks given drafts so far
+        self._evidence = 0.0  # ticks given drafts, exponentially weighted (see _probe)
         self._states: dict[int, _SpecState] = {}
         self._tick = 0
         self._set: list[int] = []  # slots given drafts this tick
@@ -346,14 +347,14 @@ class Speculator:
             for (_, r, st), _ in found:
                 st.cls = classes.get(r.arrival, 0)
             gains = [self.acceptance.gains(st.acc(st.cls), len(d.tokens), st.cls) for (_, _, st), d in found]
-            ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+            ks = self._probe(choose_draft_lengths(gains, n_decode, cost, free, policy.margin), gains, free)
             sets = [(c, k, d) for (c, d), k in zip(found, ks, strict=True)]
         else:  # a draft model: choose first, then draft what was chosen
             gains = [
                 [] if f else self.acceptance.gains(st.acc(0), cap)
                 for (_, _, st), cap, f in zip(cands, caps, fixed, strict=True)
             ]
-            ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+            ks = self._probe(choose_draft_lengths(gains, n_decode, cost, free, policy.margin), gains, free)
             ks = [cap if f else k for k, cap, f in zip(ks, caps, fixed, strict=True)]
             chosen = [(c, k) for c, k in zip(cands, ks, strict=True) if k > 0]
             if not chosen:
@@ -383,6 +384,21 @@ class Speculator:
             room -= n
         if self._set:
             self._draft_ticks += 1
+        self._evidence = self._evidence * policy.evidence_decay + (1.0 if self._set else 0.0)
+
+    def _probe(self, ks: list[int], gains: list[list[float]], free: int) -> list[int]:
+        """``ks``, or one draft token for the likeliest draft when nobody drafts and the cost
+        model has seen too few recent ticks with drafts to know what they cost (a slope
+        learned from a few noisy ticks would otherwise stand, as nothing refits it)."""
+        policy = self.policy
+        if any(ks) or free <= 0 or self._evidence >= policy.probe_below:
+            return ks
+        best = max(range(len(gains)), key=lambda r: gains[r][0] if gains[r] else 0.0, default=None)
+        if best is None or not gains[best] or gains[best][0] < policy.probe_gain:
+            return ks
+        ks = list(ks)
+        ks[best] = 1
+        return ks
 
     def _fixed_length(self, request: Request) -> bool:
         """Whether ``request`` drafts its full length on every tick it may: a seeded request
