@@ -80,14 +80,19 @@ class DecodeCostModel:
         forgetting: float = 0.98,
         clip: float = 1.0,
         refit_every: int = 4,
+        ridge: float | None = None,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0.5, 1], got {forgetting!r}")
         self.prior = np.array(prior, dtype=np.float64) * _SCALES
         self.weights = self.prior.copy()
-        # the pull toward the prior: as strong as one measurement of about a millisecond's
-        # noise says about a weight as large as the prior's
-        self._ridge = np.diag((_NOISE / np.maximum(self.prior, 1e-3)) ** 2)
+        # the pull toward the prior: by default as strong as one measurement of about a
+        # millisecond's noise says about a weight as large as the prior's; ``ridge``: the same
+        # pull on every (scaled) weight
+        if ridge is None:
+            self._ridge = np.diag((_NOISE / np.maximum(self.prior, 1e-3)) ** 2)
+        else:
+            self._ridge = np.eye(4) * ridge
         self._gram = np.zeros((4, 4))
         self._moment = np.zeros(4)
         self.forgetting = forgetting

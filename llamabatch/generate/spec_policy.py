@@ -34,8 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from llamabatch._core.slots import SlotState
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 
@@ -194,10 +192,8 @@ def decode_cost_model() -> DecodeCostModel:
     look cheap until ticks with drafts are measured: the first ticks try drafts and the fit
     learns what they cost (a guess under which drafts never ran could never learn it).
     ``DecodeCostModel`` derives its pull from its prior (as strong as one decode with a
-    millisecond's noise), which would swamp a fast tick's measurements: it is set here."""
-    model = DecodeCostModel(prior=(0.0, 0.0, 0.0, 0.0), clip=CLIP)
-    model._ridge = np.eye(4) * RIDGE
-    return model
+    millisecond's noise), which would swamp a fast tick's measurements: ``ridge`` sets it."""
+    return DecodeCostModel(prior=(0.0, 0.0, 0.0, 0.0), clip=CLIP, ridge=RIDGE)
 
 
 def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callable[[int], float]:
