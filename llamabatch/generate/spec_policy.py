@@ -60,8 +60,11 @@ CLIP = 2.0
 class SpecPolicy:
     """The speculator's knobs (see the module docstring); the defaults need no tuning."""
 
-    #: a hard cap: no drafting while more sequences than this decode (None: the costs decide)
-    max_streams: int | None = None
+    #: a hard cap: no drafting while more sequences than this decode (None: the costs decide).
+    #: Measured on a 2-core CPU, the costs alone let 8 streams draft and lose 36% (the cost
+    #: model fits llama_decode's time, but the CPU's small-batch kernels and the rows' sampling
+    #: make drafts dearer than it predicts at that width), so the cap stays
+    max_streams: int | None = 4
     #: the most tokens (decode + drafts) a tick's speculating part may reach
     max_batch_tokens: int = 32
     #: drafting must raise the tick's expected tokens per second by this fraction

@@ -235,6 +235,9 @@ class Speculator:
         #: its time per step is measured); n-gram lookups are free and made first
         self.draft_costs = config.get("method") == "draft_model"
         self.draft_timer = DraftTimer()
+        #: seconds to sample and check one logits row after a decode with drafts (Python-side
+        #: work the decode cost model does not see), exponentially weighted
+        self.row_cost = 0.0
         self._decodes = 0
         self._draft_ticks = 0  # ticks given drafts so far
         self._evidence = 0.0  # ticks given drafts, exponentially weighted (see _probe)
@@ -328,8 +331,10 @@ class Speculator:
         pinned = sum(cap for cap, f in zip(caps, fixed, strict=True) if f)
         pinned_longest = max((cap for cap, f in zip(caps, fixed, strict=True) if f), default=0)
 
+        row_cost = self.row_cost
+
         def cost(total: int, longest: int) -> float:
-            t = target(pinned + total)
+            t = target(pinned + total) + row_cost * (pinned + total)
             return t + (timer.predict(max(longest, pinned_longest)) if timer is not None else 0.0)
 
         free = max(0, room - pinned)  # the room left to drafts chosen by their worth
@@ -416,13 +421,24 @@ class Speculator:
     def sample_tick(self, core: EngineCore) -> None:
         """Sample every output of a tick that verified drafts: other slots as the core does,
         speculating slots row by row (see the module docstring)."""
-        table = core.table
-        outputs = table.outputs()
+        start = core.clock()  # (the engine's clock: scripted in the fake context's tests)
+        outputs = core.table.outputs()
         running: list[Any] = core.slots.requests
         logits = None
         if any(running[s].fast_greedy for s, _ in outputs):
             logits = core.context.logits_rows(len(outputs))
-        now = time.perf_counter()
+        try:
+            self._sample_rows(core, outputs, running, logits, time.perf_counter())
+        finally:
+            if outputs:
+                per_row = (core.clock() - start) / len(outputs)
+                old = self.row_cost
+                self.row_cost = per_row if not old else old + 0.2 * (per_row - old)
+
+    def _sample_rows(
+        self, core: EngineCore, outputs: list[tuple[int, int]], running: list[Any], logits: Any, now: float
+    ) -> None:
+        table = core.table
         row = 0
         n = len(outputs)
         while row < n:
