@@ -114,6 +114,8 @@ def test_acceptance_estimates_follow_the_drafts():
 def test_the_draft_timer_averages_seconds_per_step():
     timer = DraftTimer(weight=0.5)
     assert timer.predict(4) == 0.0
+    timer.observe(0.5, 4)  # the first call pages the draft model in: not counted
+    assert timer.predict(4) == 0.0
     timer.observe(0.008, 4)
     timer.observe(0.004, 1)
     assert timer.predict(2) == pytest.approx(2 * 0.003)
@@ -214,8 +216,10 @@ def _draft_model_core(per_step, cost, p_wrong=0.0, k=8):
 
 def test_the_draft_models_measured_time_shortens_its_drafts():
     lengths = {}
-    for per_step in (0.0, 0.004):  # free draft steps, then each half a target decode
-        core, ctx, model = _draft_model_core(per_step, (0.006, 0.0002, 0.0003, 0.0))
+    # drafts right 90% of the time: free draft steps, then each about half a target decode
+    # (with drafts that always hold, even dear steps pay up to the longest draft)
+    for per_step in (0.0, 0.004):
+        core, ctx, model = _draft_model_core(per_step, (0.006, 0.0002, 0.0003, 0.0), p_wrong=0.1)
         rec = Recorder(core, ctx, model)
         (r,) = rec.new(prompt(6, 40), greedy(120))
         drafts = []
@@ -276,4 +280,4 @@ def test_probes_keep_the_draft_cost_known_when_nobody_drafts():
     late = drafts[60:]
     # one-token probes (or short runs of them, as the fit forgets older drafts) now and then
     assert 0 < sum(late) <= len(late) // 8
-    assert max(late) == 1
+    assert max(late) <= 2  # (a probe that held lets the next position look as good for a tick)

@@ -121,12 +121,17 @@ class AcceptanceModel:
             g = self._global[cls] = RequestAcceptance(self.n)
         return g
 
-    def rate(self, req: RequestAcceptance, i: int, cls: int = 0) -> float:
+    def rate(self, req: RequestAcceptance, i: int, cls: int = 0, before: float | None = None) -> float:
         """The estimated chance that a draft at position ``i`` is accepted when the drafts
-        before it were."""
+        before it were. A position is pulled toward the estimate of the one before it
+        (``before``; the prior for the first): a position no draft has reached yet is as
+        likely as its predecessor, so drafts that always hold grow longer instead of staying
+        as short as the first tries (a fixed prior there would make every untried position
+        look worse, and short drafts would never learn otherwise)."""
         p = self.policy
         e = self._engine(cls)
-        g = (e.hits[i] + p.prior_weight * p.prior) / (e.tries[i] + p.prior_weight)
+        anchor = p.prior if before is None else before
+        g = (e.hits[i] + p.prior_weight * anchor) / (e.tries[i] + p.prior_weight)
         m = p.request_prior_weight
         return (req.hits[i] + m * g) / (req.tries[i] + m)
 
@@ -135,8 +140,10 @@ class AcceptanceModel:
         tokens: the product of the rates up to its position (non-increasing)."""
         out: list[float] = []
         g = 1.0
+        r: float | None = None
         for i in range(min(cap, self.n)):
-            g *= self.rate(req, i, cls)
+            r = self.rate(req, i, cls, r)
+            g *= r
             out.append(g)
         return out
 
@@ -173,9 +180,15 @@ class DraftTimer:
         self.weight = weight
         self.per_step = 0.0
         self.n_observed = 0
+        self.n_calls = 0
 
     def observe(self, seconds: float, steps: int) -> None:
         if steps <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.n_calls += 1
+        if self.n_calls == 1:
+            # the draft model's first decode pages its weights in (often 100x a later one's
+            # time): counted, the drafts would look too dear to try again for a long while
             return
         x = seconds / steps
         self.per_step = x if not self.n_observed else self.per_step + self.weight * (x - self.per_step)
