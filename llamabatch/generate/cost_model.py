@@ -125,6 +125,12 @@ class DecodeCostModel:
 def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin w.A.w - 2 b.w`` over ``w >= 0`` (A positive definite, 4 unknowns): the best
     of the solutions on every subset of free weights that stays non-negative."""
+    try:  # the usual case: the unconstrained optimum is non-negative, hence the answer
+        full = np.linalg.solve(a, b)
+        if (full >= 0).all():
+            return full
+    except np.linalg.LinAlgError:
+        pass
     n = len(b)
     best = np.zeros(n)
     best_value = 0.0
