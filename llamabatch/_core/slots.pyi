@@ -132,7 +132,8 @@ class SlotTable:
     def trim(self, seq: int, n: int) -> None: ...
     def copy(self, src: int, dst: int, n: int) -> None: ...
     def record_cached(self, seq: int, tokens: _Tokens) -> None:
-        """``seq`` holds ``tokens`` at 0..len-1 (empty before, or holding their first ones: the rest are its own)."""
+        """``seq`` holds ``tokens`` at 0..len-1 (empty before, or holding their first ones: the
+        rest are its own)."""
     def touch(self, seq: int) -> None: ...
     def lru_slot(self, cached_only: bool = False, exclude: int = -1) -> int:
         """The least recently used idle slot (cached ones only if ``cached_only``; not ``exclude``), or -1."""
