@@ -347,10 +347,11 @@ def test_bench_serve_batched(tiny_path, fake_server, capsys):
     assert body["model"] == "fake-model" and body["stream"] and body["ignore_eos"]
     assert body["max_tokens"] == 4 and body["temperature"] == 0
     assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
-    # The same prompts as `llamabatch bench` would make for the point.
+    # The same prompts as `llamabatch bench` would make for the point (the second: its own seed).
     vocab = workloads.open_tokenizer(tiny_path)
     try:
-        expected = {r.prompt for r in workloads.batched_requests(vocab, 8, 4, 3, n_requests=6)}
+        seed = workloads.point_seed(0, 1)
+        expected = {r.prompt for r in workloads.batched_requests(vocab, 8, 4, 3, seed, n_requests=6)}
     finally:
         vocab.close()
     assert {tuple(b["prompt"]) for b in fake_server.bodies[-6:]} == expected
