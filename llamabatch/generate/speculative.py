@@ -28,7 +28,8 @@ Only where it pays (``spec_policy.py``): drafts fill spare budget only (decode t
 prompt chunks come first), within KV room and under ``target_itl_ms``; each tick, every
 speculating request's draft length (0 allowed) is the one that maximises the tick's expected
 tokens per second, from a decode cost model fitted on every decode (``observe``), the draft
-model's measured time per step and per-request acceptance estimates per draft position.
+model's measured time per step and per-request acceptance estimates per draft position;
+nobody drafts while more than ``SpecPolicy.max_streams`` (4) sequences decode.
 """
 
 from __future__ import annotations
