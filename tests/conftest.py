@@ -36,6 +36,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def tiny_path():
+    """The tiny random-weight test model (built once, cached)."""
+    from llamabatch import testing
+
+    return testing.model_path("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    """llama-cpp-python on the tiny model with every position's logits: the fidelity
+    reference the engine's log-probabilities are checked against."""
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
+    )
+
+
 settings.register_profile("dev", max_examples=40, deadline=None)
 settings.register_profile(
     "ci", max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True

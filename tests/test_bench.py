@@ -14,16 +14,10 @@ from typing import Any
 
 import pytest
 
-from llamabatch import testing
 from llamabatch.bench import report, workloads
 from llamabatch.cli import main
 
 REQUIRED = {"npp", "ntg", "npl", "total_tokens_per_s", "gen_tokens_per_s"}
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
 
 
 @pytest.fixture(scope="module")

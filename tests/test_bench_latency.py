@@ -10,15 +10,10 @@ from collections.abc import Iterator
 import pytest
 from test_bench import _FakeServer, _json_rows
 
-from llamabatch import LLM, testing
+from llamabatch import LLM
 from llamabatch.bench import latency
 from llamabatch.bench.report import RunResult, goodput
 from llamabatch.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
 
 
 @pytest.fixture

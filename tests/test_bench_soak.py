@@ -12,13 +12,8 @@ import textwrap
 
 import pytest
 
-from llamabatch import LLM, EngineClosed, SamplingParams, testing
+from llamabatch import LLM, EngineClosed, SamplingParams
 from llamabatch.bench.soak import Ledger, Life, SoakConfig
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

@@ -17,11 +17,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_path):
     # Flash attention off on both sides of the reference checks: on CPU it rounds
     # differently (~1e-3 in log-probs), which would hide real errors.

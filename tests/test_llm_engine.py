@@ -9,11 +9,6 @@ from llamabatch import LLM, EngineClosed, LLMEngine, QueueFull, SamplingParams, 
 OPTIONS = {"n_ctx": 4096, "n_parallel": 4, "n_batch": 64, "chunk_size": 32, "n_threads": 2}
 
 
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
 def _mixed_requests(n: int = 16) -> list[tuple[str, SamplingParams]]:
     sentences = testing.english_sentences(64)
     return [

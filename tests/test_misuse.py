@@ -9,14 +9,9 @@ import threading
 
 import pytest
 
-from llamabatch import LLM, QueueFull, RequestEvent, SamplingParams, TickEvent, testing
+from llamabatch import LLM, QueueFull, RequestEvent, SamplingParams, TickEvent
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
 
 
 def _small(tiny_path, **kwargs) -> LLM:

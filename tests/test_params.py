@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamabatch import testing
 from llamabatch.params import INT32_MAX, PENALTY_LAST_N_MAX, SamplingParams, check_bool, check_positive_int
 from llamabatch.prompts.inputs import as_prompt_list, check_token_ids, is_single_prompt, normalize_prompt
 
@@ -326,11 +325,6 @@ def test_one_prompt_or_many() -> None:
 
 
 # --------------------------------------------------------------------------- through the facade
-
-
-@pytest.fixture(scope="module")
-def tiny_path() -> Path:
-    return testing.model_path("tiny")
 
 
 @pytest.fixture(scope="module")

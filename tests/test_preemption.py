@@ -7,23 +7,10 @@ are recomputed invisibly to their callers.
 
 from __future__ import annotations
 
-import llama_cpp
 import pytest
 from llama_reference import check_against_reference
 
 from llamabatch import LLM, SamplingParams, testing
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path):
-    return llama_cpp.Llama(
-        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
-    )
 
 
 def _prompts(llm: LLM, n: int, n_tokens: int, shared: int = 0) -> list[list[int]]:

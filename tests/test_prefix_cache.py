@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import logging
 
-import llama_cpp
 import pytest
 from llama_reference import check_against_reference
 
 from llamabatch import LLM, SamplingParams, testing
 
 SYSTEM = " ".join(testing.english_sentences(30))
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path):
-    return llama_cpp.Llama(
-        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
-    )
 
 
 def completions(outs):

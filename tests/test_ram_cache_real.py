@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import shutil
 
-import llama_cpp
 import pytest
 from llama_reference import check_against_reference
 
@@ -15,18 +14,6 @@ from llamabatch import LLM, SamplingParams, testing
 from llamabatch.generate.prefix_store import SUFFIX, PrefixStore
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path):
-    return llama_cpp.Llama(
-        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
-    )
 
 
 def _texts(llm: LLM, n: int, n_tokens: int) -> list[list[int]]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import random
 
-import llama_cpp
 import pytest
 from llama_reference import check_against_reference
 
-from llamabatch import LLM, EngineConfig, SamplingParams, testing
+from llamabatch import LLM, EngineConfig, SamplingParams
 from llamabatch._core.slots import MAX_DRAFT
 from llamabatch.generate import speculative
 from llamabatch.generate.spec_config import MAX_SPECULATIVE_TOKENS, validate_speculative_config
@@ -35,18 +34,6 @@ def always_draft(monkeypatch):
     """These tests check what verification does with drafts: drafting must happen whatever
     this machine's timings say it is worth (margin -1: any draft beats none)."""
     monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0))
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return testing.model_path("tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path):
-    return llama_cpp.Llama(
-        str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
-    )
 
 
 def _llm(path, spec=NGRAM, **kw):
