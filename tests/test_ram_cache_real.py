@@ -146,19 +146,30 @@ def test_another_models_file_is_refused(tiny_path, tmp_path):
     assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.prefix_files_saved) == (1, 0, 1)
 
 
-def test_ram_tier_survives_a_restart(tiny_path, reference, tmp_path):
-    options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=64, prefix_cache_dir=str(tmp_path))
-    with LLM(tiny_path, **options) as llm:
+def _three_conversations_then_close(path, options):
+    """3 conversations over 2 slots in an engine that persists its RAM tier at close: the
+    conversations and the first one's reply."""
+    with LLM(path, **options) as llm:
         convs = _texts(llm, 3, 120)
         first = llm.generate(convs[0], PARAMS)[0].outputs[0]
         for c in convs[1:]:
             llm.generate(c, PARAMS)
+    return convs, first
+
+
+def _follow_up_after_restart(path, options, convs, first):
+    """A new engine continues the first conversation: its reply and the engine's stats."""
+    with LLM(path, **options) as llm:
+        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
+        return llm.generate(follow, PARAMS)[0].outputs[0], llm.stats()
+
+
+def test_ram_tier_survives_a_restart(tiny_path, reference, tmp_path):
+    options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=64, prefix_cache_dir=str(tmp_path))
+    convs, first = _three_conversations_then_close(tiny_path, options)
     # at close the RAM tier (and the idle slots' tokens) went to files
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) >= 2
-    with LLM(tiny_path, **options) as llm:
-        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
-        out = llm.generate(follow, PARAMS)[0].outputs[0]
-        stats = llm.stats()
+    out, stats = _follow_up_after_restart(tiny_path, options, convs, first)
     assert (stats.prefix_files_loaded, stats.ram_cache_restores, stats.prefix_files_refused) == (1, 1, 0)
     assert out.usage.reused_tokens >= 120
     check_against_reference(reference, [first, out])
@@ -166,18 +177,11 @@ def test_ram_tier_survives_a_restart(tiny_path, reference, tmp_path):
 
 def test_a_corrupt_ram_tier_file_is_refused_and_recomputed(tiny_path, reference, tmp_path):
     options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=64, prefix_cache_dir=str(tmp_path))
-    with LLM(tiny_path, **options) as llm:
-        convs = _texts(llm, 3, 120)
-        first = llm.generate(convs[0], PARAMS)[0].outputs[0]
-        for c in convs[1:]:
-            llm.generate(c, PARAMS)
+    convs, first = _three_conversations_then_close(tiny_path, options)
     for path in tmp_path.glob(f"*{SUFFIX}"):  # the headers stay, the payloads rot
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF
         path.write_bytes(bytes(data))
-    with LLM(tiny_path, **options) as llm:
-        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
-        out = llm.generate(follow, PARAMS)[0].outputs[0]
-        stats = llm.stats()
+    out, stats = _follow_up_after_restart(tiny_path, options, convs, first)
     assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.ram_cache_restores) == (1, 0, 0)
     check_against_reference(reference, [out])
