@@ -237,8 +237,12 @@ class DraftModelDrafter:
                 pos = len(seq.tokens)
                 seq.tokens.extend(feed)
                 seq.stable = len(seq.tokens)
+                n_prompt = len(job.prompt)
                 for i, token in enumerate(feed):
-                    if batch.n_free == 0:
+                    # the prompt ends a batch, as the target prefilled it alone: a row's
+                    # rounding in ggml depends on the batch it is in, and a draft computed
+                    # as its target computed it agrees with it to the bit
+                    if batch.n_free == 0 or (pos + i == n_prompt and batch.n_tokens):
                         if not self._decode(batch, rows, work):
                             return {}
                         rows = []
