@@ -306,6 +306,9 @@ class FakeContext:
         #: a scripted decode time: (fixed, per token, per output, per attended KV cell) in
         #: seconds; each successful decode advances ``now`` by it (``clock`` reads it)
         self.cost: tuple[float, float, float, float] | None = None
+        #: scripted seconds added to a decode of two tokens or more (a CPU's one-token decode
+        #: runs matrix-vector kernels, a batch matrix-matrix ones: the second token is dear)
+        self.batch_jump = 0.0
         self.now = 0.0
         self._abort = False
         self._logits: np.ndarray | None = None
@@ -517,6 +520,7 @@ class FakeContext:
             else:
                 attended = sum(p + 1 for p in pos)
             self.now += fixed + per_token * n + per_output * sum(flags) + per_cell * attended
+            self.now += self.batch_jump if n > 1 else 0.0
         rows = []
         for i in range(n):
             if flags[i]:

@@ -15,8 +15,8 @@ against the tick without drafts (which must be beaten by ``SpecPolicy.margin``):
   is measured on its own calls (:class:`DraftTimer`);
 * the expected accepted drafts come from :class:`AcceptanceModel`: per request and draft
   position, the rate at which a draft at that position was accepted once the ones before it
-  were (exponentially weighted: recent drafts count most), pulled toward the engine-wide rate
-  of that position, itself pulled toward a prior; n-gram drafts are estimated apart by the
+  were (exponentially weighted: recent drafts count most), pulled toward the request's rate
+  over all positions, the engine's and a prior; n-gram drafts are estimated apart by the
   length of the suffix they matched (their class). A draft at position ``i`` is worth the
   product of the rates up to ``i``, so the worth of each further draft token falls, and the
   best lengths are the top draft tokens by worth (:func:`choose_draft_lengths`).
@@ -45,6 +45,7 @@ __all__ = [
     "AcceptanceModel",
     "DraftTimer",
     "RequestAcceptance",
+    "SpecCostModel",
     "SpecPolicy",
     "choose_draft_lengths",
     "decode_cost_model",
@@ -70,8 +71,10 @@ class SpecPolicy:
     max_batch_tokens: int = 32
     #: drafting must raise the tick's expected tokens per second by this fraction
     margin: float = 0.03
-    #: the first ticks with drafts hold at most this many (the cost model learns from them
-    #: what drafts cost, and a first guess may be far off)
+    #: the first ``explore_ticks`` ticks with drafts are the cost model's lessons: the i-th
+    #: holds ``explore_tokens * 2**i`` draft tokens (2, 4, 8, 16), given even where the first
+    #: guesses say drafts do not pay (a line through short drafts alone misjudges long ones:
+    #: on a CPU the second token of a batch is the dear one, and nothing drafted long again)
     explore_ticks: int = 4
     explore_tokens: int = 2
     #: ticks with drafts, weighted by ``evidence_decay`` per tick: below ``probe_below``, a tick
@@ -82,8 +85,10 @@ class SpecPolicy:
     probe_gain: float = 0.5
     #: per tick, the weight of a request's past drafts decays by this factor
     request_decay: float = 0.9
-    #: how many drafts the engine-wide rate of a position weighs in a request's estimate
-    request_prior_weight: float = 1.0
+    #: how many drafts the engine-wide rate weighs in a request's rate (over its positions)
+    request_prior_weight: float = 3.0
+    #: how many drafts the request's rate weighs in one position's estimate
+    position_weight: float = 4.0
     #: per tick, the weight of the engine-wide counts decays by this factor
     global_decay: float = 0.995
     #: the acceptance rate assumed before any draft was verified, and its weight in drafts
@@ -108,8 +113,17 @@ class AcceptanceModel:
 
     Drafts come in classes (``cls``) that are estimated apart: an n-gram draft's class is the
     length of the suffix it matched (a long match, as in a loop, is right far more often than
-    a two-token one); a draft model's drafts are all class 0. A request's evidence is its own
-    ``RequestAcceptance`` per class; the engine-wide rates are per class too."""
+    a two-token one); a draft model's drafts are all class 0.
+
+    The estimate is hierarchical, as the evidence is thin where it matters: a position's rate
+    (the chance that a draft there is accepted when the ones before it were) is the request's
+    own evidence at that position, pulled toward the request's rate over all its positions,
+    itself pulled toward the engine's rate of the class over all positions, itself pulled
+    toward the prior. Positions share one rate unless their own evidence says otherwise: a
+    draft model's chance of agreeing with its target hardly depends on how far the draft has
+    gone, and a position no draft has reached yet is as likely as the request's others. (Per
+    position engine-wide counts were tried first: one early rejection at position 8 kept every
+    later request's drafts at 8 tokens, as nothing drafts there again to correct it.)"""
 
     def __init__(self, n: int, policy: SpecPolicy) -> None:
         self.n = n
@@ -122,29 +136,31 @@ class AcceptanceModel:
             g = self._global[cls] = RequestAcceptance(self.n)
         return g
 
-    def rate(self, req: RequestAcceptance, i: int, cls: int = 0, before: float | None = None) -> float:
-        """The estimated chance that a draft at position ``i`` is accepted when the drafts
-        before it were. A position is pulled toward the estimate of the one before it
-        (``before``; the prior for the first): a position no draft has reached yet is as
-        likely as its predecessor, so drafts that always hold grow longer instead of staying
-        as short as the first tries (a fixed prior there would make every untried position
-        look worse, and short drafts would never learn otherwise)."""
+    def pooled(self, req: RequestAcceptance, cls: int = 0) -> float:
+        """The request's rate over all its positions (its drafts' hits over their tries),
+        pulled toward the engine's rate of the class (itself pulled toward the prior)."""
         p = self.policy
         e = self._engine(cls)
-        anchor = p.prior if before is None else before
-        g = (e.hits[i] + p.prior_weight * anchor) / (e.tries[i] + p.prior_weight)
+        engine = (sum(e.hits) + p.prior_weight * p.prior) / (sum(e.tries) + p.prior_weight)
         m = p.request_prior_weight
-        return (req.hits[i] + m * g) / (req.tries[i] + m)
+        return (sum(req.hits) + m * engine) / (sum(req.tries) + m)
+
+    def rate(self, req: RequestAcceptance, i: int, cls: int = 0, pooled: float | None = None) -> float:
+        """The estimated chance that a draft at position ``i`` is accepted when the drafts
+        before it were (``pooled``: the request's :meth:`pooled` rate, if known)."""
+        if pooled is None:
+            pooled = self.pooled(req, cls)
+        w = self.policy.position_weight
+        return (req.hits[i] + w * pooled) / (req.tries[i] + w)
 
     def gains(self, req: RequestAcceptance, cap: int, cls: int = 0) -> list[float]:
         """The expected accepted drafts each further draft token adds, for up to ``cap``
         tokens: the product of the rates up to its position (non-increasing)."""
+        pooled = self.pooled(req, cls)
         out: list[float] = []
         g = 1.0
-        r: float | None = None
         for i in range(min(cap, self.n)):
-            r = self.rate(req, i, cls, r)
-            g *= r
+            g *= self.rate(req, i, cls, pooled)
             out.append(g)
         return out
 
@@ -199,6 +215,41 @@ class DraftTimer:
         return self.per_step * steps
 
 
+class SpecCostModel:
+    """The speculator's decode cost model: ``llama_decode``'s time by batch, with ticks of one
+    token apart from the rest.
+
+    A one-token decode runs other kernels than a batch of several (matrix-vector products
+    where a batch has matrix-matrix ones): on a 2-core CPU one token costs 8 ms, two 17 ms,
+    17 tokens 38 ms. A line through all ticks would put the second token's jump on every
+    draft and make one stream's drafts look four times dearer than they are; so one-token
+    ticks are a running mean of their own, and ticks of more tokens fit the linear
+    :class:`DecodeCostModel` (see ``decode_cost_model``). Same ``predict`` and ``observe``."""
+
+    def __init__(self) -> None:
+        #: ticks of two tokens or more
+        self.multi = decode_cost_model()
+        #: seconds of a one-token tick (exponentially weighted), and how many were measured
+        self.single = 0.0
+        self.n_single = 0
+
+    def observe(self, features: TickFeatures, seconds: float) -> None:
+        """Fit one measured decode (attended cells are left out: see ``Speculator.observe``)."""
+        if features.tokens <= 1:
+            self.single = seconds if not self.n_single else self.single + 0.1 * (seconds - self.single)
+            self.n_single += 1
+            return
+        multi = self.multi
+        # the first decodes unclipped: they set the scale the clip works from
+        multi.clip = CLIP if multi.n_observed >= 8 else math.inf
+        multi.observe(TickFeatures(features.tokens, features.outputs, 0.0), seconds)
+
+    def predict(self, features: TickFeatures) -> float:
+        if features.tokens <= 1 and self.n_single:
+            return self.single
+        return self.multi.predict(features)
+
+
 def decode_cost_model() -> DecodeCostModel:
     """The speculator's decode cost model: a ``DecodeCostModel`` that starts from nothing,
     with a weak pull toward zero weights (``RIDGE``, in the model's scaled features, where a
@@ -213,7 +264,9 @@ def decode_cost_model() -> DecodeCostModel:
     return DecodeCostModel(prior=(0.0, 0.0, 0.0, 0.0), clip=CLIP, ridge=RIDGE)
 
 
-def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callable[[int], float]:
+def tick_cost(
+    core: EngineCore, n_decode: int, model: DecodeCostModel | SpecCostModel
+) -> Callable[[int], float]:
     """The predicted decode time (seconds) of this tick's batch with ``d`` draft tokens: its
     decode tokens, the prompt tokens its budget lets the plan take and the drafts, each draft
     with its logits row, as ``model`` predicts it."""
@@ -224,6 +277,9 @@ def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callab
     decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
     used = table.cells_used
     unified = table.kv_unified
+    single = model.single if isinstance(model, SpecCostModel) and model.n_single else None
+    if isinstance(model, SpecCostModel):
+        model = model.multi
     # the model is linear: its coefficients once, then arithmetic (called ~60 times a tick)
     c0 = model.predict(TickFeatures(0, 0, 0.0))
     c_token = model.predict(TickFeatures(1, 0, 0.0)) - c0
@@ -233,6 +289,8 @@ def tick_cost(core: EngineCore, n_decode: int, model: DecodeCostModel) -> Callab
 
     def cost(d: int) -> float:
         n = n_decode + prefill + d
+        if n == 1 and single is not None:
+            return single
         attended = float(n * (used + n)) if unified else float(decode_past * (1 + d / max(n_decode, 1)))
         return max(0.0, c0 + c_token * n + c_output * (outputs0 + d) + c_cell * attended)
 
@@ -256,6 +314,8 @@ def choose_draft_lengths(
     the ones worth most (a request's tokens come in position order); the best total wins if
     its rate beats the tick without drafts by ``margin`` (a fraction), else nobody drafts."""
     ks = [0] * len(gains)
+    if not any(gains):  # nothing to draft: no cost to predict
+        return ks
     order = sorted(
         ((g, i, r) for r, gs in enumerate(gains) for i, g in enumerate(gs) if g > 0),
         key=lambda x: (-x[0], x[1], x[2]),

@@ -35,9 +35,8 @@ nobody drafts while more than ``SpecPolicy.max_streams`` (4) sequences decode.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,13 +50,12 @@ from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_accept import acceptance_rule
 from llamabatch.generate.spec_config import validate_speculative_config
 from llamabatch.generate.spec_policy import (
-    CLIP,
     AcceptanceModel,
     DraftTimer,
     RequestAcceptance,
+    SpecCostModel,
     SpecPolicy,
     choose_draft_lengths,
-    decode_cost_model,
     tick_cost,
 )
 
@@ -230,7 +228,7 @@ class Speculator:
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
         #: the decode cost model, fitted on every decode of the engine (``observe``)
-        self.cost = decode_cost_model()
+        self.cost = SpecCostModel()
         self.acceptance = AcceptanceModel(self.k, self.policy)
         #: whether drafting itself costs (a draft model: lengths are chosen before drafting,
         #: its time per step is measured); n-gram lookups are free and made first
@@ -282,9 +280,7 @@ class Speculator:
         matter here cannot tell them apart; the per-token cost follows the context instead."""
         self._decodes += 1
         if self._decodes > 1:
-            # the first decodes unclipped: they set the scale the clip works from
-            self.cost.clip = CLIP if self._decodes > 8 else math.inf
-            self.cost.observe(TickFeatures(features.tokens, features.outputs, 0.0), seconds)
+            self.cost.observe(features, seconds)
 
     # -- before the fill ------------------------------------------------------------------
 
@@ -327,7 +323,7 @@ class Speculator:
             fixed.append(self._fixed_length(request))
         if not cands:
             return
-        target = tick_cost(core, n_decode, self.cost)
+        target: Callable[[int], float] | None = None  # (computed when first needed)
         timer = self.draft_timer if self.draft_costs else None
         pinned = sum(cap for cap, f in zip(caps, fixed, strict=True) if f)
         pinned_longest = max((cap for cap, f in zip(caps, fixed, strict=True) if f), default=0)
@@ -335,12 +331,15 @@ class Speculator:
         row_cost = self.row_cost
 
         def cost(total: int, longest: int) -> float:
+            nonlocal target
+            if target is None:
+                target = tick_cost(core, n_decode, self.cost)
             t = target(pinned + total) + row_cost * (pinned + total)
             return t + (timer.predict(max(longest, pinned_longest)) if timer is not None else 0.0)
 
         free = max(0, room - pinned)  # the room left to drafts chosen by their worth
         if self._draft_ticks < policy.explore_ticks:  # what drafts cost is not known yet
-            free = min(free, policy.explore_tokens)
+            free = min(free, policy.explore_tokens << self._draft_ticks)
         sets: list[tuple[tuple[int, Request, _SpecState], int, Draft]]
         if timer is None:  # n-gram: look up first (free), then choose knowing each draft
             jobs = [
@@ -393,17 +392,20 @@ class Speculator:
         self._evidence = self._evidence * policy.evidence_decay + (1.0 if self._set else 0.0)
 
     def _probe(self, ks: list[int], gains: list[list[float]], free: int) -> list[int]:
-        """``ks``, or one draft token for the likeliest draft when nobody drafts and the cost
+        """``ks``, or drafts for the likeliest draft when nobody drafts: while the first lessons
+        last (``SpecPolicy.explore_ticks``), up to ``free`` tokens, as long as each is likelier
+        than ``probe_gain`` to be accepted with the ones before it; later one token when the cost
         model has seen too few recent ticks with drafts to know what they cost (a slope
         learned from a few noisy ticks would otherwise stand, as nothing refits it)."""
         policy = self.policy
-        if any(ks) or free <= 0 or self._evidence >= policy.probe_below:
+        exploring = self._draft_ticks < policy.explore_ticks
+        if any(ks) or free <= 0 or (not exploring and self._evidence >= policy.probe_below):
             return ks
         best = max(range(len(gains)), key=lambda r: gains[r][0] if gains[r] else 0.0, default=None)
         if best is None or not gains[best] or gains[best][0] < policy.probe_gain:
             return ks
         ks = list(ks)
-        ks[best] = 1
+        ks[best] = min(free, sum(g >= policy.probe_gain for g in gains[best])) if exploring else 1
         return ks
 
     def _fixed_length(self, request: Request) -> bool:
