@@ -194,9 +194,10 @@ class EngineConfig(OptionsConfig):
         target_itl_ms: a target inter-token latency in milliseconds (default ``None``: no
             target). Each tick's token budget is then chosen so that the tick's expected
             decode time (a cost model fitted online, ``generate/cost_model.py``) stays under
-            it: running streams always get their token, prompt chunks shrink (never below
-            32 tokens while a prompt waits). Trades some prompt throughput and time to first
-            token for a bounded inter-token latency.
+            it: running streams always get their token, prompt chunks shrink (to one token
+            a tick at least while a prompt is computed), and a request waits in the queue
+            while one more decoding stream would push the ticks over it. Trades some prompt
+            throughput and time to first token for a bounded inter-token latency.
         speculative_config: speculative decoding (default ``None``: off), vLLM's keys:
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
             "prompt_lookup_max": b}`` (drafts looked up in the request's own text) or
@@ -297,7 +298,10 @@ class EngineConfig(OptionsConfig):
         metadata=flag(
             "--target-itl-ms",
             type=positive_float,
-            help="target inter-token latency in ms: prompt chunks shrink to keep each tick under it",
+            help=(
+                "target inter-token latency in ms: prompt chunks shrink, and requests wait for room, "
+                "to keep each tick under it"
+            ),
         ),
     )
     cache_ram: int | None = field(

@@ -103,16 +103,37 @@ def test_budget_follows_an_exact_model():
 
 
 def test_floor_keeps_prefill_moving():
-    """A target the decodes alone fill: a waiting prompt still moves one token a tick (the
-    floor), and the tick overshoots the target by that one token only."""
-    core, ctx, model, ticks = latency_core(18.0, prior=COST)
+    """A target the decodes alone fill: a prompt being computed still moves one token a tick
+    (the floor), and the tick overshoots the target by that one token only. (Admission keeps
+    the decodes under the target; the floor is for a target that tightens after it, as the
+    model's error margin or a slower machine make it.)"""
+    core, ctx, model, ticks = latency_core(25.0, prior=COST)
     rec, long = decoding_then_long_prompt(core, ctx, model, n_long=200)
+    rec.step()  # admitted: four streams decoding (10 + 4 * 3 = 22 ms) fit 25 ms
+    assert ticks[-1].prefill_tokens > 0
+    core.latency.target = core.latency.aim = 0.018
     rec.step()
     # 3 decodes: 10 + 3 * 1 + 3 * 2 = 19 ms > 18 ms; the floor's token (no output row) adds 1 ms
     assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 1)
     assert ticks[-1].predicted_time == pytest.approx(0.020)
     rec.run()
     rec.check_done(long)
+
+
+def test_admission_waits_while_one_more_stream_would_overshoot():
+    """Streams decoding alone cost 10 + 3 ms each: under 23 ms at most four decode at once
+    (22 ms; five: 25 ms). The fifth and sixth requests wait in the queue with slots free, and
+    start as streams end; none is lost, and no tick of decodes overshoots."""
+    core, ctx, model, ticks = latency_core(23.0, prior=COST, n_parallel=6)
+    rec = Recorder(core, ctx, model)
+    requests = [rec.new(prompt(4, seed), greedy(20 + 10 * seed))[0] for seed in range(6)]
+    rec.step()
+    assert core.table.busy_slots == 4 and len(core.waiting) == 2
+    rec.run()
+    for r in requests:
+        rec.check_done(r)
+    assert max(t.decode_tokens for t in ticks) == 4
+    assert all(t.decode_time <= 0.023 + 0.002 + 1e-9 for t in ticks if t.decode_tokens)  # (+ the floor)
 
 
 def test_model_learns_from_a_wrong_prior_and_follows_drift():

@@ -322,7 +322,9 @@ class EngineCore:
         A parallel-sampling follower waits until its leader's prompt is computed, and a
         request sharing a prefix with a prompt being computed waits for that part (both
         are passed over, not blocking the queue); a request whose prompt does not fit the
-        free cells blocks the queue until running requests free some."""
+        free cells blocks the queue until running requests free some, and so does one that
+        would make the decoding streams' ticks overshoot ``target_itl_ms``
+        (``LatencyBudget.admits``)."""
         table = self.table
         waiting = self.waiting
         n_idle = self.n_parallel - table.busy_slots
@@ -340,6 +342,10 @@ class EngineCore:
             if not self._make_room(tokens):
                 blocked = request
                 break
+            if self.latency is not None and not self.latency.admits(
+                table, [s for s, _ in self.slots.busy()], len(tokens)
+            ):
+                break  # one more stream would push every tick over target_itl_ms
             del waiting[i]
             self._start(request, tokens)
             admitting.append(tokens)

@@ -195,6 +195,24 @@ class LatencyBudget:
                 self.aim = self.target / min(2.0, max(1.0, margin))
         self.model.observe(features, elapsed)
 
+    def admits(self, table: SlotTable, slots: list[int], n_prompt: int) -> bool:
+        """Whether one more stream may start: once every busy stream (``slots``, prefilling
+        ones and those admitted this step included: they decode next) and the new one
+        (``n_prompt`` tokens) decode, their tick's predicted time stays under the target.
+        Always when nothing runs (a stream alone is as fast as it gets). Admitting past it
+        makes every tick overshoot whatever the prefill does: eight streams decoding take
+        28-30 ms a tick on a 2-core CPU, so under a 24 ms target the ninth waits in the
+        queue (its time to first token grows) rather than slow all of them."""
+        n = len(slots) + 1
+        if n == 1:
+            return True
+        pending = sum(table.n_pending(s) for s in slots) + n_prompt
+        if table.kv_unified:  # every token attends the used range (and the prompts to come)
+            attended = float(n * (table.cells_used + pending + n))
+        else:  # each stream its own cells
+            attended = float(sum(table.n_past(s) + 1 for s in slots) + pending + 1)
+        return self.model.predict(TickFeatures(n, n, attended)) <= self.aim
+
     def budget(self, table: SlotTable, slots: list[int]) -> int:
         """The token budget of the next tick over ``slots`` (the busy ones)."""
         n_decode = 0
