@@ -50,3 +50,26 @@ def test_135m_pair_shapes() -> None:
 def test_unknown_pair() -> None:
     with pytest.raises(ValueError, match="unknown draft pair"):
         draft_pair("huge")
+
+
+def test_the_loop_model_continues_its_prompts_text_and_ngram_drafts_hold() -> None:
+    # every layer's output projections are zero: the next token depends on the current one
+    # alone, greedy text walks a cycle, and a prompt holding a turn of it is continued by
+    # its own text (n-gram speculation's case, which the random models' text rarely is)
+    from llamabatch import LLM, SamplingParams
+    from llamabatch.testing import loop_model, loop_prompts
+
+    path = loop_model("tiny")
+    prompts = loop_prompts(path, 2, 96)
+    assert len(prompts) == 2 and all(len(p) == 96 for p in prompts)
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 16}
+    with LLM(path, n_parallel=1, n_ctx=256, n_threads=1) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(path, n_parallel=1, n_ctx=256, n_threads=1, speculative_config=spec) as llm:
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        stats = llm.stats()
+    assert fast == plain
+    for prompt, out in zip(prompts, plain, strict=True):
+        assert set(out) <= set(prompt)  # the continuation is the prompt's own text
+    assert stats.spec_draft_tokens >= 64 and stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens

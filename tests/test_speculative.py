@@ -56,7 +56,7 @@ def _completions(llm, prompts, params):
         ({"method": "eagle"}, "method"),
         ({"num_speculative_tokens": 3}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),

@@ -12,7 +12,7 @@ cdef enum:
     ST_AWAIT_SAMPLE = 2  # logits computed by the last commit; waiting for accept()/finish()
     ST_DECODE = 3        # holds a sampled token to decode (its next input)
     N_STATES = 4
-    C_MAX_DRAFT = 32     # the most draft tokens a slot verifies in one tick
+    C_MAX_DRAFT = 64     # the most draft tokens a slot verifies in one tick
 
 
 ctypedef struct slot_t:

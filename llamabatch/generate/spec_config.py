@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 #: the most draft tokens per step (the slot table's ``MAX_DRAFT``)
-MAX_SPECULATIVE_TOKENS = 32
+MAX_SPECULATIVE_TOKENS = 64
 
 
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"})
@@ -31,7 +31,7 @@ def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, A
     """The checked, completed ``speculative_config`` (None: speculation off).
 
     Keys (vLLM's): ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (k,
-    1..32, default 5), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram: the shortest
+    1..64, default 5), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram: the shortest
     and longest suffix n-gram looked up, defaults 2 and 5, 1 <= min <= max <= 32), ``model``
     (draft_model: the draft GGUF path). Anything else raises ``ValueError`` naming it.
     """

@@ -68,7 +68,7 @@ class SpecPolicy:
     #: make drafts dearer than it predicts at that width), so the cap stays
     max_streams: int | None = 4
     #: the most tokens (decode + drafts) a tick's speculating part may reach
-    max_batch_tokens: int = 32
+    max_batch_tokens: int = 65
     #: drafting must raise the tick's expected tokens per second by this fraction
     margin: float = 0.03
     #: the first ``explore_ticks`` ticks with drafts are the cost model's lessons: the i-th

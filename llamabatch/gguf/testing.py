@@ -69,6 +69,8 @@ __all__ = [
     "cache_dir",
     "draft_pair",
     "english_sentences",
+    "loop_model",
+    "loop_prompts",
     "model_path",
     "spec_hash",
     "write_llama_gguf",
@@ -694,4 +696,10 @@ def english_sentences(n: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair  # noqa: E402 (uses this module)
+from llamabatch.gguf.testing_draft import (  # noqa: E402 (uses this module)
+    PAIR_PRESETS,
+    DraftPair,
+    draft_pair,
+    loop_model,
+    loop_prompts,
+)
