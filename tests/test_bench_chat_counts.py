@@ -46,7 +46,9 @@ def test_in_process_counts_and_engine_counters(capsys: pytest.CaptureFixture[str
     assert engine["ram_cache_restores"] > 0 and engine["ram_cache_restored_tokens"] > 0
     assert engine["ram_cache_hits"] >= engine["ram_cache_restores"]
     assert engine["kv_cells_per_tick"] > 100
-    assert summary["later_turns"]["cached_total"] >= engine["ram_cache_restored_tokens"]
+    # (not ``cached_total >= ram_cache_restored_tokens``: a restored state can be evicted or
+    # its request preempted before the turn's usage counts it, which a run shows now and then)
+    assert summary["later_turns"]["cached_total"] > 0
 
 
 def test_counts_over_http_against_llamabatch_serve() -> None:
