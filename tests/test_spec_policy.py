@@ -227,19 +227,25 @@ def _draft_model_core(per_step, cost, p_wrong=0.0, k=8):
     return core, ctx, model
 
 
+def _drafts_of_one_request(core, ctx, model, seed, max_tokens):
+    """Run one greedy request to its end; the draft tokens of each tick."""
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(6, seed), greedy(max_tokens))
+    drafts = []
+    while core.has_unfinished():
+        rec.step()
+        drafts.append(core.table.n_draft_tokens)
+    rec.check_done(r)
+    return drafts
+
+
 def test_the_draft_models_measured_time_shortens_its_drafts():
     lengths = {}
     # drafts right 90% of the time: free draft steps, then each about half a target decode
     # (with drafts that always hold, even dear steps pay up to the longest draft)
     for per_step in (0.0, 0.004):
         core, ctx, model = _draft_model_core(per_step, (0.006, 0.0002, 0.0003, 0.0), p_wrong=0.1)
-        rec = Recorder(core, ctx, model)
-        (r,) = rec.new(prompt(6, 40), greedy(120))
-        drafts = []
-        while core.has_unfinished():
-            rec.step()
-            drafts.append(core.table.n_draft_tokens)
-        rec.check_done(r)
+        drafts = _drafts_of_one_request(core, ctx, model, 40, 120)
         lengths[per_step] = max(drafts[10:-2])
         if per_step:
             assert core.spec.draft_timer.per_step == pytest.approx(per_step)
@@ -253,13 +259,7 @@ def test_one_stream_drafts_long_when_the_second_token_is_the_dear_one():
     # long; the lessons (2, 4, 8, 16 drafts) and one-token ticks fitted apart find it
     core, ctx, model = _draft_model_core(0.0016, (0.0065, 0.0015, 0.0, 0.0), k=16)
     ctx.batch_jump = 0.008
-    rec = Recorder(core, ctx, model)
-    (r,) = rec.new(prompt(6, 43), greedy(240))
-    drafts = []
-    while core.has_unfinished():
-        rec.step()
-        drafts.append(core.table.n_draft_tokens)
-    rec.check_done(r)
+    drafts = _drafts_of_one_request(core, ctx, model, 43, 240)
     late = [d for d in drafts[6:] if d]
     assert len(late) >= 8 and sum(late) / len(late) >= 12
     assert core.spec.cost.predict(TickFeatures(1, 1, 0.0)) == pytest.approx(0.008, rel=0.05)
