@@ -201,7 +201,7 @@ class LatencyBudget:
         (``n_prompt`` tokens) decode, their tick's predicted time stays under the target.
         Always when nothing runs (a stream alone is as fast as it gets). Admitting past it
         makes every tick overshoot whatever the prefill does: eight streams decoding take
-        28-30 ms a tick on a 2-core CPU, so under a 24 ms target the ninth waits in the
+        28-30 ms a tick on a 2-core CPU, so under a 24 ms target the seventh waits in the
         queue (its time to first token grows) rather than slow all of them."""
         n = len(slots) + 1
         if n == 1:
