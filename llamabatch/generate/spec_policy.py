@@ -128,20 +128,21 @@ class AcceptanceModel:
     def __init__(self, n: int, policy: SpecPolicy) -> None:
         self.n = n
         self.policy = policy
-        self._global: dict[int, RequestAcceptance] = {}
+        #: the engine's drafts per class, over all positions: [hits, tries] (exponentially weighted)
+        self._global: dict[int, list[float]] = {}
 
-    def _engine(self, cls: int) -> RequestAcceptance:
+    def _engine(self, cls: int) -> list[float]:
         g = self._global.get(cls)
         if g is None:
-            g = self._global[cls] = RequestAcceptance(self.n)
+            g = self._global[cls] = [0.0, 0.0]
         return g
 
     def pooled(self, req: RequestAcceptance, cls: int = 0) -> float:
         """The request's rate over all its positions (its drafts' hits over their tries),
         pulled toward the engine's rate of the class (itself pulled toward the prior)."""
         p = self.policy
-        e = self._engine(cls)
-        engine = (sum(e.hits) + p.prior_weight * p.prior) / (sum(e.tries) + p.prior_weight)
+        hits, tries = self._engine(cls)
+        engine = (hits + p.prior_weight * p.prior) / (tries + p.prior_weight)
         m = p.request_prior_weight
         return (sum(req.hits) + m * engine) / (sum(req.tries) + m)
 
@@ -171,22 +172,21 @@ class AcceptanceModel:
             hit = 1.0 if i < accepted else 0.0
             req.hits[i] += hit
             req.tries[i] += 1.0
-            e.hits[i] += hit
-            e.tries[i] += 1.0
+            e[0] += hit
+            e[1] += 1.0
 
     def decay(self, req: RequestAcceptance) -> None:
         """A tick passed for ``req`` (its older drafts weigh less)."""
-        _decay(req, self.policy.request_decay)
+        f = self.policy.request_decay
+        req.hits = [h * f for h in req.hits]
+        req.tries = [t * f for t in req.tries]
 
     def tick(self) -> None:
         """A tick passed for the engine-wide counts."""
+        f = self.policy.global_decay
         for e in self._global.values():
-            _decay(e, self.policy.global_decay)
-
-
-def _decay(acc: RequestAcceptance, f: float) -> None:
-    acc.hits = [h * f for h in acc.hits]
-    acc.tries = [t * f for t in acc.tries]
+            e[0] *= f
+            e[1] *= f
 
 
 class DraftTimer:
@@ -277,8 +277,9 @@ def tick_cost(
     decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
     used = table.cells_used
     unified = table.kv_unified
-    single = model.single if isinstance(model, SpecCostModel) and model.n_single else None
+    single = None
     if isinstance(model, SpecCostModel):
+        single = model.single if model.n_single else None
         model = model.multi
     # the model is linear: its coefficients once, then arithmetic (called ~60 times a tick)
     c0 = model.predict(TickFeatures(0, 0, 0.0))
