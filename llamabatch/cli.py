@@ -313,6 +313,7 @@ def subcommands() -> list[Subcommand]:
     from llamabatch.bench import embed as bench_embed
     from llamabatch.bench import generate as bench
     from llamabatch.bench import layouts as bench_layouts
+    from llamabatch.bench import page_cache
     from llamabatch.bench import prefix as bench_prefix
     from llamabatch.bench import rerank as bench_rerank
     from llamabatch.bench import serve as bench_serve
@@ -376,6 +377,12 @@ def subcommands() -> list[Subcommand]:
             "the KV layouts and the defaults on shared-prefix, long-among-short and chat workloads",
             bench_layouts.add_arguments,
             bench_layouts.main,
+        ),
+        (
+            "drop-page-cache",
+            "read the llama.cpp libraries afresh before a side-by-side benchmark",
+            page_cache.add_arguments,
+            page_cache.main,
         ),
         (
             "bench-soak",
