@@ -75,25 +75,52 @@ def test_budget_caps_the_default_n_ctx(model_8k: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "mib"),
+    ("options", "mib", "cells"),
     [
-        ({}, "16.00"),
-        ({"type_k": "q8_0", "type_v": "q8_0"}, "8.50"),
-        ({"kv_unified": False, "type_k": "q4_0", "type_v": "bf16"}, "10.25"),
+        ({}, "16.00", 8192),
+        ({"type_k": "q8_0", "type_v": "q8_0"}, "8.50", 8192),
+        # one stream per slot, each the whole trained context: 8 x 8192 cells
+        ({"kv_unified": False, "type_k": "q4_0", "type_v": "bf16"}, "82.00", 8 * 8192),
     ],
 )
-def test_kv_bytes_match_llama_cpp(model_8k: str, options: dict, mib: str, caplog) -> None:
+def test_kv_bytes_match_llama_cpp(model_8k: str, options: dict, mib: str, cells: int, caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="llamabatch.llama_cpp")
     with LLM(model_8k, **options) as llm:
         stats = llm.stats()
+        assert (llm.n_ctx, llm.n_ctx_seq) == (cells, 8192)
     said = [
         m for r in caplog.records if (m := re.search(r"llama_kv_cache: size = +([\d.]+) MiB", r.getMessage()))
     ]
     assert said and said[-1].group(1) == mib
     assert stats.kv_bytes == float(mib) * 2**20
-    assert stats.kv_bytes_f16 == 16 * 2**20
+    assert stats.kv_bytes_f16 == 16 * 2**20 * cells // 8192
     assert stats.kv_bytes_saved == stats.kv_bytes_f16 - stats.kv_bytes
     assert (stats.kv_type_k, stats.kv_type_v) == (options.get("type_k", "f16"), options.get("type_v", "f16"))
+
+
+def test_per_stream_default_gives_every_stream_the_whole_context(model_8k: str) -> None:
+    from llamabatch.errors import PromptTooLong
+
+    with LLM(model_8k, kv_unified=False, n_parallel=4) as llm:
+        assert (llm.n_ctx, llm.n_ctx_seq) == (4 * 8192, 8192)
+        assert "in each of 4 streams" in llm.stats().n_ctx_reason
+        prompt = [(i * 7) % 3000 + 10 for i in range(2000)]
+        outs = llm.generate([prompt, prompt[:1500]], SamplingParams(max_tokens=4, temperature=0))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+        with pytest.raises(PromptTooLong, match="8192"):
+            llm.submit(prompt * 5, SamplingParams(max_tokens=8))
+
+
+def test_budget_caps_each_stream(model_8k: str) -> None:
+    with Model(model_8k) as model:
+        cell = kv_bytes_per_cell(model)
+        config = EngineConfig(kv_unified=False, n_parallel=4)
+        plan = plan_kv(model, config, budget=4 * 3000 * cell)
+        assert plan.n_ctx == 4 * 2816 and "capped by the KV budget" in plan.reason  # per stream
+        assert "in each of 4 streams" in plan.reason
+        assert plan_kv(model, config, budget=10 * cell).n_ctx == 4 * MIN_N_CTX  # the floor, per stream
+        assert plan_kv(model, config, budget=None).n_ctx == 4 * 8192  # unknown memory: no cap
+        assert plan_kv(model, EngineConfig(kv_unified=False, n_ctx=4096), budget=10).n_ctx == 4096  # given
 
 
 def _prompt_logprobs(model: Model, tokens: list[int], type_k: str, type_v: str) -> np.ndarray:

@@ -4,11 +4,12 @@ one log line and ``stats()`` fields that report them.
 
 The default (``EngineConfig.n_ctx=None``), as llama-server's: the model's trained context
 (``n_ctx_train``), so that every request may use the whole context the model was trained
-for. It is capped so that the KV cache takes at most :data:`KV_BUDGET_FRACTION` of the
-machine's physical memory (at least :data:`MIN_N_CTX` cells, rounded down to llama.cpp's
-256-cell padding). The KV bytes are ``n_ctx x n_layer x n_head_kv x (head_k x size(type_k)
-+ head_v x size(type_v))`` (``_ffi/kv_types.py``), what llama.cpp's own
-``llama_kv_cache: size = ...`` line says for a model whose layers are alike.
+for. With one KV stream per sequence (``kv_unified=False``) each stream gets that context, so
+``n_ctx`` is ``n_seq_max`` times it. It is capped so that the KV cache takes at most
+:data:`KV_BUDGET_FRACTION` of the machine's physical memory (at least :data:`MIN_N_CTX` cells
+a request, rounded down to llama.cpp's 256-cell padding). The KV bytes are ``n_ctx x n_layer x
+n_head_kv x (head_k x size(type_k) + head_v x size(type_v))`` (``_ffi/kv_types.py``), what
+llama.cpp's own ``llama_kv_cache: size = ...`` line says for a model whose layers are alike.
 """
 
 from __future__ import annotations
@@ -92,19 +93,24 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
             config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", config.type_k, config.type_v
         )
     cap = kv_budget_bytes() if budget is True else (budget or None)
-    floor = max(MIN_N_CTX, config.n_seq_max)
     if n_train <= 0:
-        n_ctx, reason = FALLBACK_N_CTX, f"the model names no trained context: {FALLBACK_N_CTX}"
+        n_ctx_seq, reason = FALLBACK_N_CTX, f"the model names no trained context: {FALLBACK_N_CTX}"
     else:
-        n_ctx, reason = n_train, "the model's trained context (n_ctx_train)"
-    if cap is not None and cell > 0 and n_ctx * cell > cap:
-        fit = cap // cell // _PAD * _PAD
-        n_ctx = max(fit, min(floor, n_ctx))
+        n_ctx_seq, reason = n_train, "the model's trained context (n_ctx_train)"
+    # One stream per sequence: every stream holds the whole context, so that a request may
+    # use all of it in either layout (n_seq_max times the cells, under the same budget).
+    streams = 1 if config.kv_unified else config.n_seq_max
+    floor = max(MIN_N_CTX, config.n_seq_max) if streams == 1 else MIN_N_CTX
+    if cap is not None and cell > 0 and streams * n_ctx_seq * cell > cap:
+        fit = cap // cell // streams // _PAD * _PAD
+        n_ctx_seq = max(fit, min(floor, n_ctx_seq))
         reason = (
             f"n_ctx_train ({n_train}) capped by the KV budget ({cap / 2**20:.0f} MiB, "
             f"{KV_BUDGET_FRACTION:.0%} of physical memory)"
         )
-    n_ctx = max(n_ctx, config.n_seq_max)
+    if streams > 1:
+        reason += f", in each of {streams} streams"
+    n_ctx = max(streams * n_ctx_seq, config.n_seq_max)
     return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, config.type_k, config.type_v)
 
 
