@@ -48,9 +48,9 @@ def tiny_path():
 def reference(tiny_path):
     """llama-cpp-python on the tiny model with every position's logits: the fidelity
     reference the engine's log-probabilities are checked against."""
-    import llama_cpp
+    from llamabatch.bench.runners.llama_cpp import load_llama_cpp
 
-    return llama_cpp.Llama(
+    return load_llama_cpp(
         str(tiny_path), n_ctx=2048, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
 

@@ -21,6 +21,7 @@ minilm = pytest.importorskip(
 )
 gguf = pytest.importorskip("gguf", reason="converting models needs the gguf package")
 
+from llamabatch.bench.runners.llama_cpp import load_llama_cpp  # noqa: E402
 from llamabatch.cli import main  # noqa: E402
 from llamabatch.gguf.convert import cached_conversion, convert_bert  # noqa: E402
 
@@ -51,7 +52,7 @@ def minilm_gguf(request: pytest.FixtureRequest, model_dir: Path) -> Path:
 
 def _llama(path: Path):  # -> llama_cpp.Llama
     llama_cpp = pytest.importorskip("llama_cpp")
-    return llama_cpp.Llama(
+    return load_llama_cpp(
         str(path),
         embedding=True,
         n_ctx=512,

@@ -6,11 +6,11 @@ import asyncio
 import threading
 import time
 
-import llama_cpp
 import pytest
 from llama_reference import check_against_reference
 
 from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams, testing
+from llamabatch.bench.runners.llama_cpp import load_llama_cpp
 from llamabatch.runtime.telemetry import RequestEvent, TickEvent
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -71,7 +71,7 @@ def test_32_prompts_from_8_threads_match_teacher_forced_reference(tiny_path, llm
     outs = [h.result(timeout=120).outputs[0] for h in handles]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
 
-    reference = llama_cpp.Llama(
+    reference = load_llama_cpp(
         str(tiny_path), n_ctx=1024, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
     for prompt, out in zip(prompts, outs, strict=True):
@@ -84,7 +84,7 @@ def test_32_prompts_from_8_threads_match_teacher_forced_reference(tiny_path, llm
 def test_single_greedy_matches_llama_cpp_python_completion(tiny_path, llm):
     prompt = "The history of the city begins with a small settlement"
     ours = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
-    reference = llama_cpp.Llama(str(tiny_path), n_ctx=512, verbose=False, flash_attn=False)
+    reference = load_llama_cpp(str(tiny_path), n_ctx=512, verbose=False, flash_attn=False)
     theirs = reference.create_completion(prompt, max_tokens=16, temperature=0)
     assert ours.text == theirs["choices"][0]["text"]
     assert theirs["usage"]["completion_tokens"] == len(ours.token_ids)

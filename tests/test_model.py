@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import pytest
 
 from llamabatch import ModelLoadError, testing
 from llamabatch._ffi.chat import apply_template, builtin_templates
 from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.model import Model
+from llamabatch.bench.runners.llama_cpp import load_llama_cpp
 from llamabatch.errors import DecodeError, KVCacheFull
 
 
@@ -32,7 +32,7 @@ def tiny(tiny_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_path):
-    return llama_cpp.Llama(str(tiny_path), vocab_only=True, verbose=False)
+    return load_llama_cpp(str(tiny_path), vocab_only=True, verbose=False)
 
 
 # -- errors ---------------------------------------------------------------------------------

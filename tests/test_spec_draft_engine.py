@@ -15,6 +15,7 @@ import pytest
 from llama_reference import check_against_reference
 
 from llamabatch import LLM, SamplingParams, testing
+from llamabatch.bench.runners.llama_cpp import load_llama_cpp
 from llamabatch.errors import DraftModelMismatch
 from llamabatch.generate import speculative
 from llamabatch.generate.spec_accept import processed_probs
@@ -55,7 +56,7 @@ def test_greedy_outputs_equal_the_target_alone(pair) -> None:
         stats = llm.stats()
     with LLM(pair.target, **kwargs) as llm:
         plain = [o.outputs[0] for o in llm.generate(prompts, params)]
-    reference = llama_cpp.Llama(
+    reference = load_llama_cpp(
         str(pair.target), n_ctx=1024, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
     check_against_reference(reference, spec, top_n=2)
@@ -98,7 +99,7 @@ def test_sampled_requests_keep_the_target_distribution() -> None:
     assert drafted > len(outs) // 2 and 0 < accepted < drafted, (drafted, accepted)
     first = np.array([o.token_ids[0] for o in outs])
     second = np.array([o.token_ids[1] for o in outs])
-    reference = llama_cpp.Llama(str(pair.target), n_ctx=256, logits_all=True, verbose=False)
+    reference = load_llama_cpp(str(pair.target), n_ctx=256, logits_all=True, verbose=False)
     expected = np.zeros(320)
     for t1 in np.unique(first):
         reference.reset()
@@ -150,7 +151,7 @@ def test_draft_kv_under_preemption_and_cancel(pair) -> None:
         while llm.stats().busy_slots and time.monotonic() < deadline:
             time.sleep(0.01)
         _drafter_is_empty(llm)
-    reference = llama_cpp.Llama(
+    reference = load_llama_cpp(
         str(pair.target), n_ctx=1024, n_batch=512, logits_all=True, verbose=False, flash_attn=False
     )
     check_against_reference(reference, outs)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamabatch import testing
+from llamabatch.bench.runners.llama_cpp import load_llama_cpp
 from llamabatch.gguf.testing import (
     BOS_ID,
     BYTE_TOKEN_OFFSET,
@@ -45,7 +46,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_llm(cache: Path):
-    llm = llama_cpp.Llama(str(model_path("tiny", cache=cache)), verbose=False, n_ctx=256)
+    llm = load_llama_cpp(str(model_path("tiny", cache=cache)), verbose=False, n_ctx=256)
     yield llm
     llm.close()
 
@@ -62,7 +63,7 @@ def _greedy(llm, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("key", sorted(LOADABLE))
 def test_model_loads_and_generates(cache: Path, key: str) -> None:
     spec = LOADABLE[key]
-    llm = llama_cpp.Llama(str(model_path(spec, cache=cache)), verbose=False, n_ctx=256, logits_all=True)
+    llm = load_llama_cpp(str(model_path(spec, cache=cache)), verbose=False, n_ctx=256, logits_all=True)
     try:
         assert llm.n_vocab() == spec.n_vocab
         assert llm.metadata["general.architecture"] == "llama"
@@ -281,7 +282,7 @@ def test_english_sentences() -> None:
 def test_135m_loads_and_decodes() -> None:
     # The default cache: the benchmarks use the same file.
     spec = PRESETS["135m"]
-    llm = llama_cpp.Llama(str(model_path(spec)), verbose=False, n_ctx=512, logits_all=True)
+    llm = load_llama_cpp(str(model_path(spec)), verbose=False, n_ctx=512, logits_all=True)
     try:
         assert llm.n_vocab() == spec.n_vocab
         assert llm.metadata["general.file_type"] == "7"  # MOSTLY_Q8_0

@@ -60,6 +60,7 @@ struct llama_model_params {
     int32_t main_gpu;
     bool vocab_only;
     bool check_tensors;
+    bool use_extra_bufts;
     ...;
 };
 
@@ -98,6 +99,7 @@ typedef struct llama_chat_message {
 
 /* version, backend, logging */
 const char * llama_version(void);
+const char * llama_print_system_info(void);
 void llama_backend_init(void);
 size_t llama_max_parallel_sequences(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llamabatch._ffi import ensure_backend, ffi, lib, log
+from llamabatch._ffi.cpu_backend import use_extra_bufts
 from llamabatch.errors import ModelLoadError
 from llamabatch.gguf.check import check_gguf
 from llamabatch.validate import check_bool, check_positive_int
@@ -118,6 +119,7 @@ class Model:
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
         params.main_gpu = main_gpu
+        params.use_extra_bufts = use_extra_bufts()  # not on AMX builds (_ffi/cpu_backend.py)
         with log.capture() as logged:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
             failed = ptr == ffi.NULL

@@ -105,11 +105,13 @@ class LlamaCppEmbedding:
 
     def __init__(self, model: str | os.PathLike[str], n_threads: int) -> None:
         try:
-            import llama_cpp
+            import llama_cpp  # noqa: F401
         except ImportError as exc:
             raise RuntimeError("llama-cpp-python is not installed") from exc
-        self.llm = llama_cpp.Llama(
-            str(model), embedding=True, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
+        from llamabatch.bench.runners.llama_cpp import load_llama_cpp
+
+        self.llm = load_llama_cpp(
+            model, embedding=True, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
         )
         self.settings = {"n_threads": n_threads, "n_batch": self.llm.n_batch, "defaults": True}
 

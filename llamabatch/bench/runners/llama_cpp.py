@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +15,36 @@ from llamabatch.bench.report import RunResult, result_from_times
 from llamabatch.bench.runners.base import LLAMA_CPP_PYTHON, BenchConfig, wait_until
 from llamabatch.bench.workloads import BenchRequest, open_tokenizer
 
-__all__ = ["LlamaCppRunner"]
+__all__ = ["LlamaCppRunner", "load_llama_cpp"]
+
+_load_lock = threading.Lock()
+
+
+def load_llama_cpp(model: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(model, **kwargs)`` with weights in the buffer types llamabatch uses:
+    llama-cpp-python exposes no ``use_extra_bufts``, and on a build with AMX kernels the
+    extra ones crash (``llamabatch/_ffi/cpu_backend.py``), so its default model parameters
+    are amended while it loads."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as low
+
+    from llamabatch._ffi.cpu_backend import use_extra_bufts
+
+    if use_extra_bufts():
+        return llama_cpp.Llama(str(model), **kwargs)
+    with _load_lock:
+        defaults = low.llama_model_default_params
+
+        def without_extra_bufts() -> Any:
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = without_extra_bufts
+        try:
+            return llama_cpp.Llama(str(model), **kwargs)
+        finally:
+            low.llama_model_default_params = defaults
 
 
 class LlamaCppRunner:
@@ -31,13 +62,13 @@ class LlamaCppRunner:
 
     def __init__(self, config: BenchConfig, n_ctx: int) -> None:
         try:
-            import llama_cpp
+            import llama_cpp  # noqa: F401
         except ImportError as exc:  # pragma: no cover - a dependency of llamabatch
             raise ImportError("--compare llama-cpp-python needs the llama-cpp-python package") from exc
         self.config = config
         self.n_ctx = n_ctx
-        self.llama = llama_cpp.Llama(
-            str(config.model),
+        self.llama = load_llama_cpp(
+            config.model,
             n_ctx=n_ctx,
             n_batch=config.n_batch,
             n_ubatch=config.n_ubatch or config.n_batch,
