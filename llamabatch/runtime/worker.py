@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from llamabatch._ffi.context import DecodeCode
+from llamabatch._ffi.openmp import release_openmp_threads
 from llamabatch.errors import EngineClosed, LlamaBatchError
 
 __all__ = ["RetryOutcome", "Worker", "WorkerTask", "halve_and_retry"]
@@ -219,6 +220,13 @@ class Worker:
         cond = self.cond
         try:
             while True:
+                with cond:
+                    idle = not (self._calls or self._closing or task.has_work())
+                if idle:
+                    # About to sleep: give back this thread's OpenMP workers, which would
+                    # otherwise slow every other llama.cpp thread of the process
+                    # (_ffi/openmp.py). Outside the lock: it joins threads.
+                    release_openmp_threads()
                 with cond:
                     while not (self._calls or self._closing or task.has_work()):
                         cond.wait()
