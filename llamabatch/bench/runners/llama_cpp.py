@@ -24,12 +24,15 @@ def load_llama_cpp(model: str | os.PathLike[str], **kwargs: Any) -> Any:
     """``llama_cpp.Llama(model, **kwargs)`` with weights in the buffer types llamabatch uses:
     llama-cpp-python exposes no ``use_extra_bufts``, and on a build with AMX kernels the
     extra ones crash (``llamabatch/_ffi/cpu_backend.py``), so its default model parameters
-    are amended while it loads."""
+    are amended while it loads. llama.cpp's log stays routed to llamabatch's logger
+    (importing llama-cpp-python sets a log callback of its own)."""
     import llama_cpp
     from llama_cpp import llama_cpp as low
 
+    from llamabatch._ffi import log
     from llamabatch._ffi.cpu_backend import use_extra_bufts
 
+    log.install()
     if use_extra_bufts():
         return llama_cpp.Llama(str(model), **kwargs)
     with _load_lock:
