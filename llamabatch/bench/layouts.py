@@ -5,19 +5,21 @@ Each workload runs once per layout, in-process, with the same requests:
 - ``per-stream``: ``kv_unified=False`` with ``--n-ctx`` (one stream of ``n_ctx / n_parallel``
   cells per sequence);
 - ``unified``: ``kv_unified=True`` with ``--n-ctx``;
-- ``defaults``: ``LLM(model)`` with no options but ``n_threads`` (the model's trained context,
-  unified, ``generate/kv_memory.py``).
+- ``defaults``: ``LLM(model)`` with no options but ``n_threads`` (and the slots of the uniform
+  and mixed workloads): the model's trained context, in the layout chosen at load
+  (``generate/kv_memory.py``).
 
 Workloads:
 
+- ``uniform``: llama-batched-bench's: ``--npl`` requests of ``--npp`` + ``--ntg`` tokens at
+  once, on ``--npl`` slots;
+- ``mixed``: ``--mixed-requests`` Poisson arrivals at ``--rate``/s (16 + 128, 128 + 64 and 512 +
+  16 tokens), on ``--mixed-slots`` slots;
 - ``shared_prefix``: ``--shared-requests`` requests sharing a ``--prefix-tokens`` prompt (plus
   16 unique tokens each), prefix reuse on, all submitted at once;
 - ``long_among_short``: one ``--long-tokens`` prompt among 16 short ones (64-token prompts),
   submitted together: a request over a stream's size is refused (counted in ``failures``);
 - ``chat``: :mod:`llamabatch.bench.chat`'s multi-turn chat, in-process.
-
-Uniform batches and mixed arrivals are ``llamabatch bench --workload batched|mixed
---kv-unified on|off`` (see README, "Memory: defaults, layouts and KV types").
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from llamabatch.bench import options
 from llamabatch.bench.chat import Conversations, llm_backend, run_chat
+from llamabatch.bench.workloads import batched_requests, mixed_requests
 from llamabatch.config import EngineConfig
 from llamabatch.errors import PromptTooLong
 from llamabatch.runtime.telemetry import TickEvent
@@ -51,26 +54,35 @@ def _tokens(llm: Any, n: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % (n_vocab - 300) + 256 for i in range(n)]
 
 
-def _timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Submit every prompt at once; total time, TTFT p50, refusals, prompt counters."""
+def _timed(
+    llm: Any, prompts: list[list[int]], max_tokens: int | list[int], arrivals: list[float] | None = None
+) -> dict[str, Any]:
+    """Submit every prompt (at once, or each at its arrival time in seconds from the start);
+    total time, tokens per second (prompt and generated, as llama-batched-bench's total), TTFT
+    p50 / p90, refusals, prompt counters."""
     from llamabatch import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     before = llm.stats()
     start = time.perf_counter()
     handles, refused = [], 0
-    for prompt in prompts:
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        if arrivals is not None:
+            time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         try:
-            handles.append(llm.submit(prompt, params))
+            handles.append(llm.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
         except PromptTooLong:
             refused += 1
     outs = [h.result() for h in handles]
     wall = time.perf_counter() - start
     after = llm.stats()
-    ttfts = [o.outputs[0].timings.time_to_first_token or 0.0 for o in outs]
+    ttfts = sorted(o.outputs[0].timings.time_to_first_token or 0.0 for o in outs)
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
     return {
         "t_total_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 1),
         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1000, 1) if ttfts else None,
         "failures": {"PromptTooLong": refused} if refused else {},
         "reused_tokens": after.reused_tokens - before.reused_tokens,
         "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
@@ -90,6 +102,25 @@ def _ticks(before: Any, after: Any) -> dict[str, Any]:
         if ticks
         else 0,
     }
+
+
+def uniform(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """llama-batched-bench's workload: ``--npl`` requests of ``--npp`` prompt tokens and
+    ``--ntg`` new tokens, all at once, on ``--npl`` slots."""
+    requests = batched_requests(llm, args.npp, args.ntg, args.npl, seed=args.seed)
+    return _timed(llm, [list(r.prompt) for r in requests], args.ntg)
+
+
+def mixed(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``--mixed-requests`` Poisson arrivals at ``--rate`` per second, lengths from the bench's
+    default mix (16 + 128, 128 + 64 and 512 + 16 tokens), on ``--mixed-slots`` slots."""
+    requests = mixed_requests(llm, args.mixed_requests, args.rate, seed=args.seed)
+    return _timed(
+        llm,
+        [list(r.prompt) for r in requests],
+        [r.max_tokens for r in requests],
+        [r.arrival for r in requests],
+    )
 
 
 def shared_prefix(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -123,9 +154,18 @@ def chat(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKLOADS: dict[str, Callable[[Any, argparse.Namespace], dict[str, Any]]] = {
+    "uniform": uniform,
+    "mixed": mixed,
     "shared_prefix": shared_prefix,
     "long_among_short": long_among_short,
     "chat": chat,
+}
+
+#: the workloads whose slot count is part of the workload: every layout, the defaults too, runs
+#: them with it (a user picks ``n_parallel`` for the concurrency they have)
+SLOTS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "uniform": lambda args: args.npl,
+    "mixed": lambda args: args.mixed_slots,
 }
 
 
@@ -137,8 +177,12 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
     if args.threads:
         kwargs["n_threads"] = args.threads
     kwargs.update(type_k=args.type_k, type_v=args.type_v)  # f16 unless -ctk / -ctv say otherwise
+    if args.flash_attn is not None:
+        kwargs["flash_attn"] = args.flash_attn
     if layout != "defaults":
         kwargs.update(n_ctx=args.n_ctx, n_parallel=args.n_parallel)
+    if workload in SLOTS:
+        kwargs["n_parallel"] = SLOTS[workload](args)
     with LLM(model_path, **kwargs) as llm:
         llm.generate([[llm.model.bos, 300, 400]], SamplingParams(max_tokens=2), use_tqdm=False)
         cells: list[int] = []
@@ -153,6 +197,7 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
             "workload": workload,
             "layout": layout,
             "kv": kv,
+            "flash_attn": "auto" if args.flash_attn is None else args.flash_attn,
             "n_ctx": llm.n_ctx,
             "n_ctx_seq": llm.n_ctx_seq,
             **row,
@@ -162,8 +207,9 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``llamabatch bench-layouts``."""
     p.description = (
-        "The KV layouts (per-stream, unified) and LLM's defaults side by side on the shared-prefix, "
-        "long-among-short and multi-turn chat workloads (llamabatch.bench.layouts)."
+        "The KV layouts (per-stream, unified) and LLM's defaults side by side on uniform batches, "
+        "mixed arrivals, a shared prefix, one long request among short ones and a multi-turn chat "
+        "(llamabatch.bench.layouts)."
     )
     p.add_argument("-m", "--model", default="135m", help="GGUF or a test-model preset (default: 135m)")
     p.add_argument("-t", "--threads", type=options.positive_int, default=None, help="CPU threads")
@@ -172,13 +218,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--n-ctx", type=options.positive_int, default=16384, help="explicit layouts' n_ctx")
     p.add_argument("--n-parallel", type=options.positive_int, default=8, help="explicit layouts' slots")
     p.add_argument("--max-tokens", type=options.positive_int, default=64, help="new tokens a request")
+    p.add_argument("--npp", type=options.positive_int, default=128, help="uniform: prompt tokens")
+    p.add_argument("--ntg", type=options.positive_int, default=128, help="uniform: new tokens")
+    p.add_argument("--npl", type=options.positive_int, default=8, help="uniform: requests and slots")
+    p.add_argument("--mixed-requests", type=options.positive_int, default=32)
+    p.add_argument("--rate", type=options.positive_float, default=2.0, help="mixed: arrivals per second")
+    p.add_argument("--mixed-slots", type=options.positive_int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="uniform and mixed: the prompts' seed")
     p.add_argument("--shared-requests", type=options.positive_int, default=16)
     p.add_argument("--prefix-tokens", type=options.positive_int, default=1452)
     p.add_argument("--long-tokens", type=options.positive_int, default=6000)
     p.add_argument("--conversations", type=options.positive_int, default=12)
     p.add_argument("--turns", type=options.positive_int, default=4)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
-    EngineConfig.add_cli_args(p, only=("type_k", "type_v"))
+    EngineConfig.add_cli_args(p, only=("type_k", "type_v", "flash_attn"))
 
 
 def main(args: argparse.Namespace) -> int:
