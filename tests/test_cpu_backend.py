@@ -20,7 +20,8 @@ DECODE = """
 import sys
 from llamabatch import LLM, SamplingParams
 with LLM(sys.argv[1], n_ctx=512, n_parallel=2, n_threads=2) as llm:
-    outs = llm.generate(["a b c d e f", "g h i j"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    outs = llm.generate(["a b c d e f", "g h i j"], params, use_tqdm=False)
     print(sum(len(o.outputs[0].token_ids) for o in outs))
 """
 

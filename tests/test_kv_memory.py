@@ -1,5 +1,5 @@
-"""The default KV cache (n_ctx from the model's trained context under a budget, unified, whole
-context per request) and the KV cache types (type_k / type_v), on real llama.cpp."""
+"""The default KV cache (n_ctx from the model's trained context under a budget, the layout chosen
+at load, whole context per request) and the KV cache types (type_k / type_v), on real llama.cpp."""
 
 from __future__ import annotations
 
@@ -31,25 +31,85 @@ def model_8k() -> str:
     return str(model_path(spec))
 
 
-def test_defaults_are_the_trained_context_unified() -> None:
+def test_defaults_are_the_trained_context_in_a_layout_chosen_at_load() -> None:
     config = EngineConfig()
-    assert config.n_ctx is None and config.kv_unified is True
+    assert config.n_ctx is None and config.kv_unified is None
     assert (config.type_k, config.type_v) == ("f16", "f16")
 
 
 def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog) -> None:
     caplog.set_level(logging.INFO, logger="llamabatch")
     with LLM(model_8k) as llm:
-        assert llm.n_ctx == 8192 and llm.n_ctx_seq == 8192  # every request may use it all
+        assert llm.n_ctx_seq == 8192  # every request may use it all, in either layout
         prompt = [(i * 7) % 3000 + 10 for i in range(2000)]
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
         assert len(out.token_ids) == 4
         stats = llm.stats()
-    assert stats.n_ctx == 8192 and "trained context" in stats.n_ctx_reason
-    assert stats.kv_bytes == stats.kv_bytes_f16 == 8192 * 4 * 4 * 32 * 2 * 2  # cells x layers x kv heads...
+    # this small model's 8 streams of 8,192 cells (128 MiB) fit the per-stream budget
+    assert not stats.kv_unified and stats.kv_layout_reason.startswith("per-stream: 8 streams")
+    assert stats.n_ctx == 8 * 8192 and "trained context" in stats.n_ctx_reason
+    cell = 4 * 4 * 32 * 2 * 2  # layers x kv heads x head size x (K, V) x f16
+    assert stats.kv_bytes == stats.kv_bytes_f16 == 8 * 8192 * cell
     assert stats.kv_budget_bytes and stats.kv_budget_bytes > stats.kv_bytes
-    lines = [r.getMessage() for r in caplog.records if "n_ctx=8192" in r.getMessage()]
-    assert len(lines) == 1 and "16.0 MiB" in lines[0] and "budget" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if "n_ctx=65536" in r.getMessage()]
+    assert len(lines) == 1 and "128.0 MiB" in lines[0] and "budget" in lines[0] and "8 streams" in lines[0]
+
+
+def test_the_layout_chosen_at_load(model_8k: str) -> None:
+    """Per-stream while n_seq_max streams of the whole context fit half the KV budget; unified
+    when they do not, when n_ctx is given, on a GPU, for one slot; a given layout wins."""
+    with Model(model_8k) as model:
+        cell = kv_bytes_per_cell(model)
+        stream = 8192 * cell
+        fits = 2 * 8 * stream  # the per-stream budget is half the KV budget
+
+        def layout(budget: int | None, **options) -> tuple[bool, str]:
+            plan = plan_kv(model, EngineConfig(**options), budget=budget)
+            return plan.kv_unified, plan.layout_reason
+
+        assert layout(fits) == (False, layout(fits)[1]) and "8 streams" in layout(fits)[1]
+        assert plan_kv(model, EngineConfig(), budget=fits).n_ctx == 8 * 8192
+        unified, why = layout(fits - 1)
+        assert unified and "over the per-stream budget" in why
+        assert plan_kv(model, EngineConfig(), budget=fits - 1).n_ctx == 8192  # unified: the whole context
+        assert layout(fits, max_prefixes=2)[0]  # 10 streams no longer fit
+        assert not layout(2 * 10 * stream, max_prefixes=2)[0]
+        assert layout(fits, n_ctx=4096) == (True, "unified: n_ctx given, so that a request may use all of it")
+        assert layout(fits, n_gpu_layers=-1)[0] and layout(fits, n_parallel=1)[0]
+        assert layout(None)[0]  # physical memory unknown
+        assert layout(fits - 1, kv_unified=False) == (False, "kv_unified given")
+        assert layout(fits, kv_unified=True) == (True, "kv_unified given")
+        assert EngineConfig(kv_unified=False).n_prefixes == 0 and EngineConfig().n_prefixes == 4
+
+
+def test_flash_attention_chosen_with_the_layout(model_8k: str) -> None:
+    """Off with a stream per sequence on the CPU, on with one unified buffer or a quantized V
+    cache, llama.cpp's own choice (None) on a GPU; a given value wins."""
+    with Model(model_8k) as model:
+
+        def flash(**options) -> bool | None:
+            return plan_kv(model, EngineConfig(**options), budget=1 << 40).flash_attn
+
+        assert flash() is False and flash(kv_unified=False) is False  # per-stream (fits the budget)
+        assert flash(kv_unified=True) is True and flash(n_ctx=4096) is True  # unified
+        assert flash(kv_unified=False, type_v="q8_0") is True  # V transposed without it
+        assert flash(kv_unified=False, type_k="q8_0") is False  # a quantized K is fine without
+        assert flash(n_gpu_layers=-1) is None
+        assert flash(flash_attn=True) is True and flash(kv_unified=True, flash_attn=False) is False
+        assert flash(flash_attn="auto") is False
+    with LLM(model_8k, n_parallel=2) as llm:
+        assert llm.stats().flash_attn is False and llm.config.flash_attn is False
+
+
+def test_per_stream_by_default_pins_no_prefix_until_asked(model_8k: str) -> None:
+    with LLM(model_8k, n_parallel=2) as llm:
+        assert not llm.stats().kv_unified
+        with pytest.raises(ValueError, match="max_prefixes is 0"):
+            llm.register_prefix([5, 6, 7, 8])
+    with LLM(model_8k, n_parallel=2, max_prefixes=1) as llm:
+        assert llm.n_ctx == 3 * 8192
+        with llm.register_prefix([5, 6, 7, 8]):
+            assert llm.stats().pinned_prefixes == 1
 
 
 def test_default_capacity_is_the_whole_context(model_8k: str) -> None:
@@ -77,8 +137,8 @@ def test_budget_caps_the_default_n_ctx(model_8k: str) -> None:
 @pytest.mark.parametrize(
     ("options", "mib", "cells"),
     [
-        ({}, "16.00", 8192),
-        ({"type_k": "q8_0", "type_v": "q8_0"}, "8.50", 8192),
+        ({"kv_unified": True}, "16.00", 8192),
+        ({"kv_unified": True, "type_k": "q8_0", "type_v": "q8_0"}, "8.50", 8192),
         # one stream per slot, each the whole trained context: 8 x 8192 cells
         ({"kv_unified": False, "type_k": "q4_0", "type_v": "bf16"}, "82.00", 8 * 8192),
     ],
@@ -169,6 +229,7 @@ def test_kv_types_are_all_known_to_ggml() -> None:
 def test_cli_flags_as_llama_cpp() -> None:
     args = build_parser().parse_args(["serve", "-m", "x.gguf", "-ctk", "q8_0", "--cache-type-v", "q4_0"])
     assert (args.type_k, args.type_v) == ("q8_0", "q4_0")
-    assert args.n_ctx is None and args.kv_unified is True
+    assert args.n_ctx is None and args.kv_unified is None  # chosen at load
     args = build_parser().parse_args(["serve", "-m", "x.gguf", "--no-kv-unified", "-c", "4096"])
     assert args.kv_unified is False and args.n_ctx == 4096
+    assert build_parser().parse_args(["serve", "-m", "x.gguf", "--kv-unified"]).kv_unified is True

@@ -162,7 +162,7 @@ DEFAULTS = {
     "load_mode": "mmap",
     "prefix_cache": True,
     "max_prefixes": None,
-    "kv_unified": True,
+    "kv_unified": None,  # chosen at load (generate/kv_memory.py: choose_layout)
     "type_k": "f16",
     "type_v": "f16",
     "validate": True,
@@ -192,7 +192,7 @@ def test_config_defaults_and_frozen():
         ({"n_batch": 1.5}, "n_batch"),
         ({"chunk_size": True}, "chunk_size"),
         ({"max_queue": 0}, "max_queue"),
-        ({"kv_unified": 1}, "kv_unified must be True or False"),
+        ({"kv_unified": 1}, r"kv_unified must be True, False or None \(chosen at load\)"),
         ({"prefix_cache": "no"}, "prefix_cache must be True or False"),
         ({"validate": None}, "validate must be True or False"),
         ({"max_prefixes": 65}, r"max_prefixes must be an int in \[0, 64\]"),
@@ -228,7 +228,9 @@ def test_llm_engine_takes_a_config_and_keywords(monkeypatch):
     patch_llamabatch(monkeypatch)
     config = EngineConfig(n_ctx=256, n_parallel=2, n_batch=16)
     engine = LLMEngine("fake.gguf", config=config, n_parallel=4)
-    assert engine.config == config.replace(n_parallel=4) and engine.n_parallel == 4
+    # the config as resolved at load: n_ctx given, so one unified buffer, with flash attention
+    resolved = config.replace(n_parallel=4, kv_unified=True, flash_attn=True)
+    assert engine.config == resolved and engine.n_parallel == 4
     engine.close()
     with pytest.raises(TypeError, match="n_slots"):
         LLMEngine("fake.gguf", n_slots=4)
@@ -247,7 +249,7 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ...], 
 SERVE_FLAGS = {
     "n_parallel": (("-np", "--n-parallel", "--parallel"), 8),
     "n_ctx": (("-c", "--n-ctx", "--ctx-size"), None),
-    "kv_unified": (("--kv-unified",), True),
+    "kv_unified": (("--kv-unified",), None),
     "type_k": (("-ctk", "--cache-type-k"), "f16"),
     "type_v": (("-ctv", "--cache-type-v"), "f16"),
     "n_batch": (("-b", "--n-batch", "--batch-size"), 512),

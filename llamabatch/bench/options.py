@@ -191,7 +191,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                 "default": False,
                 "metavar": "on|off",
                 "help": (
-                    "off (default here, as llama-batched-bench; LLM's default is on): one KV stream "
+                    "off (default here, as llama-batched-bench; LLM chooses at load): one KV stream "
                     "per sequence; on: one buffer for all"
                 ),
             },

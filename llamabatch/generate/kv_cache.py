@@ -309,6 +309,12 @@ class KVCache:
         if not self.reuse:
             raise ValueError("prefixes cannot be pinned: prefix reuse is off (or unsupported by this model)")
         if not self._free_pin_seqs:
+            if self.table.n_seq == self.table.n_parallel:  # max_prefixes resolved to 0
+                raise ValueError(
+                    "no sequence for pinned prefixes: max_prefixes is 0 (the default with one KV stream "
+                    "per sequence, where each pinned prefix takes a stream of its own); pass "
+                    "LLM(max_prefixes=k), or kv_unified=True"
+                )
             raise ValueError("no room for another pinned prefix (raise LLM(max_prefixes=...))")
         return self._free_pin_seqs.pop()
 

@@ -28,11 +28,13 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_BUDGET_FRACTION",
     "MIN_N_CTX",
+    "PER_STREAM_BUDGET_FRACTION",
     "KVPlan",
+    "choose_flash_attn",
+    "choose_layout",
     "kv_budget_bytes",
     "log_plan",
     "plan_kv",
-    "resolved_n_ctx",
 ]
 
 logger = logging.getLogger("llamabatch")
@@ -41,6 +43,9 @@ logger = logging.getLogger("llamabatch")
 KV_BUDGET_FRACTION = 0.25
 #: the smallest default ``n_ctx`` (a budget too small for it is not obeyed below this)
 MIN_N_CTX = 1024
+#: the share of physical memory that per-stream KV (the default layout where it fits, see
+#: :func:`choose_layout`) may take: half the KV budget, as it buys speed, not context
+PER_STREAM_BUDGET_FRACTION = KV_BUDGET_FRACTION / 2
 #: the ``n_ctx`` used when the GGUF names no trained context
 FALLBACK_N_CTX = 4096
 _PAD = 256
@@ -72,6 +77,11 @@ class KVPlan:
     reason: str
     type_k: str
     type_v: str
+    #: the layout: one buffer for all sequences, or a stream per sequence; and why
+    kv_unified: bool = True
+    layout_reason: str = "kv_unified given"
+    #: flash attention: on, off, or None (llama.cpp's own "auto"); see :func:`choose_flash_attn`
+    flash_attn: bool | None = None
 
     def kv_bytes(self, n_ctx: int) -> int:
         """The KV cache's bytes for ``n_ctx`` cells (the context's, after padding)."""
@@ -83,23 +93,25 @@ class KVPlan:
 
 
 def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True) -> KVPlan:
-    """The KV cache of ``config`` over ``model``: ``config.n_ctx``, or the default described
-    above (``budget``: the byte budget, default :func:`kv_budget_bytes`)."""
+    """The KV cache of ``config`` over ``model``: its layout (``config.kv_unified``, or the
+    choice of :func:`choose_layout`) and its size (``config.n_ctx``, or the default described
+    above); ``budget``: the byte budget, default :func:`kv_budget_bytes`."""
     cell = kv_bytes_per_cell(model, config.type_k, config.type_v)
     cell_f16 = kv_bytes_per_cell(model, "f16", "f16")
     n_train = int(model.n_ctx_train or 0)
-    if config.n_ctx is not None:
-        return KVPlan(
-            config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", config.type_k, config.type_v
-        )
     cap = kv_budget_bytes() if budget is True else (budget or None)
     if n_train <= 0:
         n_ctx_seq, reason = FALLBACK_N_CTX, f"the model names no trained context: {FALLBACK_N_CTX}"
     else:
         n_ctx_seq, reason = n_train, "the model's trained context (n_ctx_train)"
+    unified, layout_reason = choose_layout(config, n_ctx_seq * cell, cap)
+    config = config.replace(kv_unified=unified)
+    kv = (config.type_k, config.type_v, unified, layout_reason, choose_flash_attn(config))
+    if config.n_ctx is not None:
+        return KVPlan(config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", *kv)
     # One stream per sequence: every stream holds the whole context, so that a request may
     # use all of it in either layout (n_seq_max times the cells, under the same budget).
-    streams = 1 if config.kv_unified else config.n_seq_max
+    streams = 1 if unified else config.n_seq_max
     floor = max(MIN_N_CTX, config.n_seq_max) if streams == 1 else MIN_N_CTX
     if cap is not None and cell > 0 and streams * n_ctx_seq * cell > cap:
         fit = cap // cell // streams // _PAD * _PAD
@@ -111,26 +123,82 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
     if streams > 1:
         reason += f", in each of {streams} streams"
     n_ctx = max(streams * n_ctx_seq, config.n_seq_max)
-    return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, config.type_k, config.type_v)
+    return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, *kv)
 
 
-def resolved_n_ctx(model: Model, config: EngineConfig) -> int:
-    """``config.n_ctx``, or the default of :func:`plan_kv` when it is None."""
-    return config.n_ctx if config.n_ctx is not None else plan_kv(model, config).n_ctx
+def choose_layout(config: EngineConfig, stream_bytes: int, budget: int | None) -> tuple[bool, str]:
+    """``(kv_unified, why)``: ``config.kv_unified`` when given, else the default layout.
 
-
-def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, kv_unified: bool, n_seq_max: int) -> None:
-    """The one log line at load: the size, the layout, the KV bytes, the cap and the reason."""
+    One stream per sequence is the faster layout on the CPU: ggml's CPU flash attention reads
+    the mask of every (token, cell) pair of the cells in use, so in one unified buffer every
+    token pays for every sequence's cells (README: 1.1-1.2x on uniform batches, mixed arrivals
+    and chat; 0.95x on many requests sharing one long prompt). But it costs ``n_seq_max``
+    times the memory for whole-context requests, so it is the default only while that stays
+    small: ``stream_bytes`` (one stream of the whole context) times the streams within
+    :data:`PER_STREAM_BUDGET_FRACTION` of physical memory (half of ``budget``, which is
+    :data:`KV_BUDGET_FRACTION` of it). Unified otherwise, and whenever ``n_ctx`` is given
+    (per-stream would divide it among the sequences), layers run on a GPU (the budget counts
+    host memory, and the measurements were made on a CPU), or one slot has nothing to gain.
+    """
+    if config.kv_unified is not None:
+        return config.kv_unified, "kv_unified given"
+    if config.n_ctx is not None:
+        return True, "unified: n_ctx given, so that a request may use all of it"
+    if config.n_gpu_layers != 0:
+        return True, "unified: layers offloaded to a GPU (the per-stream budget counts host memory)"
+    if config.n_parallel == 1:
+        return True, "unified: one slot"
+    streams = config.replace(kv_unified=False).n_seq_max
+    need = streams * stream_bytes
+    if budget is None:
+        return True, "unified: physical memory unknown"
+    room = int(budget * PER_STREAM_BUDGET_FRACTION / KV_BUDGET_FRACTION)
     mib = 2**20
-    layout = "unified" if kv_unified else f"{n_seq_max} streams"
+    streams_text = f"{streams} streams of the whole context take {need / mib:.0f} MiB"
+    budget_text = (
+        f"per-stream budget ({room / mib:.0f} MiB, {PER_STREAM_BUDGET_FRACTION:.1%} of physical memory)"
+    )
+    if need > room:
+        return True, f"unified: {streams_text}, over the {budget_text}"
+    return False, f"per-stream: {streams_text}, within the {budget_text}"
+
+
+def choose_flash_attn(config: EngineConfig) -> bool | None:
+    """``config.flash_attn`` when given (``True`` / ``False``), else the default for the
+    layout ``config.kv_unified`` (decided): off with one KV stream per sequence on the CPU, on
+    with one unified buffer on the CPU, llama.cpp's own choice (``None``) with layers on a GPU.
+
+    ggml's CPU flash-attention kernel takes a decode row's KV cells one at a time, where the
+    plain path multiplies whole matrices (llamafile's sgemm): decode ticks ran 1.2-2.6x faster
+    without it (8 sequences of 256 and 1,024 cells, either layout), and the chat, shared-prefix
+    and uniform workloads 1.2-2.3x (README, "Memory"). Its tiled prompt kernel skips a 64 x 64
+    tile of (token, cell) pairs that is wholly masked; without it, a prompt chunk multiplies
+    against every cell in use, which in one unified buffer is every sequence's: mixed arrivals
+    took 1.9x as long there. A quantized V cache needs flash attention (V is kept transposed
+    without it), so ``type_v`` other than f16/bf16/f32 turns it on."""
+    if config.flash_attn is True or config.flash_attn is False:
+        return config.flash_attn
+    if config.type_v not in ("f16", "bf16", "f32"):
+        return True
+    if config.n_gpu_layers != 0:
+        return None
+    return bool(config.kv_unified)
+
+
+def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, n_seq_max: int) -> None:
+    """The one log line at load: the size, the layout, the KV bytes, the cap and the reasons."""
+    mib = 2**20
+    layout = "unified" if plan.kv_unified else f"{n_seq_max} streams"
     budget = "none" if plan.budget_bytes is None else f"{plan.budget_bytes / mib:.0f} MiB"
     logger.info(
-        "llamabatch: n_ctx=%d (%s; %d per request, %s KV), KV cache %s/%s %.1f MiB "
-        "(f16: %.1f MiB), budget %s",
+        "llamabatch: n_ctx=%d (%s; %d per request), %s KV (%s), flash attention %s, KV cache %s/%s "
+        "%.1f MiB (f16: %.1f MiB), budget %s",
         n_ctx,
         plan.reason,
         n_ctx_seq,
         layout,
+        plan.layout_reason,
+        {True: "on", False: "off", None: "auto"}[plan.flash_attn],
         plan.type_k,
         plan.type_v,
         plan.kv_bytes(n_ctx) / mib,

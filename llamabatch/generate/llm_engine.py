@@ -78,8 +78,10 @@ class EngineHost:
                 )
             self.telemetry = Telemetry()
             #: the KV cache's size, bytes and the reason for them (``generate/kv_memory.py``)
-            self.kv_plan = plan_kv(self.model, config)
-            config = self.config = config.replace(n_ctx=self.kv_plan.n_ctx)
+            plan = self.kv_plan = plan_kv(self.model, config)
+            config = self.config = config.replace(
+                n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn
+            )
             self.context, self.core = build_engine(self.model, config, self.telemetry)
         except BaseException:
             self.model.close()
@@ -92,7 +94,7 @@ class EngineHost:
                 config.n_parallel,
                 self.context.n_ctx_seq,
             )
-        log_plan(self.kv_plan, self.n_ctx, self.n_ctx_seq, self.context.kv_unified, self.context.n_seq_max)
+        log_plan(self.kv_plan, self.n_ctx, self.n_ctx_seq, self.context.n_seq_max)
         self._max_prompt_bytes: int | bool | None = False
 
     # The sizes: read from their one owner (the context for what llama.cpp decided, the
@@ -284,6 +286,9 @@ class EngineHost:
             kv_cells_total=table.cells_total,
             n_ctx=self.n_ctx,
             n_ctx_reason=plan.reason,
+            kv_unified=plan.kv_unified,
+            kv_layout_reason=plan.layout_reason,
+            flash_attn=plan.flash_attn,
             kv_type_k=plan.type_k,
             kv_type_v=plan.type_v,
             kv_bytes=plan.kv_bytes(self.n_ctx),

@@ -157,6 +157,13 @@ class GenerationStats:
     #: the KV budget's cap, or ``n_ctx`` given)
     n_ctx: int = 0
     n_ctx_reason: str = ""
+    #: the KV layout (one buffer for all sequences, or a stream per sequence), and why: given,
+    #: or chosen at load by ``kv_unified=None`` (``generate/kv_memory.py``: ``choose_layout``)
+    kv_unified: bool = True
+    kv_layout_reason: str = ""
+    #: flash attention: on, off, or None (llama.cpp's choice, with layers on a GPU); with
+    #: ``flash_attn=None`` chosen at load by the layout (``choose_flash_attn``)
+    flash_attn: bool | None = None
     #: the KV cache element types (llama.cpp's names)
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
