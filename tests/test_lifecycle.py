@@ -276,10 +276,21 @@ BENCH_FLAGS = {
     "chunk_size": (("--chunk-size",), 512),
     "n_parallel": (("--n-parallel",), None),
     "strategy": (("--strategy",), "decode_maximal"),
-    "flash_attn": (("-fa", "--flash-attn"), True),
+    "flash_attn": (("-fa", "--flash-attn"), None),  # LLM's choice for the layout (off with --kv-unified off)
     "kv_unified": (("--kv-unified",), False),
     "prefix_cache": (("--prefix-cache",), False),
 }
+
+
+def test_bench_flash_attn_defaults_to_llms_choice_for_the_layout():
+    from llamabatch.bench.options import config_from_args
+    from llamabatch.cli import build_parser
+
+    def flash(*argv: str) -> bool:
+        return config_from_args(build_parser().parse_args(["bench", "-m", "tiny", *argv])).flash_attn
+
+    assert flash() is False and flash("--kv-unified", "on") is True
+    assert flash("-fa", "on") is True and flash("--kv-unified", "on", "-fa", "off") is False
 
 
 @pytest.mark.parametrize(

@@ -181,9 +181,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             },
             "flash_attn": {
                 "type": on_off,
-                "default": True,
+                "default": None,
                 "metavar": "on|off",
-                "help": "default on: what LLM's flash_attn='auto' picks on CPU (every runner gets the same)",
+                "help": (
+                    "default: what LLM picks on CPU for the layout, off with --kv-unified off, on with on "
+                    "(every runner gets the same)"
+                ),
             },
             "kv_unified": {
                 "action": None,
@@ -254,7 +257,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         n_ubatch=args.n_ubatch,
         chunk_size=args.chunk_size,
         strategy=args.strategy,
-        flash_attn=args.flash_attn,
+        # LLM's choice on the CPU (generate/kv_memory.py: choose_flash_attn), made here so that
+        # the raw and llama-cpp-python runners get the same
+        flash_attn=args.flash_attn if args.flash_attn is not None else bool(args.kv_unified),
         n_parallel=args.n_parallel,
         stream=args.stream,
         warmup=not args.no_warmup,
