@@ -172,9 +172,10 @@ class EngineConfig(OptionsConfig):
         prefix_cache: reuse the KV of a matching prompt prefix from any slot (busy or
             idle) or pinned prefix, copied with ``llama_memory_seq_cp`` (default on).
         max_prefixes: how many prefixes ``register_prefix`` may pin at once (default 4 with
-            a unified KV cache, 0 with one stream per sequence, where each pinned prefix
-            takes a stream of its own: ``n_ctx / (n_parallel + max_prefixes)`` cells);
-            :attr:`n_prefixes` is the resolved number.
+            a unified KV cache, 0 with one stream per sequence, the layout chosen by default
+            on the CPU where it fits, where each pinned prefix takes a stream of its own:
+            ``n_ctx / (n_parallel + max_prefixes)`` cells); :attr:`n_prefixes` is the
+            resolved number.
         kv_unified: ``True``: one buffer shared by all sequences (llama-server's automatic
             slots), any request may use up to ``n_ctx`` cells; requests are admitted while
             their prompts fit and preempted (recomputed later) when the cache fills.
