@@ -180,8 +180,9 @@ class EngineConfig(OptionsConfig):
             slots), any request may use up to ``n_ctx`` cells; requests are admitted while
             their prompts fit and preempted (recomputed later) when the cache fills.
             ``False``: one KV stream per sequence, ``n_ctx / (n_parallel + max_prefixes)``
-            cells each, attention over a sequence's own cells only (1.1-1.2x faster on CPU
-            for distinct prompts); with ``n_ctx=None`` every stream holds the model's whole
+            cells each, attention over a sequence's own cells only (the faster layout on
+            the CPU for distinct prompts: README, "Memory"); with ``n_ctx=None`` every stream
+            holds the model's whole
             trained context, under the same memory budget. ``None`` (default): chosen at
             load (``generate/kv_memory.py``): one stream per sequence when ``n_ctx`` is not
             given, the model runs on the CPU and a stream of the whole trained context for

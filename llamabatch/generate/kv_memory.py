@@ -1,6 +1,7 @@
-"""How big the KV cache is by default, and what it costs: ``n_ctx`` from the model's trained
-context under a memory budget, the KV bytes for the chosen ``type_k`` / ``type_v``, and the
-one log line and ``stats()`` fields that report them.
+"""How the KV cache is laid out and how big it is by default, and what it costs: the layout
+and flash attention chosen at load (:func:`choose_layout`, :func:`choose_flash_attn`),
+``n_ctx`` from the model's trained context under a memory budget, the KV bytes for the chosen
+``type_k`` / ``type_v``, and the one log line and ``stats()`` fields that report them.
 
 The default (``EngineConfig.n_ctx=None``), as llama-server's: the model's trained context
 (``n_ctx_train``), so that every request may use the whole context the model was trained
@@ -129,11 +130,12 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
 def choose_layout(config: EngineConfig, stream_bytes: int, budget: int | None) -> tuple[bool, str]:
     """``(kv_unified, why)``: ``config.kv_unified`` when given, else the default layout.
 
-    One stream per sequence is the faster layout on the CPU: ggml's CPU flash attention reads
-    the mask of every (token, cell) pair of the cells in use, so in one unified buffer every
-    token pays for every sequence's cells (README: 1.1-1.2x on uniform batches, mixed arrivals
-    and chat; 0.95x on many requests sharing one long prompt). But it costs ``n_seq_max``
-    times the memory for whole-context requests, so it is the default only while that stays
+    One stream per sequence (with flash attention off, :func:`choose_flash_attn`) was the
+    fastest choice on the CPU for uniform batches, mixed arrivals and a multi-turn chat, and
+    0.82-0.88x of the best for many requests on one long prompt and one long request among
+    short ones (README, "Memory"): in one unified buffer every token's attention spans every
+    sequence's cells. But it costs ``n_seq_max`` times the memory for whole-context
+    requests, so it is the default only while that stays
     small: ``stream_bytes`` (one stream of the whole context) times the streams within
     :data:`PER_STREAM_BUDGET_FRACTION` of physical memory (half of ``budget``, which is
     :data:`KV_BUDGET_FRACTION` of it). Unified otherwise, and whenever ``n_ctx`` is given
