@@ -182,12 +182,11 @@ class EngineConfig(OptionsConfig):
             ``False``: one KV stream per sequence, ``n_ctx / (n_parallel + max_prefixes)``
             cells each, attention over a sequence's own cells only (the faster layout on
             the CPU for distinct prompts: README, "Memory"); with ``n_ctx=None`` every stream
-            holds the model's whole
-            trained context, under the same memory budget. ``None`` (default): chosen at
-            load (``generate/kv_memory.py``): one stream per sequence when ``n_ctx`` is not
-            given, the model runs on the CPU and a stream of the whole trained context for
-            every sequence fits the per-stream budget (an eighth of physical memory); else
-            unified. ``stats().kv_unified`` and ``kv_layout_reason`` say which, and why.
+            holds the model's whole trained context, under the same memory budget. ``None``
+            (default): chosen at load (``generate/kv_memory.py``): one stream per sequence when
+            ``n_ctx`` is not given, the model runs on the CPU and a stream of the whole trained
+            context for every sequence fits the per-stream budget (an eighth of physical
+            memory); else unified. ``stats().kv_unified`` and ``kv_layout_reason`` say which, and why.
         type_k, type_v: the KV cache element types, llama.cpp's names (``-ctk`` / ``-ctv``):
             ``"f16"`` (default), ``"bf16"``, ``"f32"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
             ``"iq4_nl"``, ``"q5_0"``, ``"q5_1"``. A quantized ``type_v`` needs flash attention
