@@ -61,7 +61,8 @@ def test_the_layout_chosen_at_load(model_8k: str) -> None:
     with Model(model_8k) as model:
         cell = kv_bytes_per_cell(model)
         stream = 8192 * cell
-        fits = 2 * 8 * stream  # the per-stream budget is half the KV budget
+        scores = 8192 * 512 * model.n_head * 4  # one ubatch's f32 attention scores, without flash attention
+        fits = 2 * (8 * stream + scores)  # the per-stream budget is half the KV budget
 
         def layout(budget: int | None, **options) -> tuple[bool, str]:
             plan = plan_kv(model, EngineConfig(**options), budget=budget)
@@ -72,8 +73,10 @@ def test_the_layout_chosen_at_load(model_8k: str) -> None:
         unified, why = layout(fits - 1)
         assert unified and "over the per-stream budget" in why
         assert plan_kv(model, EngineConfig(), budget=fits - 1).n_ctx == 8192  # unified: the whole context
+        assert "attention scores without flash attention: 128 MiB" in layout(fits)[1]
+        assert not layout(2 * 8 * stream, flash_attn=True)[0]  # no scores buffer with flash attention
         assert layout(fits, max_prefixes=2)[0]  # 10 streams no longer fit
-        assert not layout(2 * 10 * stream, max_prefixes=2)[0]
+        assert not layout(2 * (10 * stream + scores), max_prefixes=2)[0]
         assert layout(fits, n_ctx=4096) == (True, "unified: n_ctx given, so that a request may use all of it")
         assert layout(fits, n_gpu_layers=-1)[0] and layout(fits, n_parallel=1)[0]
         assert layout(None)[0]  # physical memory unknown

@@ -105,7 +105,10 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
         n_ctx_seq, reason = FALLBACK_N_CTX, f"the model names no trained context: {FALLBACK_N_CTX}"
     else:
         n_ctx_seq, reason = n_train, "the model's trained context (n_ctx_train)"
-    unified, layout_reason = choose_layout(config, n_ctx_seq * cell, cap)
+    # without flash attention llama.cpp keeps one ubatch's f32 attention scores per stream's
+    # cells (KQ: cells x tokens x heads), in a compute buffer the KV bytes do not count
+    scores = n_ctx_seq * (config.n_ubatch or config.n_batch) * int(model.n_head or 0) * 4
+    unified, layout_reason = choose_layout(config, n_ctx_seq * cell, cap, scores)
     config = config.replace(kv_unified=unified)
     kv = (config.type_k, config.type_v, unified, layout_reason, choose_flash_attn(config))
     if config.n_ctx is not None:
@@ -127,7 +130,9 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
     return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, *kv)
 
 
-def choose_layout(config: EngineConfig, stream_bytes: int, budget: int | None) -> tuple[bool, str]:
+def choose_layout(
+    config: EngineConfig, stream_bytes: int, budget: int | None, scores_bytes: int = 0
+) -> tuple[bool, str]:
     """``(kv_unified, why)``: ``config.kv_unified`` when given, else the default layout.
 
     One stream per sequence (with flash attention off, :func:`choose_flash_attn`) was the
@@ -136,8 +141,9 @@ def choose_layout(config: EngineConfig, stream_bytes: int, budget: int | None) -
     short ones (README, "Memory"): in one unified buffer every token's attention spans every
     sequence's cells. But it costs ``n_seq_max`` times the memory for whole-context
     requests, so it is the default only while that stays
-    small: ``stream_bytes`` (one stream of the whole context) times the streams within
-    :data:`PER_STREAM_BUDGET_FRACTION` of physical memory (half of ``budget``, which is
+    small: ``stream_bytes`` (one stream of the whole context) times the streams, plus
+    ``scores_bytes`` (the attention scores' compute buffer, when flash attention would be off)
+    within :data:`PER_STREAM_BUDGET_FRACTION` of physical memory (half of ``budget``, which is
     :data:`KV_BUDGET_FRACTION` of it). Unified otherwise, and whenever ``n_ctx`` is given
     (per-stream would divide it among the sequences), layers run on a GPU (the budget counts
     host memory, and the measurements were made on a CPU), or one slot has nothing to gain.
@@ -150,13 +156,17 @@ def choose_layout(config: EngineConfig, stream_bytes: int, budget: int | None) -
         return True, "unified: layers offloaded to a GPU (the per-stream budget counts host memory)"
     if config.n_parallel == 1:
         return True, "unified: one slot"
-    streams = config.replace(kv_unified=False).n_seq_max
-    need = streams * stream_bytes
+    per_stream = config.replace(kv_unified=False)
+    streams = per_stream.n_seq_max
+    scores = scores_bytes if choose_flash_attn(per_stream) is False else 0
+    need = streams * stream_bytes + scores
     if budget is None:
         return True, "unified: physical memory unknown"
     room = int(budget * PER_STREAM_BUDGET_FRACTION / KV_BUDGET_FRACTION)
     mib = 2**20
     streams_text = f"{streams} streams of the whole context take {need / mib:.0f} MiB"
+    if scores:
+        streams_text += f" (attention scores without flash attention: {scores / mib:.0f} MiB)"
     budget_text = (
         f"per-stream budget ({room / mib:.0f} MiB, {PER_STREAM_BUDGET_FRACTION:.1%} of physical memory)"
     )
