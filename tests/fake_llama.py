@@ -103,6 +103,7 @@ class FakeModel:
         self.architecture = "fake"
         self.n_ctx_train = 4096
         self.n_layer, self.n_head, self.n_head_kv, self.n_embd = 2, 2, 2, 64
+        self.n_params = 100_000  # weighs a ubatch against attended cells (per-stream batch order)
         self.eog_ids = frozenset(eog_ids)
         self.natural_eog = natural_eog
         self.is_recurrent = is_recurrent

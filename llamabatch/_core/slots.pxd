@@ -51,6 +51,11 @@ cdef class SlotTable:
     cdef int32_t * s_plan_slot
     cdef int32_t * s_plan_n
     cdef int32_t * s_mark
+    cdef int32_t * s_sorted      # plan entries by slot (per-stream batch order)
+    cdef int32_t * s_order       # plan entries in batch order
+    cdef int32_t * s_cut         # m + 1: where the cheapest split of the first j ends its last run
+    cdef double * s_best         # m + 1: the cost of that split
+    cdef public double ubatch_cost_cells  # per-stream: one more ubatch costs this many cell reads
     # the last fill (pending until commit()/rollback())
     cdef int32_t * plan_slot
     cdef int32_t * plan_n
@@ -78,6 +83,7 @@ cdef class SlotTable:
 
     cdef int transition(self, int32_t slot, int32_t new_state) except -1
     cdef int32_t gather(self, plan_in_t * p) noexcept nogil
+    cdef void batch_order(self, int32_t n) noexcept nogil
     cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand, int32_t budget) noexcept nogil
     cdef str violation(self, int32_t s, int64_t k, int64_t total, int32_t budget)
     cdef int32_t fill_python(self, Batch batch, object strategy, plan_in_t * p) except -1

@@ -48,7 +48,7 @@ from llamabatch.errors import QueueFull
 from llamabatch.generate.cost_model import LatencyBudget
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import KVCache
-from llamabatch.generate.kv_memory import plan_kv
+from llamabatch.generate.kv_memory import plan_kv, ubatch_cost_cells
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
@@ -173,6 +173,8 @@ class EngineCore:
             kv_unified=unified,
             kv_size=context.n_ctx if unified else 0,
         )
+        if not unified:  # a long stream gets a ubatch of its own when that is cheaper
+            self.table.ubatch_cost_cells = ubatch_cost_cells(model)
         copy_supported = not (model.is_recurrent or model.is_hybrid)
         prefix_cache = config.prefix_cache
         if prefix_cache and not copy_supported:
