@@ -31,6 +31,8 @@ _ARGS = {
     "uniform": ["--npl", "8", "--npp", "128", "--ntg", "32"],
     "shared_prefix": ["--shared-requests", "8", "--prefix-tokens", "1024", "--max-tokens", "32"],
     "chat": ["--conversations", "6", "--turns", "2", "--max-tokens", "16"],
+    # the long stream's ubatch of its own (SlotTable.batch_order) shows here
+    "long_among_short": ["--long-tokens", "2000", "--max-tokens", "32"],
 }
 
 

@@ -50,9 +50,12 @@ class SlotTable:
         """Cells in the pool (unified) or in each stream."""
     @property
     def n_overflow(self) -> int: ...
-    #: one KV stream per sequence: what one more ubatch costs, in cells attended by one token
-    #: (0: no cuts of the table's own; the batch still goes by slot)
-    ubatch_cost_cells: float
+    @property
+    def ubatch_cost_cells(self) -> float:
+        """One KV stream per sequence: what one more ubatch costs, in cells attended by one
+        token (0: no cuts of the table's own; the batch still goes by slot)."""
+    @ubatch_cost_cells.setter
+    def ubatch_cost_cells(self, value: float) -> None: ...
     @property
     def n_outputs(self) -> int: ...
     @property
