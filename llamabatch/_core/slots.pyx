@@ -397,7 +397,7 @@ cdef class SlotTable:
         making every short stream attend over its length (a decode tick of 7 short streams
         and one of 6,000 tokens: 214 ms in one ubatch, 70 ms in two, 135M, 2 threads)."""
         cdef int32_t e, i, j, m = 0, s, w = 0, k, mn_k, mx_k
-        cdef double ext, mx_ext, sum_p, sum_kp, cost, f = self.ubatch_cost_cells
+        cdef double ext, mx_ext, mn_ext, sum_k, sum_p, sum_kp, cost, f = self.ubatch_cost_cells
         cdef double pad = 256.0, size = self.kv.kv_size  # llama.cpp pads n_kv to 256 cells
         if self.kv.kv_unified or n < 2:
             for e in range(n):
@@ -411,7 +411,15 @@ cdef class SlotTable:
             if self.s_mark[j]:
                 self.s_sorted[m] = self.s_mark[j] - 1
                 m += 1
-        if f <= 0.0:  # no cuts of ours: consecutive slots share a ubatch
+        # No cuts of ours when none is allowed, or none can pay: a cut spares each token at
+        # most the longest stream's cells less the shortest's.
+        mx_ext, mn_ext, sum_k = 0.0, size, 0.0
+        for e in range(n):
+            ext = min(size, (self.slots[self.s_plan_slot[e]].n_past + self.s_plan_n[e] + pad - 1) // pad * pad)
+            mx_ext = max(mx_ext, ext)
+            mn_ext = min(mn_ext, ext)
+            sum_k += self.s_plan_n[e]
+        if f <= 0.0 or sum_k * (mx_ext - mn_ext) <= f:  # consecutive slots share a ubatch
             for e in range(m):
                 self.s_order[e] = self.s_sorted[e]
             return
@@ -434,9 +442,7 @@ cdef class SlotTable:
                 if i < j - 1 and s + 1 != self.s_plan_slot[self.s_sorted[i + 1]]:
                     break  # a missing slot: llama.cpp cuts here anyway
                 k = self.s_plan_n[e]
-                ext = (self.slots[s].n_past + k + pad - 1) // pad * pad
-                if ext > size:
-                    ext = size
+                ext = min(size, (self.slots[s].n_past + k + pad - 1) // pad * pad)
                 if ext > mx_ext:
                     mx_ext = ext
                 sum_p += ext
