@@ -50,6 +50,7 @@ import numpy as np
 from llamabatch._ffi import ffi
 from llamabatch.config import CACHE_RAM_DEFAULT_MIB, EngineConfig
 from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.kv_memory import plan_config
 from llamabatch.runtime.telemetry import Telemetry
 
 __all__ = [
@@ -650,6 +651,7 @@ def make_core(
         speculative_config=speculative_config,
     )
     # the wiring LLM and LLMEngine use, over a fake context
+    config = plan_config(model, config)[1]  # type: ignore[arg-type]
     context, core = build_engine(
         model,  # type: ignore[arg-type]
         config,

@@ -55,6 +55,7 @@ cdef class SlotTable:
     cdef int32_t * s_order       # plan entries in batch order
     cdef int32_t * s_cut         # m + 1: where the cheapest split of the first j ends its last run
     cdef double * s_best         # m + 1: the cost of that split
+    cdef double * s_ext          # each plan entry's stream after the fill, as llama.cpp pads it
     cdef public double ubatch_cost_cells  # per-stream: one more ubatch costs this many cell reads
     # the last fill (pending until commit()/rollback())
     cdef int32_t * plan_slot

@@ -148,6 +148,7 @@ cdef class SlotTable:
         self.s_order = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_cut = <int32_t *> PyMem_Calloc(n + 1, sizeof(int32_t))
         self.s_best = <double *> PyMem_Calloc(n + 1, sizeof(double))
+        self.s_ext = <double *> PyMem_Calloc(n, sizeof(double))
         self.plan_slot = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.plan_n = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         # one output per slot, plus one per draft token (speculative decoding)
@@ -157,6 +158,7 @@ cdef class SlotTable:
                 or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
                 or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
                 or self.s_sorted == NULL or self.s_order == NULL or self.s_cut == NULL or self.s_best == NULL
+                or self.s_ext == NULL
                 or self.out_slot_ == NULL or self.out_index_ == NULL or self.pin_len == NULL):
             raise MemoryError(
                 "cannot allocate a slot table of %d x %d tokens" % (n_parallel, n_ctx_seq)
@@ -181,6 +183,7 @@ cdef class SlotTable:
         PyMem_Free(self.s_order)
         PyMem_Free(self.s_cut)
         PyMem_Free(self.s_best)
+        PyMem_Free(self.s_ext)
         PyMem_Free(self.plan_slot)
         PyMem_Free(self.plan_n)
         PyMem_Free(self.out_slot_)
@@ -414,8 +417,9 @@ cdef class SlotTable:
         # No cuts of ours when none is allowed, or none can pay: a cut spares each token at
         # most the longest stream's cells less the shortest's.
         mx_ext, mn_ext, sum_k = 0.0, size, 0.0
-        for e in range(n):
+        for e in range(n if f > 0.0 else 0):
             ext = min(size, (self.slots[self.s_plan_slot[e]].n_past + self.s_plan_n[e] + pad - 1) // pad * pad)
+            self.s_ext[e] = ext
             mx_ext = max(mx_ext, ext)
             mn_ext = min(mn_ext, ext)
             sum_k += self.s_plan_n[e]
@@ -442,7 +446,7 @@ cdef class SlotTable:
                 if i < j - 1 and s + 1 != self.s_plan_slot[self.s_sorted[i + 1]]:
                     break  # a missing slot: llama.cpp cuts here anyway
                 k = self.s_plan_n[e]
-                ext = min(size, (self.slots[s].n_past + k + pad - 1) // pad * pad)
+                ext = self.s_ext[e]
                 if ext > mx_ext:
                     mx_ext = ext
                 sum_p += ext

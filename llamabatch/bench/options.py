@@ -12,6 +12,7 @@ import argparse
 from llamabatch.bench.runners.base import BenchConfig
 from llamabatch.bench.workloads import DEFAULT_MIX, WorkloadSpec, parse_mix, resolve_model
 from llamabatch.config import EngineConfig, on_off, positive_float, positive_int
+from llamabatch.generate.kv_memory import choose_flash_attn
 from llamabatch.generate.spec_config import spec_config_from_cli
 
 __all__ = [
@@ -257,9 +258,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         n_ubatch=args.n_ubatch,
         chunk_size=args.chunk_size,
         strategy=args.strategy,
-        # LLM's choice on the CPU (generate/kv_memory.py: choose_flash_attn), made here so that
-        # the raw and llama-cpp-python runners get the same
-        flash_attn=args.flash_attn if args.flash_attn is not None else bool(args.kv_unified),
+        # LLM's choice for the layout, made here so that the raw and llama-cpp-python runners
+        # get the same
+        flash_attn=bool(
+            choose_flash_attn(
+                EngineConfig(kv_unified=args.kv_unified, flash_attn=args.flash_attn, type_v=args.type_v)
+            )
+        ),
         n_parallel=args.n_parallel,
         stream=args.stream,
         warmup=not args.no_warmup,

@@ -48,7 +48,7 @@ from llamabatch.errors import QueueFull
 from llamabatch.generate.cost_model import LatencyBudget
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import KVCache
-from llamabatch.generate.kv_memory import plan_kv, ubatch_cost_cells
+from llamabatch.generate.kv_memory import ubatch_cost_cells
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
@@ -123,20 +123,21 @@ def build_engine(
     context_factory: Callable[..., Context] | None = None,
 ) -> tuple[Context, EngineCore]:
     """The context (``n_seq_max``: the slots plus the pinned-prefix sequences) and the
-    engine core of ``config`` over ``model``; the context is closed again if the core fails."""
+    engine core of ``config`` over ``model``; the context is closed again if the core fails.
+    ``config`` is resolved: nothing left to the load (``kv_memory.plan_config``)."""
     make_context = context_factory if context_factory is not None else Context
-    plan = plan_kv(model, config)  # n_ctx, kv_unified, flash_attn where the config leaves them to the load
-    config = config.replace(n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn)
+    if config.n_ctx is None or config.kv_unified is None:
+        raise ValueError("build_engine needs a resolved config (kv_memory.plan_config)")
     context = make_context(
         model,
-        n_ctx=plan.n_ctx,
+        n_ctx=config.n_ctx,
         n_batch=config.n_batch,
         n_ubatch=config.n_ubatch,
         n_seq_max=config.n_seq_max,
         n_threads=config.n_threads,
         n_threads_batch=config.n_threads_batch,
-        flash_attn=plan.flash_attn,
-        kv_unified=plan.kv_unified,
+        flash_attn=config.flash_attn,
+        kv_unified=config.kv_unified,
         type_k=config.type_k,
         type_v=config.type_v,
     )

@@ -35,6 +35,7 @@ __all__ = [
     "choose_layout",
     "kv_budget_bytes",
     "log_plan",
+    "plan_config",
     "plan_kv",
     "ubatch_cost_cells",
 ]
@@ -131,6 +132,13 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
     return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, *kv)
 
 
+def plan_config(model: Model, config: EngineConfig) -> tuple[KVPlan, EngineConfig]:
+    """The KV plan of ``config`` over ``model``, and ``config`` with what it left to the load
+    (``n_ctx``, ``kv_unified``, ``flash_attn``) set from the plan."""
+    plan = plan_kv(model, config)
+    return plan, config.replace(n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn)
+
+
 def choose_layout(
     config: EngineConfig, stream_bytes: int, budget: int | None, scores_bytes: int = 0
 ) -> tuple[bool, str]:
@@ -138,7 +146,7 @@ def choose_layout(
 
     One stream per sequence (with flash attention off, :func:`choose_flash_attn`) was the
     fastest choice on the CPU for uniform batches, mixed arrivals and a multi-turn chat, and
-    0.82-0.88x of the best for many requests on one long prompt and one long request among
+    0.81-0.91x of the best for many requests on one long prompt and one long request among
     short ones (README, "Memory"): in one unified buffer every token's attention spans every
     sequence's cells. But it costs ``n_seq_max`` times the memory for whole-context
     requests, so it is the default only while that stays

@@ -21,7 +21,7 @@ from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.core import EngineCore, build_engine
-from llamabatch.generate.kv_memory import log_plan, plan_kv
+from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.outputs import CompletionOutput, StepOutput
@@ -78,10 +78,8 @@ class EngineHost:
                 )
             self.telemetry = Telemetry()
             #: the KV cache's size, bytes and the reason for them (``generate/kv_memory.py``)
-            plan = self.kv_plan = plan_kv(self.model, config)
-            config = self.config = config.replace(
-                n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn
-            )
+            self.kv_plan, config = plan_config(self.model, config)
+            self.config = config
             self.context, self.core = build_engine(self.model, config, self.telemetry)
         except BaseException:
             self.model.close()
