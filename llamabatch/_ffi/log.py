@@ -132,9 +132,7 @@ def _llamabatch_log_callback(level, text, user_data):  # pragma: no cover - call
 
 _PREFIX = re.compile(r"^\w+: ")
 # Lines that only say that loading failed, not why.
-_GENERIC = re.compile(
-    r"^(?:failed to load model(?: from .*)?|llama_model_loader: failed to load model from .*)$"
-)
+_GENERIC = re.compile(r"failed to load model(?: from .*)?|llama_model_loader: failed to load model from .*")
 
 
 def load_reason(lines: list[str]) -> str:
@@ -148,7 +146,7 @@ def load_reason(lines: list[str]) -> str:
             if stripped == text:
                 break
             text = stripped
-        if text and not _GENERIC.match(text) and text not in reasons:
+        if text and not _GENERIC.fullmatch(text) and text not in reasons:
             reasons.append(text)
     return "; ".join(reasons)
 

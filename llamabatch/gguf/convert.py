@@ -111,7 +111,7 @@ _LAYER_TENSORS = {
     "output.dense": "ffn_down",
     "output.LayerNorm": "layer_output_norm",
 }
-_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)$")
+_LAYER_RE = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)")
 # Tensors of heads sentence embeddings do not use (a cross-encoder's pooler and classifier
 # are kept: HEAD_TENSORS).
 _IGNORED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
@@ -494,7 +494,7 @@ def _gguf_name(name: str, head: ClassifierHead | None) -> str | None:
     name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
     if name in _EMBEDDING_TENSORS:
         return _EMBEDDING_TENSORS[name]
-    m = _LAYER_RE.match(name)
+    m = _LAYER_RE.fullmatch(name)
     if m:
         layer, module, kind = m.groups()
         kind = {"gamma": "weight", "beta": "bias"}.get(kind, kind)

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: OpenAI's rule for function names (dots allowed too, as some tool sets use them).
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: at most this many tools in one request (each adds grammar rules)
 MAX_TOOLS = 128
 
@@ -63,7 +63,7 @@ def normalize_tools(tools: object, *, what: str = "tools") -> list[ToolSpec]:
         if not isinstance(function, Mapping):
             raise ValueError(f"{what}[{i}].function must be an object with a 'name'")
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(
                 f"{what}[{i}].function.name must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}"
             )
