@@ -18,10 +18,16 @@ the shape it renders (found once per template by rendering a probe): an object f
 templates that ``tojson`` them (as transformers expects), OpenAI's JSON string for those that
 concatenate it (DeepSeek R1). A template that cannot take ``content: None`` (Qwen 3) gets ``""``.
 
-Only when a template cannot be rendered at all (a syntax error, or Python-only constructs the
-sandbox refuses) does it fall back to llama.cpp's built-in templates, which recognise common
-formats by their markers. A template that rejects the messages on purpose
-(``raise_exception``) raises ``ValueError``.
+Only a template that cannot be rendered at all (a syntax error, or Python-only constructs the
+sandbox refuses) falls back to llama.cpp's built-in templates, which recognise common formats by
+their markers. That is decided once per template, when it is first used, by rendering a plain
+user/assistant/user probe (:func:`jinja_render_error`), never per request: a request that a
+renderable template fails on is an error (``ChatTemplateError``, a ``ValueError``, naming
+``chat_template_kwargs`` when the request had some, else ``messages``), so that no request can
+skip the template's own checks by making it fail. For the same reason ``chat_template_kwargs``
+may not name the environment's globals (``raise_exception``, ``namespace``, ``range``, ...):
+one that does is refused. A template that rejects the messages on purpose
+(``raise_exception``) raises ``ChatTemplateError``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ logger = logging.getLogger("llamabatch")
 __all__ = [
     "ChatTemplateError",
     "chat_prompt_tokens",
+    "jinja_render_error",
     "normalize_messages",
     "render_chat",
     "render_jinja",
@@ -47,7 +54,13 @@ __all__ = [
 
 
 class ChatTemplateError(ValueError):
-    """The chat template rejected the messages (``raise_exception`` in the template)."""
+    """The chat template rejected the request (``raise_exception`` in the template, a render
+    error, or ``chat_template_kwargs`` that would replace its globals); ``param`` names the
+    request field at fault (``"messages"`` or ``"chat_template_kwargs"``)."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _TemplateRaised(Exception):
@@ -177,11 +190,12 @@ def render_jinja(
 ) -> str:
     """Render a Jinja chat ``template`` as transformers' ``apply_chat_template(tokenize=False)``.
 
-    Raises ``ChatTemplateError`` when the template calls ``raise_exception``, and
+    Raises ``ChatTemplateError`` when the template calls ``raise_exception`` or a key of
+    ``chat_template_kwargs`` would replace one of the environment's globals, and
     ``jinja2.TemplateError`` (or another exception) when it cannot be rendered.
     """
+    variables = _client_variables(chat_template_kwargs)
     compiled = _compile(template)
-    variables: dict[str, Any] = dict(chat_template_kwargs or {})
     normalized = normalize_messages(messages)
     if any(m.get("tool_calls") for m in normalized):
         normalized = tool_call_arguments(normalized, as_object=_wants_object_arguments(template))
@@ -205,6 +219,60 @@ def render_jinja(
             return compiled.render(**variables)
     except _TemplateRaised as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+def _client_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as template variables; ``ChatTemplateError`` for one that is
+    not a name or that would replace a global the template relies on (``raise_exception``
+    replaced by a number would turn the template's checks into render errors)."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise ChatTemplateError(
+            f"chat_template_kwargs must be an object, got {type(chat_template_kwargs).__name__}",
+            param="chat_template_kwargs",
+        )
+    reserved = _environment().globals
+    for key in chat_template_kwargs:
+        if not isinstance(key, str):
+            raise ChatTemplateError(
+                f"chat_template_kwargs keys must be strings, got {key!r}", param="chat_template_kwargs"
+            )
+        if key in reserved:
+            raise ChatTemplateError(
+                f"chat_template_kwargs.{key}: {key!r} is defined by the chat template's environment "
+                "and cannot be replaced",
+                param="chat_template_kwargs",
+            )
+    return dict(chat_template_kwargs)
+
+
+_RENDER_PROBE = (
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "u"},
+)
+
+
+@lru_cache(maxsize=32)
+def jinja_render_error(template: str, bos_token: str = "", eos_token: str = "") -> BaseException | None:
+    """Whether our Jinja can render ``template`` at all: None when it renders a plain
+    user/assistant/user conversation (or rejects it on purpose with ``raise_exception``),
+    else the error (a syntax error, a construct the sandbox refuses). Decided once per
+    template; only a template failing here falls back to llama.cpp's built-in templates."""
+    try:
+        render_jinja(template, _RENDER_PROBE, bos_token=bos_token, eos_token=eos_token)
+    except ChatTemplateError:
+        return None
+    except Exception as exc:
+        logger.warning(
+            "llamabatch: the Jinja chat template cannot be rendered (%s: %s); "
+            "falling back to llama.cpp's built-in templates for it",
+            type(exc).__name__,
+            exc,
+        )
+        return exc
+    return None
 
 
 # -- tool calls in the conversation -------------------------------------------------------------
@@ -310,8 +378,10 @@ def render_chat(
         chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
 
     Raises:
-        ValueError: no template; malformed messages; the template rejected the messages
-            (``ChatTemplateError``); or neither Jinja nor llama.cpp could render it.
+        ValueError: no template; malformed messages; the template rejected or could not
+            render the request, or ``chat_template_kwargs`` would replace a global of the
+            template (``ChatTemplateError``, its ``param`` naming the field); or neither
+            Jinja nor llama.cpp can render the template.
     """
     template = chat_template if chat_template is not None else model.chat_template
     if template is None:
@@ -322,32 +392,35 @@ def render_chat(
     normalized = normalize_messages(messages)
     if template in _builtin_names():
         return _render_builtin(template, normalized, tools, add_generation_prompt)
+    bos_token = special_token_text(model, model.bos)
+    eos_token = special_token_text(model, model.eos)
+    broken = jinja_render_error(template, bos_token, eos_token)
+    if broken is not None:  # llama.cpp may still know the format by its markers
+        try:
+            return _render_builtin(template, normalized, tools, add_generation_prompt)
+        except ValueError as fallback:
+            raise ValueError(
+                f"the chat template could not be rendered: Jinja failed ({type(broken).__name__}: "
+                f"{broken}) and {fallback}"
+            ) from None
     try:
         return render_jinja(
             template,
             normalized,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            bos_token=special_token_text(model, model.bos),
-            eos_token=special_token_text(model, model.eos),
+            bos_token=bos_token,
+            eos_token=eos_token,
             chat_template_kwargs=chat_template_kwargs,
         )
     except ChatTemplateError:
         raise
-    except Exception as exc:  # any failure to render: llama.cpp may still know the format
-        logger.warning(
-            "llamabatch: the Jinja chat template could not be rendered (%s: %s); "
-            "falling back to llama.cpp's built-in templates",
-            type(exc).__name__,
-            exc,
-        )
-        try:
-            return _render_builtin(template, normalized, tools, add_generation_prompt)
-        except ValueError as fallback:
-            raise ValueError(
-                f"the chat template could not be rendered: Jinja failed ({type(exc).__name__}: {exc}) "
-                f"and {fallback}"
-            ) from exc
+    except Exception as exc:  # the template renders, but not this request
+        param = "chat_template_kwargs" if chat_template_kwargs else "messages"
+        raise ChatTemplateError(
+            f"{param}: the chat template could not render this request ({type(exc).__name__}: {exc})",
+            param=param,
+        ) from None
 
 
 def _render_builtin(

@@ -60,7 +60,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
                 chat_template_kwargs=template_kwargs,
             )
         except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+            raise bad_request(str(exc), param=getattr(exc, "param", "messages")) from None
         return prepare.chat_tokens(llm, text), text
 
     tokens, prompt_text = await asyncio.to_thread(render)
