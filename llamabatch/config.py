@@ -209,6 +209,12 @@ class EngineConfig(OptionsConfig):
             a tick at least while a prompt is computed), and a request waits in the queue
             while one more decoding stream would push the ticks over it. Trades some prompt
             throughput and time to first token for a bounded inter-token latency.
+        priority_aging: how many admissions make a waiting request gain one priority level
+            on the requests queued after it (default 8; 0: no aging, strict priorities as
+            vLLM). A request ``d`` levels behind the best priority arriving is overtaken
+            only by requests arriving within ``(d + 1) * priority_aging`` admissions after
+            it, so none waits forever behind a stream of better priorities, and one that
+            aged its way in is not preempted by them (``generate/priority.py``).
         speculative_config: speculative decoding (default ``None``: off), vLLM's keys:
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
             "prompt_lookup_max": b}`` (drafts looked up in the request's own text) or
@@ -341,6 +347,16 @@ class EngineConfig(OptionsConfig):
             help="a directory where pinned prefixes are saved, and loaded again after a restart",
         ),
     )
+    priority_aging: int = field(
+        default=8,
+        metadata=flag(
+            "--priority-aging",
+            type=int,
+            metavar="N",
+            help="a waiting request gains one priority level per N admissions after it (0: no aging; "
+            "default 8)",
+        ),
+    )
 
     speculative_config: dict[str, Any] | None = field(
         default=None,
@@ -384,6 +400,9 @@ class EngineConfig(OptionsConfig):
             or not (0 < target < float("inf"))
         ):
             raise ValueError(f"target_itl_ms must be a positive number (ms) or None, got {target!r}")
+        aging = self.priority_aging
+        if not isinstance(aging, int) or isinstance(aging, bool) or aging < 0:
+            raise ValueError(f"priority_aging must be an int >= 0 (0: no aging), got {aging!r}")
         cache_ram = self.cache_ram
         if cache_ram is not None and (
             not isinstance(cache_ram, int) or isinstance(cache_ram, bool) or cache_ram < 0

@@ -630,6 +630,7 @@ def make_core(
     target_itl_ms: float | None = None,
     cache_ram: int | None = CACHE_RAM_DEFAULT_MIB,
     speculative_config: dict[str, Any] | None = None,
+    priority_aging: int = EngineConfig.priority_aging,
 ) -> tuple[EngineCore, FakeContext, FakeModel]:
     """An ``EngineCore`` over a fake model and context (``n_ctx``: all cells together;
     default 64 per sequence). The context checks it decodes the core's own batch."""
@@ -649,6 +650,7 @@ def make_core(
         target_itl_ms=target_itl_ms,
         cache_ram=cache_ram,
         speculative_config=speculative_config,
+        priority_aging=priority_aging,
     )
     # the wiring LLM and LLMEngine use, over a fake context
     config = plan_config(model, config)[1]  # type: ignore[arg-type]

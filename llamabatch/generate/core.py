@@ -240,7 +240,7 @@ class EngineCore:
         for request in requests:
             if request.status is not RequestStatus.WAITING or request.arrival in self.requests:
                 raise ValueError(f"request {request.request_id!r} was queued before")
-        enqueue(self.waiting, requests)
+        enqueue(self.waiting, requests, self.config.priority_aging, self._n_admissions)
         for request in requests:
             self.requests[request.arrival] = request
             if request.priority:
@@ -364,7 +364,7 @@ class EngineCore:
                 continue
             blocked = request
         if blocked is not None:
-            slot = priority_victim(self.slots.busy(), blocked.priority)
+            slot = priority_victim(self.slots.busy(), blocked, self.config.priority_aging)
             if slot >= 0:  # one preemption, then admission again (it ends: see priority.py)
                 self._preempt(slot)
                 self._tick_preemptions += 1
@@ -556,7 +556,7 @@ class EngineCore:
         request.transition(RequestStatus.PREEMPTED)
         request.n_preemptions += 1
         self.counters.preemptions += 1
-        enqueue(self.waiting, [request])
+        enqueue(self.waiting, [request], self.config.priority_aging)
         logger.debug(
             "preempted request %s (%d tokens generated)", request.request_id, len(request.output_tokens)
         )

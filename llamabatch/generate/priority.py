@@ -1,30 +1,49 @@
 """Request priorities: the order of the waiting queue, and whom a higher priority preempts.
 
 A request's ``priority`` is an int, lower first (as vLLM); the default 0 for all keeps
-first come, first served. The queue is ordered by :func:`wait_key`: priority, then
-preempted requests before new ones (they were admitted once), then arrival. When a
+first come, first served. The queue is ordered by :func:`wait_key`: the aged priority,
+then preempted requests before new ones (they were admitted once), then arrival. When a
 waiting request cannot start (no idle slot, or with a unified KV cache no room for its
 prompt) and a request of a lower priority (a higher number) runs, the most recently
 admitted such request is preempted: its KV cells are freed and it goes back to the queue,
 to be recomputed later with what it generated so far (invisible to its caller, as a
 preemption for KV room).
 
+Aging: no waiting request starves behind a stream of better priorities. A request is
+stamped at its first queueing with the core's admission count (``Request.wait_stamp``);
+its aged priority is ``priority + wait_stamp // aging`` (``EngineConfig.priority_aging``,
+0: no aging). As every waiting request's stamp is fixed, the order is static (the queue
+stays sorted by insertion), and relative to the requests arriving later a waiting request
+gains one level per ``aging`` admissions: one that is ``d`` levels behind the best
+priority arriving is overtaken only by requests arriving within ``(d + 1) * aging``
+admissions after it. Only whole epochs of ``aging`` admissions count, so requests within
+one epoch keep strict priority order.
+
 No starvation of a running request: one that was already preempted
 ``MAX_PRIORITY_PREEMPTIONS`` times (for any reason) is no longer preempted for priority,
-so it runs to its end once admitted again. Waiting requests of a low priority wait while
-higher ones keep arriving (as in vLLM): priorities are an order, not a share.
+so it runs to its end once admitted again; and a request preempts only one of a lower
+priority whose aged priority is lower too (:func:`priority_victim`), so a request that
+aged its way in is not pushed out by the stream it waited behind.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import deque
 from collections.abc import Iterable
 
 from llamabatch.generate.request import Request, RequestKind
 from llamabatch.status import RequestStatus
 
-__all__ = ["MAX_PRIORITY_PREEMPTIONS", "check_priority", "enqueue", "priority_victim", "wait_key"]
+__all__ = [
+    "MAX_PRIORITY_PREEMPTIONS",
+    "aged_priority",
+    "check_priority",
+    "enqueue",
+    "priority_victim",
+    "wait_key",
+]
 
 #: how often one request may be preempted (for any reason) and still be preempted for priority
 MAX_PRIORITY_PREEMPTIONS = 2
@@ -39,24 +58,44 @@ def check_priority(priority: object) -> int:
     return priority
 
 
-def wait_key(request: Request) -> tuple[int, int, int]:
-    """A waiting request's place: priority, preempted before new, then arrival."""
-    return (request.priority, 0 if request.status is RequestStatus.PREEMPTED else 1, request.arrival)
+def aged_priority(request: Request, aging: int) -> int:
+    """``request``'s rank among priorities: its priority plus one level per ``aging``
+    admissions made before it was first queued, so that it gains a level on the requests
+    queued after it per ``aging`` admissions (``aging`` 0: the priority itself)."""
+    if not aging:
+        return request.priority
+    return request.priority + max(request.wait_stamp, 0) // aging
 
 
-def enqueue(waiting: deque[Request], requests: Iterable[Request]) -> None:
-    """Put ``requests`` into ``waiting`` at their places (:func:`wait_key`)."""
+def wait_key(request: Request, aging: int = 0) -> tuple[int, int, int]:
+    """A waiting request's place: aged priority, preempted before new, then arrival."""
+    preempted = 0 if request.status is RequestStatus.PREEMPTED else 1
+    return (aged_priority(request, aging), preempted, request.arrival)
+
+
+def enqueue(
+    waiting: deque[Request], requests: Iterable[Request], aging: int = 0, n_admitted: int = 0
+) -> None:
+    """Put ``requests`` into ``waiting`` at their places (:func:`wait_key` with ``aging``;
+    the queue is kept sorted by the same ``aging``). A request queued for the first time is
+    stamped with ``n_admitted``, the admissions so far; a preempted one keeps its stamp."""
+    key_of = functools.partial(wait_key, aging=aging)
     for request in requests:
-        key = wait_key(request)
-        if not waiting or wait_key(waiting[-1]) <= key:
+        if request.wait_stamp < 0:
+            request.wait_stamp = n_admitted
+        key = key_of(request)
+        if not waiting or key_of(waiting[-1]) <= key:
             waiting.append(request)
         else:
-            waiting.insert(bisect.bisect_right(waiting, key, key=wait_key), request)
+            waiting.insert(bisect.bisect_right(waiting, key, key=key_of), request)
 
 
-def priority_victim(running: Iterable[tuple[int, Request]], priority: int) -> int:
-    """The slot of the most recently admitted running request of a priority lower than
-    ``priority`` (a higher number) that may still be preempted, or -1."""
+def priority_victim(running: Iterable[tuple[int, Request]], blocked: Request, aging: int = 0) -> int:
+    """The slot of the most recently admitted running request that ``blocked`` may preempt,
+    or -1: one of a lower priority than ``blocked``'s (a higher number), and a lower aged
+    priority too, preempted fewer than ``MAX_PRIORITY_PREEMPTIONS`` times, not a pin."""
+    priority = blocked.priority
+    aged = aged_priority(blocked, aging)
     best_slot, best_order = -1, -1
     for slot, request in running:
         if (
@@ -64,6 +103,7 @@ def priority_victim(running: Iterable[tuple[int, Request]], priority: int) -> in
             and request.n_preemptions < MAX_PRIORITY_PREEMPTIONS
             and request.kind is not RequestKind.PIN
             and request.admitted_order > best_order
+            and aged_priority(request, aging) > aged
         ):
             best_slot, best_order = slot, request.admitted_order
     return best_slot

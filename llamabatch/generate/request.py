@@ -220,6 +220,7 @@ class Request:
         "t_first_token",
         "t_submitted",
         "token_times",
+        "wait_stamp",
     )
 
     def __init__(
@@ -244,6 +245,9 @@ class Request:
         #: when the request was last admitted (the core's admission count): the latest
         #: admitted of a lower priority is preempted first
         self.admitted_order = -1
+        #: the core's admission count when the request was first queued (-1 before): its
+        #: priority ages from there (``generate/priority.py``)
+        self.wait_stamp = -1
         self.prompt = prompt
         self.prompt_tokens = prompt_tokens
         self.params = params
