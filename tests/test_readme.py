@@ -101,7 +101,7 @@ SMALL = {
 }
 #: Per subcommand: flags added where the README leaves them out (None: a flag without a value).
 SMALL_IF_ABSENT: dict[str, dict[str, str | None]] = {
-    "bench": {"-m": "tiny", "--npp": "16", "--ntg": "4", "--npl": "1,2"},  # default model: the 135m
+    "bench": {"-m": "tiny", "--npp": "16", "--ntg": "4", "--npl": "1,2"},  # default model: SmolLM2
     "bench-serve": {"--npp": "16", "--ntg": "4", "--npl": "1,2"},
     # --no-concurrency: no 16 threads x 100 texts check
     "bench-embed": {"--n": "16", "--rounds": "1", "--no-concurrency": None},

@@ -650,5 +650,3 @@ def test_serve_command_line(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully, then the engines close
         assert proc.wait(20) == 0
-    missing = subprocess.run([sys.executable, "-m", "llamabatch", "serve"], capture_output=True, text=True)
-    assert missing.returncode == 2 and "give -m MODEL.gguf" in missing.stderr

@@ -143,7 +143,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "-m",
         "--model",
         default=None,
-        help="GGUF file, or a test-model preset (tiny, small, 135m); default: the random-weight 135m",
+        help="GGUF file, or a test-model preset (tiny, small, 135m: random weights, Q8_0); "
+        "default: SmolLM2-135M-Instruct (Q4_1)",
     )
     # the engine's own flags, generated from EngineConfig (with the benchmark's defaults:
     # n_ctx and n_parallel fit the workload, flash attention on as LLM's "auto" picks on CPU)

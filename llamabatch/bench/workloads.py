@@ -95,11 +95,13 @@ class BenchRequest:
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """The GGUF to benchmark: a path, or a test-model preset name (``tiny``, ``small``,
-    ``135m``; built and cached on first use); ``None`` is the ``135m`` preset."""
+    ``135m``; built and cached on first use); ``None`` is SmolLM2-135M-Instruct (the same
+    shape as ``135m``, Q4_1 weights; fetched once, else the ``135m`` preset, said on stderr)."""
     from llamabatch.gguf import testing
+    from llamabatch.gguf.real_model import default_model_path
 
     if model is None:
-        return testing.model_path("135m")
+        return default_model_path("135m")
     path = Path(model)
     if not path.exists() and str(model) in testing.PRESETS:
         return testing.model_path(str(model))

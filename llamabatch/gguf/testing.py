@@ -1,9 +1,8 @@
 """Random-weight Llama GGUF test models, and English text to feed them.
 
-No model weights can be downloaded where llamabatch is developed and tested, so the project makes
-its own GGUF files with the ``gguf`` package. A random-weight model costs exactly the same compute
-as a trained model of the same shape, which is all that tests and benchmarks of a batching engine
-need.
+The project makes its own GGUF files with the ``gguf`` package: a random-weight model costs the
+compute of a trained one of the same shape, all that scheduler, hostile-file and speed tests need.
+:func:`real_model_path` (``gguf/real_model.py``) gives the real SmolLM2-135M-Instruct.
 
 * :class:`ModelSpec` describes a model (shape, weight dtype, seed, name); :data:`PRESETS` holds the
   shapes the project uses (``"tiny"`` for unit tests, ``"small"`` for integration tests,
@@ -72,6 +71,7 @@ __all__ = [
     "loop_model",
     "loop_prompts",
     "model_path",
+    "real_model_path",
     "spec_hash",
     "write_llama_gguf",
 ]
@@ -696,10 +696,5 @@ def english_sentences(n: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-from llamabatch.gguf.testing_draft import (  # noqa: E402 (uses this module)
-    PAIR_PRESETS,
-    DraftPair,
-    draft_pair,
-    loop_model,
-    loop_prompts,
-)
+from llamabatch.gguf.real_model import real_model_path  # noqa: E402
+from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair, loop_model, loop_prompts  # noqa: E402 (uses this module)

@@ -30,7 +30,12 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``serve``'s options to ``parser`` (names follow llama.cpp's ``llama-server``)."""
-    parser.add_argument("-m", "--model", help="the GGUF model that generates text")
+    parser.add_argument(
+        "-m",
+        "--model",
+        help="the GGUF model that generates text (default, when no model of any kind is given: "
+        "SmolLM2-135M-Instruct, fetched once into the cache)",
+    )
     parser.add_argument(
         "--embedding-model", metavar="EMB.gguf", help="a GGUF embedding model for /v1/embeddings"
     )
@@ -127,6 +132,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="IPS",
         help="comma-separated proxy addresses whose X-Forwarded-For/-Proto are trusted; default none",
     )
+    h.add_argument(
+        "--client-priority",
+        type=_client_priority,
+        default="off",
+        metavar="off|clamp:LO..HI",
+        help="what becomes of a request's 'priority': off (default): ignored, all run at 0; "
+        "clamp:LO..HI: clamped into [LO, HI] (lower runs first)",
+    )
+    h.add_argument(
+        "--max-queue-per-client",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="completions one client (peer address) may have queued or running; more get 429 "
+        "(default: a quarter of --max-queue, plus --n-parallel)",
+    )
 
 
 def _positive_float(value: str) -> float:
@@ -134,6 +155,22 @@ def _positive_float(value: str) -> float:
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return number
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _client_priority(value: str) -> Any:
+    from llamabatch.server.client_policy import ClientPriority
+
+    try:
+        return ClientPriority.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _names(value: str) -> list[str]:
@@ -164,12 +201,9 @@ def main(args: argparse.Namespace) -> int:
     from llamabatch import LLM, Embedder, LlamaBatchError
 
     if not args.model and not args.embedding_model and not args.rerank_model:
-        print(
-            "llamabatch serve: error: give -m MODEL.gguf, --embedding-model EMB.gguf and/or "
-            "--rerank-model RERANKER.gguf",
-            file=sys.stderr,
-        )
-        return 2
+        from llamabatch.gguf.real_model import default_model_path
+
+        args.model = str(default_model_path())  # SmolLM2-135M-Instruct, else the random test model
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     llm = embedder = reranker = None
     try:
@@ -209,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
             chat_template=_chat_template(args.chat_template),
             limits=_limits(args),
             cors_origins=args.cors_origins,
+            client_policy=_client_policy(args),
         )
     except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
         print(f"llamabatch serve: error: {exc}", file=sys.stderr)
@@ -245,6 +280,13 @@ def _limits(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         allowed_hosts=(*args.allowed_hosts, args.host),
     )
+
+
+def _client_policy(args: argparse.Namespace) -> Any:
+    """The app's ``ClientPolicy`` from ``--client-priority`` and ``--max-queue-per-client``."""
+    from llamabatch.server.client_policy import ClientPolicy
+
+    return ClientPolicy(args.client_priority, args.max_queue_per_client)
 
 
 def _http_options(args: argparse.Namespace) -> dict[str, Any]:
