@@ -43,6 +43,8 @@ STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
 SPEC_TYPES = ("ngram", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
+#: the prefix directory's default size cap in MiB (``prefix_cache_dir_max_mb``)
+PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
@@ -206,6 +208,9 @@ class EngineConfig(OptionsConfig):
             target). Each tick's token budget is then chosen so that the tick's expected
             decode time (a cost model fitted online, ``generate/cost_model.py``) stays under
             it: running streams always get their token, prompt chunks shrink (to one token
+        prefix_cache_dir_max_mb: the size cap of ``prefix_cache_dir`` in MiB (default 4096):
+            before a file is written there, the least recently used prefix files are deleted
+            until it fits.
             a tick at least while a prompt is computed), and a request waits in the queue
             while one more decoding stream would push the ticks over it. Trades some prompt
             throughput and time to first token for a bounded inter-token latency.
@@ -353,6 +358,16 @@ class EngineConfig(OptionsConfig):
             "--priority-aging",
             type=int,
             metavar="N",
+    prefix_cache_dir_max_mb: int = field(
+        default=PREFIX_CACHE_DIR_MAX_MB,
+        metadata=flag(
+            "--prefix-cache-dir-max-mb",
+            type=positive_int,
+            metavar="MiB",
+            help="size cap of --prefix-cache-dir in MiB: the least recently used files are deleted "
+            f"to make room (default {PREFIX_CACHE_DIR_MAX_MB})",
+        ),
+    )
             help="a waiting request gains one priority level per N admissions after it (0: no aging; "
             "default 8)",
         ),
@@ -425,6 +440,7 @@ class EngineConfig(OptionsConfig):
             raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({self.n_ctx})")
         if self.n_batch < n_seq_max:
             # llama.cpp sizes its output buffer by n_batch and aborts when a batch has more
+        check_positive_int("prefix_cache_dir_max_mb", self.prefix_cache_dir_max_mb)
             # outputs (one per decoding sequence) than that
             raise ValueError(f"n_batch ({self.n_batch}) must be >= n_parallel + max_prefixes ({n_seq_max})")
 

@@ -166,6 +166,7 @@ DEFAULTS = {
     "type_k": "f16",
     "type_v": "f16",
     "validate": True,
+    "prefix_cache_dir_max_mb": 4096,  # the prefix directory's size cap (generate/prefix_store.py)
     "target_itl_ms": None,
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
@@ -204,6 +205,7 @@ def test_config_defaults_and_frozen():
         ({"cache_ram": -1}, "cache_ram must be an int >= 0"),
         ({"prefix_cache_dir": 3}, "prefix_cache_dir must be a directory path"),
         ({"speculative_config": {"method": "ngram", "k": 3}}, r"speculative_config: unknown keys \['k'\]"),
+        ({"prefix_cache_dir_max_mb": 0}, "prefix_cache_dir_max_mb"),
     ],
 )
 def test_config_checks_name_the_option(options, message):

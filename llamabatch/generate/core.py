@@ -192,7 +192,9 @@ class EngineCore:
             ram=ram_cache_for(config.cache_ram),
         )
         if self.kv.reuse and config.prefix_cache_dir is not None:
-            store = store_for(config.prefix_cache_dir, model, context, config.flash_attn)
+            store = store_for(
+                config.prefix_cache_dir, model, context, config.flash_attn, config.prefix_cache_dir_max_mb
+            )
             self.kv.use_store(store, state_bytes_per_token(model))
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0

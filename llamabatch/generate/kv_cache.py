@@ -33,7 +33,7 @@ import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
-from llamabatch.generate.prefix_store import PrefixStore
+from llamabatch.generate.prefix_store import PrefixStore, file_size
 from llamabatch.generate.ram_cache import RamCache
 
 logger = logging.getLogger("llamabatch")
@@ -252,9 +252,15 @@ class KVCache:
         if not self.context.state_seq_set(slot, entry.data):
             ram.restore_failures += 1
             entry.failures += 1
-            if entry.failures > 1:  # refused twice: bad bytes, not a passing lack of room
+            if entry.source is not None and self.store is not None:  # a file's bytes: refused at once
+                ram.discard(entry)
+                self.store.refuse(entry.source, "llama.cpp could not load its state")
+            elif entry.failures > 1:  # refused twice: bad bytes, not a passing lack of room
                 ram.discard(entry)
             return None
+        if entry.source is not None and self.store is not None:  # a file's state, taken by llama.cpp
+            entry.source = None
+            self.store.loaded += 1
         if len(entry.tokens) > n:
             self.context.seq_rm(slot, n, -1)
         self._share_prefix(slot, entry.tokens[:n])
@@ -337,7 +343,7 @@ class KVCache:
         self.store = store
         self.state_bytes_per_token = state_bytes_per_token
         if store is not None and self.ram is not None:
-            store.scan(self.ram.block)
+            store.scan(self.ram.block, max_tokens=self.table.n_ctx_seq)
 
     def persist(self) -> int:
         """At close: write the RAM tier's states (idle slots' cached tokens first saved to
@@ -349,9 +355,18 @@ class KVCache:
             for slot in range(table.n_parallel):
                 if table.state(slot) == SlotState.IDLE:
                     self.save(slot)
+            kept, room = [], store.max_bytes
+            for entry in reversed(ram.entries()):  # most recently used first, within the cap
+                size = file_size(store.layout, len(entry.tokens), len(entry.data))
+                if size <= room:
+                    kept.append(entry)
+                    room -= size
             written = 0
-            for entry in reversed(ram.entries()):
-                if not store.path_for(entry.tokens).exists() and store.save(entry.tokens, entry.data):
+            for entry in reversed(kept):  # oldest first: the newest files are the last pruned
+                path = store.path_for(entry.tokens)
+                if path.exists():
+                    store.touch(path)
+                elif store.save(entry.tokens, entry.data):
                     written += 1
             return written
         except Exception:  # closing must not fail for a cache
@@ -371,8 +386,8 @@ class KVCache:
             return
         store.forget(file_tokens)
         payload = store.load(file_tokens, len(file_tokens) * self.state_bytes_per_token + (1 << 20))
-        if payload is not None and ram.save(file_tokens, payload):
-            store.loaded += 1
+        if payload is not None:  # counted as loaded once llama.cpp takes it (``_restore``)
+            ram.save(file_tokens, payload, source=store.path_for(file_tokens))
 
     def load_pin(self, prefix: PinnedPrefix) -> bool:
         """Pin ``prefix`` from its file in ``prefix_cache_dir`` (checked first: see

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -54,14 +55,19 @@ class RamCacheStats:
 class RamEntry:
     """One saved sequence: its tokens (positions ``0..n-1``) and llama.cpp's state bytes."""
 
-    __slots__ = ("data", "failures", "key", "tokens")
+    __slots__ = ("data", "failures", "key", "source", "tokens")
 
-    def __init__(self, tokens: np.ndarray, data: bytes, block: int = BLOCK) -> None:
+    def __init__(
+        self, tokens: np.ndarray, data: bytes, block: int = BLOCK, source: Path | None = None
+    ) -> None:
         self.tokens = tokens
         self.data = data
         self.key = tokens[:block].tobytes()
         #: loads llama.cpp refused (no contiguous room, or bad bytes: dropped at the second)
         self.failures = 0
+        #: where the bytes came from when not from this engine's KV cache (a prefix file),
+        #: until llama.cpp has taken them once
+        self.source = source
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -102,10 +108,11 @@ class RamCache:
                 return entry
         return None
 
-    def save(self, tokens: np.ndarray, data: bytes) -> bool:
-        """Keep ``data``, the state of a sequence holding ``tokens``; entries that are
-        prefixes of it are dropped, older entries leave while over budget. False when it
-        is too short, empty, or bigger than the whole budget."""
+    def save(self, tokens: np.ndarray, data: bytes, source: Path | None = None) -> bool:
+        """Keep ``data``, the state of a sequence holding ``tokens`` (read from ``source``,
+        when not from the KV cache: ``RamEntry.source``); entries that are prefixes of it
+        are dropped, older entries leave while over budget. False when it is too short,
+        empty, or bigger than the whole budget."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if len(tokens) < self.block or not data or len(data) > self.budget_bytes:
             return False
@@ -113,7 +120,7 @@ class RamCache:
         if covering is not None:
             self.touch(covering)
             return False
-        entry = RamEntry(tokens.copy(), data, self.block)
+        entry = RamEntry(tokens.copy(), data, self.block, source)
         for old in list(self._by_key.get(entry.key, ())):
             if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
                 self._remove(old)

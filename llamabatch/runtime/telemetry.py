@@ -190,7 +190,8 @@ class GenerationStats:
     #: of those, tokens then shared with another sequence's cells instead of kept as a copy
     ram_cache_shared_tokens: int = 0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
-    #: prefix files loaded, written, refused (corrupt, wrong model or layout: recomputed)
+    #: prefix files whose state llama.cpp loaded, files written, files refused (not a
+    #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)
     prefix_files_loaded: int = 0
     prefix_files_saved: int = 0
     prefix_files_refused: int = 0
