@@ -204,13 +204,13 @@ class EngineConfig(OptionsConfig):
             model pins the same tokens again, after a restart too. Files are checked (model,
             layout, tokens, size, checksum) before loading; a bad one is refused and the
             prefix computed. See ``generate/prefix_store.py``.
+        prefix_cache_dir_max_mb: the size cap of ``prefix_cache_dir`` in MiB (default 4096):
+            before a file is written there, the least recently used prefix files are deleted
+            until it fits.
         target_itl_ms: a target inter-token latency in milliseconds (default ``None``: no
             target). Each tick's token budget is then chosen so that the tick's expected
             decode time (a cost model fitted online, ``generate/cost_model.py``) stays under
             it: running streams always get their token, prompt chunks shrink (to one token
-        prefix_cache_dir_max_mb: the size cap of ``prefix_cache_dir`` in MiB (default 4096):
-            before a file is written there, the least recently used prefix files are deleted
-            until it fits.
             a tick at least while a prompt is computed), and a request waits in the queue
             while one more decoding stream would push the ticks over it. Trades some prompt
             throughput and time to first token for a bounded inter-token latency.
@@ -344,6 +344,16 @@ class EngineConfig(OptionsConfig):
             "of physical memory)",
         ),
     )
+    prefix_cache_dir_max_mb: int = field(
+        default=PREFIX_CACHE_DIR_MAX_MB,
+        metadata=flag(
+            "--prefix-cache-dir-max-mb",
+            type=positive_int,
+            metavar="MiB",
+            help="size cap of --prefix-cache-dir in MiB: the least recently used files are deleted "
+            f"to make room (default {PREFIX_CACHE_DIR_MAX_MB})",
+        ),
+    )
     prefix_cache_dir: str | None = field(
         default=None,
         metadata=flag(
@@ -358,16 +368,6 @@ class EngineConfig(OptionsConfig):
             "--priority-aging",
             type=int,
             metavar="N",
-    prefix_cache_dir_max_mb: int = field(
-        default=PREFIX_CACHE_DIR_MAX_MB,
-        metadata=flag(
-            "--prefix-cache-dir-max-mb",
-            type=positive_int,
-            metavar="MiB",
-            help="size cap of --prefix-cache-dir in MiB: the least recently used files are deleted "
-            f"to make room (default {PREFIX_CACHE_DIR_MAX_MB})",
-        ),
-    )
             help="a waiting request gains one priority level per N admissions after it (0: no aging; "
             "default 8)",
         ),
@@ -426,6 +426,7 @@ class EngineConfig(OptionsConfig):
         cache_dir = self.prefix_cache_dir
         if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir)):
             raise ValueError(f"prefix_cache_dir must be a directory path or None, got {cache_dir!r}")
+        check_positive_int("prefix_cache_dir_max_mb", self.prefix_cache_dir_max_mb)
         max_prefixes = self.max_prefixes
         if max_prefixes is not None and (
             not isinstance(max_prefixes, int) or isinstance(max_prefixes, bool) or not 0 <= max_prefixes <= 64
@@ -440,7 +441,6 @@ class EngineConfig(OptionsConfig):
             raise ValueError(f"n_parallel + max_prefixes ({n_seq_max}) must be <= n_ctx ({self.n_ctx})")
         if self.n_batch < n_seq_max:
             # llama.cpp sizes its output buffer by n_batch and aborts when a batch has more
-        check_positive_int("prefix_cache_dir_max_mb", self.prefix_cache_dir_max_mb)
             # outputs (one per decoding sequence) than that
             raise ValueError(f"n_batch ({self.n_batch}) must be >= n_parallel + max_prefixes ({n_seq_max})")
 
