@@ -53,6 +53,7 @@ import os
 import stat
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,6 +80,8 @@ IDENTITY_TAIL = 1 << 20
 MAX_FILE_TOKENS = 1 << 20
 #: the most token bytes the start-up scan reads, all files together (the index it builds)
 MAX_SCAN_TOKEN_BYTES = 256 << 20
+#: seconds the directory listing kept for the size cap is trusted (other processes may write)
+RELIST_S = 30.0
 _TMP_PREFIX = ".tmp-"
 _OPEN_FLAGS = (
     os.O_RDONLY
@@ -212,6 +215,8 @@ class PrefixStore:
         #: files whose state llama.cpp took; files written; files refused (unsafe, corrupt,
         #: over a limit, or refused by llama.cpp); files deleted to keep under ``max_bytes``
         self.loaded = self.saved = self.refused = self.pruned = 0
+        self._files: dict[str, tuple[int, int]] | None = None  # ``make_room``'s listing
+        self._listed_at = 0.0
         #: the files of this model and layout found at start (``scan``), by their first
         #: ``block`` tokens: what the RAM tier may load on a match
         self.disk: dict[bytes, list[tuple[np.ndarray, Path]]] = {}
@@ -343,7 +348,8 @@ class PrefixStore:
         try:
             os.utime(path, follow_symlinks=False)
         except (OSError, NotImplementedError):
-            pass
+            return
+        self._noted(path)
 
     def refuse(self, path: Path, why: str, then: str = "computing the prefix") -> None:
         """Count and log a prefix file that is not used (``why``)."""
@@ -376,37 +382,64 @@ class PrefixStore:
         except OSError as exc:
             logger.warning("llamabatch: cannot write prefix file %s: %s", path, exc)
             return False
+        self._noted(path, len(data))
         self.saved += 1
         return True
 
     def make_room(self, n_bytes: int, replacing: Path | None = None) -> bool:
         """Delete the least recently used prefix files (oldest modification time first) until
         ``n_bytes`` more fit under ``max_bytes`` (``replacing``'s current size not counted:
-        it is about to be replaced); False when they cannot."""
+        it is about to be replaced); False when they cannot.
+
+        The directory's listing is kept in memory between calls (a save then costs no
+        directory scan) and listed again when older than ``RELIST_S``, so that files other
+        processes write count too."""
         if n_bytes > self.max_bytes:
             return False
-        files = sorted(self._regular_files())
-        total = sum(size for _, size, path in files if path != replacing)
-        for _, size, path in files:
+        skip = str(replacing) if replacing is not None else None
+        files = self._listing()
+        total = sum(size for path, (_, size) in files.items() if path != skip)
+        for path, (_, size) in sorted(files.items(), key=lambda item: item[1][0]):
             if total + n_bytes <= self.max_bytes:
                 break
-            if path == replacing:
+            if path == skip:
                 continue
             try:
-                path.unlink()
+                os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 logger.warning("llamabatch: cannot delete prefix file %s: %s", path, exc)
                 continue
+            del files[path]
             total -= size
             self.pruned += 1
             logger.info("llamabatch: prefix file %s deleted (least recently used, directory cap)", path)
         return total + n_bytes <= self.max_bytes
 
-    def _regular_files(self) -> list[tuple[int, int, Path]]:
-        """``(mtime_ns, size, path)`` of the regular prefix files in the directory."""
-        out: list[tuple[int, int, Path]] = []
+    def _listing(self) -> dict[str, tuple[int, int]]:
+        """The regular prefix files in the directory: path -> ``(mtime_ns, size)``."""
+        now = time.monotonic()
+        if self._files is None or now - self._listed_at > RELIST_S:
+            self._files = self._regular_files()
+            self._listed_at = now
+        return self._files
+
+    def _noted(self, path: Path, size: int | None = None) -> None:
+        """Record in the listing that ``path`` was just written (``size``) or used."""
+        files = self._files
+        if files is None:
+            return
+        key = str(path)
+        if size is None:
+            if key not in files:
+                return
+            size = files[key][1]
+        files[key] = (time.time_ns(), size)
+
+    def _regular_files(self) -> dict[str, tuple[int, int]]:
+        """Path -> ``(mtime_ns, size)`` of the regular prefix files in the directory."""
+        out: dict[str, tuple[int, int]] = {}
         try:
             with os.scandir(self.directory) as entries:
                 for entry in entries:
@@ -417,7 +450,7 @@ class PrefixStore:
                     except OSError:
                         continue
                     if stat.S_ISREG(info.st_mode):
-                        out.append((info.st_mtime_ns, info.st_size, Path(entry.path)))
+                        out[entry.path] = (info.st_mtime_ns, info.st_size)
         except OSError as exc:
             logger.warning("llamabatch: cannot list the prefix directory %s: %s", self.directory, exc)
         return out
