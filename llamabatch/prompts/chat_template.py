@@ -271,7 +271,7 @@ def jinja_render_error(template: str, bos_token: str = "", eos_token: str = "") 
             type(exc).__name__,
             exc,
         )
-        return exc
+        return exc.with_traceback(None)  # kept in the cache: no frames held
     return None
 
 
