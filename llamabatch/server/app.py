@@ -42,6 +42,7 @@ from llamabatch import LLM, Embedder, SamplingParams
 from llamabatch.embed.reranker import Reranker
 from llamabatch.runtime.metrics import PrometheusListener
 from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
+from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits, read_json
 from llamabatch.server.protocol import (
     APIError,
@@ -192,6 +193,7 @@ def create_app(
     cors_origins: Sequence[str] | None = None,
     reranker: Reranker | None = None,
     rerank_model_name: str | None = None,
+    client_policy: ClientPolicy | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
 
@@ -214,6 +216,9 @@ def create_app(
             none, and no CORS headers are sent.
         reranker, rerank_model_name: a ``Reranker`` serving ``/v1/rerank`` and ``/rerank``
             (llama-server's / Jina's format), and its ``id`` (default: the GGUF file stem).
+        client_policy: what becomes of a body's ``priority`` and how many completions one
+            client may have in flight (``server/client_policy.py``); default: priorities
+            ignored, half the queue per client.
     """
     server = OpenAIServer(
         llm,
@@ -258,6 +263,9 @@ def create_app(
         return json_response(error.body(), exc.status_code, dict(exc.headers or {}))
 
     middleware = [Middleware(EdgeGuard, limits=limits if limits is not None else ServerLimits())]
+    if llm is not None:
+        policy = (client_policy or ClientPolicy()).resolved(llm.max_queue, llm.n_parallel)
+        middleware.append(Middleware(ClientShare, policy=policy))
     if cors_origins:
         middleware.append(
             Middleware(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from llamabatch import SamplingParams
-from llamabatch.server import prepare
+from llamabatch.server import client_policy, prepare
 from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
 from llamabatch.server.protocol import (
     APIError,
@@ -83,7 +83,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     params = setup.params
     prepare.check_queue_room(llm, 1, params.n)
     stream, include_usage = server.stream_options(body)
-    priority = body.get("priority", "int", minimum=-(2**31), maximum=2**31 - 1) or 0  # lower first (vLLM)
+    priority = client_policy.request_priority(request, body, params.n)  # --client-priority, per-client share
     body.warn_unknown()
     if stream:
         gen = await primed(generate_all(llm, [tokens], params, priority), request.receive)

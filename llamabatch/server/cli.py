@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="completions one client (peer address) may have queued or running; more get 429 "
-        "(default: a quarter of --max-queue, plus --n-parallel)",
+        "(default: half of --max-queue, plus --n-parallel)",
     )
 
 

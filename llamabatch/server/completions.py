@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from llamabatch import SamplingParams
-from llamabatch.server import prepare
+from llamabatch.server import client_policy, prepare
 from llamabatch.server.protocol import (
     APIError,
     bad_request,
@@ -62,7 +62,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
     stream, include_usage = server.stream_options(body)
-    priority = body.get("priority", "int", minimum=-(2**31), maximum=2**31 - 1) or 0  # lower first (vLLM)
+    priority = client_policy.request_priority(request, body, len(prompts) * params.n)  # --client-priority
     body.warn_unknown()
     detokenize = llm.model.detokenize
     texts = (
