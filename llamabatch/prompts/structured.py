@@ -4,26 +4,21 @@ The grammar is what enforces the structure: llama.cpp's grammar sampler masks ev
 that would leave the language, so even a random-weight model writes valid JSON, and once the
 value is complete only an end-of-generation token is allowed.
 
-The JSON-schema converter is the one shipped with the pinned dependency
-(``llama_cpp.llama_grammar.json_schema_to_gbnf``, a port of llama.cpp's own converter). Its
-module is loaded from its file rather than imported as ``llama_cpp.llama_grammar``: importing
-the ``llama_cpp`` package would load its ctypes binding, which installs its own llama.cpp log
-callback over llamabatch's.
+The converter is llamabatch's own (``prompts/schema_grammar.py``, patterns through
+``prompts/schema_regex.py``): its work is linear in the schema and bounded by a budget.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 from collections.abc import Mapping
 from functools import lru_cache
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from llamabatch.prompts.grammar_check import GrammarLimits, check_grammar, get_grammar_limits
+from llamabatch.prompts.schema_grammar import JSON_OBJECT_GBNF, schema_to_gbnf
 
 __all__ = [
     "check_schema",
@@ -34,68 +29,6 @@ __all__ = [
 ]
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-
-
-@lru_cache(maxsize=1)
-def _grammar_module() -> ModuleType:
-    spec = importlib.util.find_spec("llama_cpp")  # locates the package without running it
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = Path(location) / "llama_grammar.py"
-        if path.is_file():
-            module_spec = importlib.util.spec_from_file_location("llamabatch._llama_cpp_grammar", path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-            if callable(getattr(module, "_build_repetition", None)):
-                setattr(module, "_build_repetition", _build_repetition)  # noqa: B010 (this private copy only)
-            return module
-    raise ImportError(
-        "structured output needs llama_cpp/llama_grammar.py from the llama-cpp-python package, "
-        "which was not found"
-    )
-
-
-def _build_repetition(
-    item_rule: str,
-    min_items: int,
-    max_items: int | None,
-    separator_rule: str | None = None,
-    item_rule_is_literal: bool = False,
-) -> str:
-    """The converter's repetition, written with GBNF's ``{m,n}``.
-
-    The converter spells ``x{0,n}`` as ``n`` nested groups ``(x (x (x ...)?)?)?``: llama.cpp's
-    parser recurses once per group, so a ``maxLength`` of 50,000 overflowed its stack.
-    llama.cpp expands ``{m,n}`` itself into a chain of rules that does not nest (and
-    ``check_grammar`` bounds ``m`` and ``n``). Same language, same call signature."""
-    del item_rule_is_literal  # a quoted literal repeats as a whole under {m,n} too
-    if separator_rule is None:
-        if max_items is None:
-            return (
-                f"{item_rule}*"
-                if min_items == 0
-                else f"{item_rule}+"
-                if min_items == 1
-                else (f"{item_rule}{{{min_items},}}")
-            )
-        if max_items == 0:
-            return ""
-        if min_items == 0 and max_items == 1:
-            return f"{item_rule}?"
-        if min_items == max_items:
-            return f"{item_rule}{{{min_items}}}"
-        return f"{item_rule}{{{min_items},{max_items}}}"
-    more = f"({separator_rule} {item_rule})"
-    if max_items is None:
-        if min_items == 0:
-            return f"({item_rule} {more}*)?"
-        return f"{item_rule} {more}{{{min_items - 1},}}"
-    if max_items == 0:
-        return ""
-    if min_items == 0:
-        return f"({item_rule} {more}{{0,{max_items - 1}}})?"
-    return f"{item_rule} {more}{{{min_items - 1},{max_items - 1}}}"
 
 
 # -- schema validation ---------------------------------------------------------------------
@@ -281,7 +214,7 @@ def _check_ref(ref: Any, path: str, root: Any, what: str) -> None:
 
 def json_object_grammar() -> str:
     """A GBNF grammar of any JSON object (OpenAI's ``{"type": "json_object"}``)."""
-    return _grammar_module().JSON_GBNF
+    return JSON_OBJECT_GBNF
 
 
 def json_schema_grammar(schema: Mapping[str, Any] | str, *, what: str = "json_schema") -> str:
@@ -317,7 +250,7 @@ def json_schema_grammar(schema: Mapping[str, Any] | str, *, what: str = "json_sc
             f"{what}: the schema is {len(text)} bytes as JSON, above the limit of {limits.max_bytes} "
             "(GrammarLimits.max_bytes)"
         )
-    grammar = _convert(text, what)
+    grammar = _convert(text, what, limits)
     check_grammar(grammar, what=f"{what} (the grammar made from it)", limits=limits)
     return grammar
 
@@ -326,22 +259,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-# The converter's string character rule lets raw control characters (U+0000..U+001F) into
-# strings, which JSON forbids (llama.cpp's own converter has since excluded them, as the
-# generic JSON grammar shipped beside it does): narrow that one rule.
-_LOOSE_CHAR_RULE = re.compile(r'^char ::= \[\^"\\\\\] \|', re.MULTILINE)
-_STRICT_CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] |'
-
-
 @lru_cache(maxsize=128)
-def _convert(schema_json: str, what: str) -> str:
+def _convert(schema_json: str, what: str, limits: GrammarLimits) -> str:
     try:
-        grammar = _grammar_module().json_schema_to_gbnf(schema_json)
-    except ImportError:
-        raise
-    except Exception as exc:  # the converter raises assorted errors on what it cannot express
-        raise ValueError(f"{what}: cannot convert the JSON schema to a grammar: {exc}") from None
-    return _LOOSE_CHAR_RULE.sub(lambda _: _STRICT_CHAR_RULE, grammar)
+        return schema_to_gbnf(json.loads(schema_json), what=what, limits=limits)
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+        # a keyword of the wrong type where check_schema does not look (inside a $ref target)
+        raise ValueError(f"{what}: cannot convert the JSON schema to a grammar: {exc!r:.200}") from None
 
 
 def response_format_grammar(

@@ -1,0 +1,439 @@
+"""The JSON-schema → GBNF converter (``prompts/schema_grammar.py``, ``prompts/schema_regex.py``).
+
+Conversion must end, fast, on every input: a pattern with a stray ``]`` or ``}`` once made the
+converter loop forever, and a schema with many optional properties took time cubic in their
+number. Whatever could hang runs in a child process with a timeout, so a regression fails the
+test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llamabatch import SamplingParams
+from llamabatch.prompts.grammar_check import check_grammar
+from llamabatch.prompts.structured import json_schema_grammar
+
+STRAY_BRACKETS = ["^a]$", "^}$", "^\\{.*}$"]
+
+
+def _run_child(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter; a hang is a failure, not a stalled suite."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the child did not finish within {timeout} s (a conversion hangs)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_stray_brackets_in_patterns_terminate() -> None:
+    """A ``]`` or ``}`` outside a class is a literal (as in Python's ``re``), through every
+    field that takes a schema."""
+    out = _run_child(
+        f"""
+        import json
+        from llamabatch import SamplingParams
+        from llamabatch.toolcalls.base import arguments_rules, ToolSpec
+        for pattern in {STRAY_BRACKETS!r}:
+            schema = {{"type": "string", "pattern": pattern}}
+            SamplingParams(json_schema=schema)
+            spec = {{"name": "x", "schema": schema}}
+            SamplingParams(response_format={{"type": "json_schema", "json_schema": spec}})
+            obj = {{"type": "object", "properties": {{"a": schema}}, "required": ["a"]}}
+            arguments_rules([ToolSpec(name="f", description="", parameters=obj)])
+        print("done")
+        """,
+        timeout=30,
+    )
+    assert out.strip() == "done"
+
+
+GENERATED_PATTERNS = [
+    "^a]$",
+    "^}$",
+    "^\\{[a-z]{0,5}}$",
+    "^[A-Z]{2}-\\d{1,3}$",
+    '^"\\\\[^a-z]{1,3}$',
+    "^(x|yz){1,3}$|^$",
+    "^.{1,4}$",
+    "^[\\s\\S]{2}$",
+    "^[\\x00-\\x1f\\u2028]{1,2}$",
+]
+
+MIXED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "day": {"type": "string", "format": "date"},
+        "code": {"type": "string", "pattern": "^\\{.{0,3}}$"},
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}]},
+        "either": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/small"}]},
+        "both": {
+            "allOf": [{"$ref": "#/$defs/small"}, {"properties": {"z": {"const": True}}, "required": ["z"]}]
+        },
+    },
+    "required": ["code", "both"],
+    "additionalProperties": False,
+    "$defs": {
+        "small": {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 3}},
+        }
+    },
+}
+
+
+def test_generated_values_validate() -> None:
+    """A random-weight model under these schemas writes JSON that validates (the patterns
+    through Python's ``re``, as ``jsonschema`` checks them): the grammar is a subset of each."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from llamabatch import LLM
+    from llamabatch.gguf.testing import model_path
+
+    schemas = [{"type": "string", "pattern": p} for p in GENERATED_PATTERNS] + [MIXED]
+    prompts = ["Write JSON:", "{"]
+    with LLM(model_path("tiny"), n_ctx=2048, n_parallel=4, n_threads=1) as llm:
+        for schema in schemas:
+            params = SamplingParams(
+                json_schema=schema, max_tokens=300, temperature=1.0, top_k=0, seed=11, n=2
+            )
+            for out in llm.generate(prompts, params, use_tqdm=False):
+                for completion in out.outputs:
+                    assert completion.finish_reason == "stop", (schema, completion.text)
+                    jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        ("^a(?=b)b$", "lookahead"),
+        ("^(a)\\1$", "backreferences"),
+        ("^(?P<x>a)(?P=x)$", "backreferences"),
+        ("^a*+$", "possessive"),
+        ("^(?>a)$", "atomic"),
+        ("^\\bx$", "assertion"),
+        ("^(a*)*$", "empty string"),
+        ("^a$b$", "anchors"),
+        ("^(^a)$", "anchors"),
+    ],
+)
+def test_inexpressible_patterns_are_refused(pattern: str, reason: str) -> None:
+    with pytest.raises(
+        ValueError, match=r"^SamplingParams\.json_schema: pattern at \$\.properties\.p"
+    ) as info:
+        SamplingParams(
+            json_schema={"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+        )
+    assert reason in str(info.value)
+
+
+def test_tool_parameters_errors_name_the_tool() -> None:
+    from llamabatch.toolcalls.base import ToolSpec, arguments_rules
+
+    bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a$"}}}
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters: pattern at \$\.properties\.a"):
+        arguments_rules([ToolSpec(name="f", description="", parameters=bad)])
+
+
+def _optional_properties(n: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {f"property_{i}": {"type": ["string", "integer"]} for i in range(n)},
+        "additionalProperties": False,
+    }
+
+
+def test_many_optional_properties_convert_fast() -> None:
+    """700 optional properties: 14 s with the cubic converter; a generous bound here (the
+    benchmark in ``asv_bench/benchmarks/bench_schema_grammar.py`` measures)."""
+    out = _run_child(
+        f"""
+        import time
+        from llamabatch.prompts.structured import json_schema_grammar
+        schema = {_optional_properties(700)!r}
+        start = time.perf_counter()
+        try:
+            json_schema_grammar(schema)
+        except ValueError:
+            pass
+        print(time.perf_counter() - start)
+        """,
+        timeout=60,
+    )
+    assert float(out) < 3.0, out
+
+
+def test_optional_properties_grow_linearly() -> None:
+    """Rules and text grow linearly; the leftmost-reference chain (``max_ref_depth``) with log n."""
+    sizes = {}
+    for n in (10, 100, 400):
+        grammar = json_schema_grammar(_optional_properties(n))
+        stats = check_grammar(grammar)
+        sizes[n] = len(grammar)
+        assert stats.ref_depth < 40, (n, stats)
+    assert sizes[400] / 400 < 2 * sizes[10] / 10  # bytes per property within 2x
+
+
+def test_optional_properties_in_declared_order() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"const": 1}, "b": {"const": 2}, "c": {"const": 3}, "d": {"const": 4}},
+        "required": ["b"],
+        "additionalProperties": False,
+    }
+    grammar = json_schema_grammar(schema)
+    allowed = _language(grammar)
+    assert allowed == {
+        '{"b":2}', '{"a":1,"b":2}', '{"b":2,"c":3}', '{"b":2,"d":4}', '{"a":1,"b":2,"c":3}',
+        '{"a":1,"b":2,"d":4}', '{"b":2,"c":3,"d":4}', '{"a":1,"b":2,"c":3,"d":4}',
+    }  # fmt: skip
+
+
+def _language(grammar: str, limit: int = 200) -> set[str]:
+    """Every string a small, finite grammar generates, with the optional space left out.
+
+    A naive expansion of the GBNF subset the converter writes for constants and objects."""
+    rules = {}
+    for line in grammar.splitlines():
+        name, _, body = line.partition(" ::= ")
+        rules[name] = body
+    rules["space"] = '""'
+
+    def alternatives(body: str) -> list[list[str]]:
+        out, current, depth, token = [], [], 0, ""
+        i = 0
+        tokens = re.findall(r'"(?:\\.|[^"\\])*"\??|\(|\)\??|\||[^\s()|]+', body)
+        del i, token
+        for tok in tokens:
+            if tok == "|" and depth == 0:
+                out.append(current)
+                current = []
+                continue
+            depth += tok.count("(") - tok.count(")") if not tok.startswith('"') else 0
+            current.append(tok)
+        out.append(current)
+        return out
+
+    def expand(seq: list[str]) -> set[str]:
+        results = {""}
+        i = 0
+        while i < len(seq):
+            tok = seq[i]
+            if tok == "(":
+                depth, j = 1, i + 1
+                while depth:
+                    depth += seq[j] == "(" or -(seq[j].startswith(")"))
+                    j += 1
+                inner = " ".join(seq[i + 1 : j - 1])
+                group: set[str] = set()
+                for alt in alternatives(inner):
+                    group |= expand(alt)
+                if seq[j - 1] == ")?":
+                    group.add("")
+                i = j
+            elif tok.startswith('"'):
+                optional = tok.endswith("?")
+                group = {json.loads(tok.rstrip("?"))}
+                if optional:
+                    group.add("")
+                i += 1
+            else:
+                optional = tok.endswith("?")
+                group = set()
+                for alt in alternatives(rules[tok.rstrip("?")]):
+                    group |= expand(alt)
+                if optional:
+                    group.add("")
+                i += 1
+            results = {a + b for a in results for b in group}
+            assert len(results) <= limit
+        return results
+
+    out: set[str] = set()
+    for alt in alternatives(rules["root"]):
+        out |= expand(alt)
+    return out
+
+
+# -- the fuzz: every conversion ends, in bounded time, with a checked grammar or a ValueError ----
+
+_PATTERN_PIECES = [
+    "a", "b", "]", "}", "{", "{2}", "{1,3}", "{,2}", "*", "+", "?", "*?", "|", "(", ")", "(?:", "[",
+    "[^", "[]", "-", "\\", "\\d", "\\w", "\\s", "\\.", "\\{", "\\}", "\\]", ".", "^", "$", "é", '"',
+    "\\x00", "\\u2028", "(?=", "(?P<n>", "\\1", "{0,1000}",
+]  # fmt: skip
+
+
+_CONSTANTS = [1, "a", None, [1], {"k": "v"}, "é\n", "\u2028"]
+
+
+@st.composite
+def _patterns(draw: st.DrawFn) -> str:
+    body = "".join(draw(st.lists(st.sampled_from(_PATTERN_PIECES), max_size=12)))
+    return draw(st.sampled_from(["^{}$", "^{}", "{}$", "^({})$"])).format(body)
+
+
+@st.composite
+def _schemas(draw: st.DrawFn, depth: int = 0) -> Any:
+    leaf = [
+        {"type": "string", "pattern": draw(_patterns())},
+        {"type": draw(st.sampled_from(["string", "integer", "number", "boolean", "null"]))},
+        {
+            "enum": draw(
+                st.lists(st.sampled_from([1, "a", None, [1], {"k": "v"}, "é\n"]), min_size=1, max_size=3)
+            )
+        },
+        {"type": "string", "format": draw(st.sampled_from(["date", "time", "date-time", "uuid", "email"]))},
+        {"type": "string", "minLength": draw(st.integers(0, 3)), "maxLength": draw(st.integers(3, 6))},
+        {"$ref": "#/$defs/d"},
+        {},
+    ]
+    if depth >= 3:
+        return draw(st.sampled_from(leaf))
+    kind = draw(st.sampled_from(["leaf", "leaf", "object", "array", "anyOf", "allOf", "types"]))
+    if kind == "object":
+        names = draw(st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5))
+        schema: dict[str, Any] = {
+            "type": "object",
+            "properties": {n: draw(_schemas(depth + 1)) for n in names},
+            "required": draw(st.lists(st.sampled_from(names), unique=True)) if names else [],
+        }
+        extra = draw(st.sampled_from([None, False, True, {"type": "integer"}]))
+        if extra is not None:
+            schema["additionalProperties"] = extra
+        return schema
+    if kind == "array":
+        schema = {"type": "array", "items": draw(_schemas(depth + 1))}
+        if draw(st.booleans()):
+            schema["prefixItems"] = [draw(_schemas(depth + 1))]
+        lo = draw(st.integers(0, 3))
+        schema["minItems"] = lo
+        if draw(st.booleans()):
+            schema["maxItems"] = lo + draw(st.integers(0, 3))
+        return schema
+    if kind == "anyOf":
+        return {"anyOf": draw(st.lists(_schemas(depth + 1), min_size=1, max_size=3))}
+    if kind == "allOf":
+        return {"allOf": draw(st.lists(_schemas(depth + 1), min_size=1, max_size=3))}
+    if kind == "types":
+        return {
+            "type": draw(st.lists(st.sampled_from(["string", "null", "object"]), min_size=1, unique=True))
+        }
+    return draw(st.sampled_from(leaf))
+
+
+def _draw(strategy: st.SearchStrategy, n: int) -> list[Any]:
+    out: list[Any] = []
+
+    @settings(
+        max_examples=n,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(value: Any) -> None:
+        out.append(value)
+
+    collect()
+    return out[:n]
+
+
+FUZZ_CHILD = """
+import json, sys, time
+from llamabatch.prompts.grammar_check import check_grammar
+from llamabatch.prompts.structured import json_schema_grammar
+worst = 0.0
+for schema in json.loads(sys.stdin.read()):
+    schema.setdefault("$defs", {"d": {"type": "array", "items": {"$ref": "#/$defs/d"}, "maxItems": 2}})
+    start = time.perf_counter()
+    try:
+        grammar = json_schema_grammar(schema)
+    except ValueError as exc:
+        assert str(exc).startswith("json_schema"), exc
+    else:
+        check_grammar(grammar)
+    worst = max(worst, time.perf_counter() - start)
+print(worst)
+"""
+
+
+def test_fuzz_conversions_terminate() -> None:
+    """Random schemas and patterns (stray brackets, nested groups, quantifiers): each
+    conversion ends within a bound with a grammar ``check_grammar`` accepts, or a ValueError."""
+    schemas = _draw(_schemas(), 150) + [{"type": "string", "pattern": p} for p in _draw(_patterns(), 150)]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", FUZZ_CHILD],
+            input=json.dumps(schemas),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a conversion did not finish within 60 s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout) < 2.0, done.stdout
+
+
+def _distributed(levels: int, width: int) -> dict[str, Any]:
+    """allOf over anyOf, level after level: width**levels combinations to visit, each the same."""
+    defs = {}
+    for level in range(levels):
+        below = [{"$ref": f"#/$defs/l{level + 1}"}] if level + 1 < levels else []
+        part = {"allOf": [{"properties": {f"x{level}": {"const": 1}}}, *below]}
+        defs[f"l{level}"] = {"anyOf": [dict(part) for _ in range(width)]}
+    return {"allOf": [{"$ref": "#/$defs/l0"}], "$defs": defs}
+
+
+def test_conversion_budget_is_a_value_error() -> None:
+    out = _run_child(
+        f"""
+        import time
+        from llamabatch import SamplingParams
+        start = time.perf_counter()
+        try:
+            SamplingParams(json_schema={_distributed(10, 6)!r})
+        except ValueError as exc:
+            print(time.perf_counter() - start, exc)
+        """,
+        timeout=60,
+    )
+    seconds, message = out.split(" ", 1)
+    assert message.startswith("SamplingParams.json_schema: ") and "exceeds the conversion budget" in message
+    assert float(seconds) < 10
+
+
+def test_self_references_end() -> None:
+    loop = {
+        "$ref": "#/$defs/a",
+        "$defs": {"a": {"allOf": [{"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}]}},
+    }
+    with pytest.raises(ValueError, match=r"^SamplingParams\.json_schema: the schema nests deeper"):
+        SamplingParams(json_schema=loop)
+    itself = {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}}
+    assert SamplingParams(json_schema=itself).effective_grammar  # a and a is a: any value
+    tree = {
+        "$ref": "#/$defs/node",
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+                "additionalProperties": False,
+            }
+        },
+    }
+    check_grammar(json_schema_grammar(tree))
