@@ -11,12 +11,14 @@ from llamabatch.errors import (
     ContextError,
     DecodeError,
     EngineClosed,
+    GrammarDeadEnd,
     KVCacheFull,
     LlamaBatchError,
     ModelLoadError,
     PromptTooLong,
     QueueFull,
     RequestCancelled,
+    RequestTooLarge,
 )
 from llamabatch.generate.llm import LLM
 from llamabatch.generate.llm_engine import LLMEngine
@@ -47,6 +49,7 @@ __all__ = [
     "EngineClosed",
     "EngineConfig",
     "GenerationStats",
+    "GrammarDeadEnd",
     "KVCacheFull",
     "LLMEngine",
     "LlamaBatchError",
@@ -59,6 +62,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "RequestStatus",
+    "RequestTooLarge",
     "Reranker",
     "SamplingParams",
     "StepOutput",

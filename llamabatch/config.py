@@ -163,6 +163,10 @@ class EngineConfig(OptionsConfig):
             or a strategy object (see ``llamabatch.strategies``).
         max_queue: requests allowed to wait for a slot; beyond it ``submit`` raises
             ``QueueFull``.
+        max_request_memory_mb: the most memory one request may be estimated to take, in MiB
+            (default 1024): a grammar parser per running completion, and every completion's
+            ``max_tokens`` tokens with their log-probabilities
+            (``generate/request_memory.py``); beyond it ``submit`` raises ``RequestTooLarge``.
         n_threads, n_threads_batch: CPU threads for llama.cpp (default: all cores).
         n_gpu_layers: layers to offload to a GPU (-1: all; needs a GPU build).
         flash_attn: ``True``, ``False`` or ``None``/``"auto"`` (default: chosen at load with
@@ -269,6 +273,16 @@ class EngineConfig(OptionsConfig):
     max_queue: int = field(
         default=1024,
         metadata=flag("--max-queue", type=positive_int, help="requests waiting for a slot (then QueueFull)"),
+    )
+    max_request_memory_mb: int = field(
+        default=1024,
+        metadata=flag(
+            "--max-request-memory-mb",
+            type=positive_int,
+            metavar="MiB",
+            help="the most memory one request may be estimated to take: grammar parsers x running "
+            "completions, n x max_tokens tokens x logprobs (then a 400; default 1024)",
+        ),
     )
     n_threads: int | None = field(
         default=None,
@@ -390,7 +404,7 @@ class EngineConfig(OptionsConfig):
 
         object.__setattr__(self, "speculative_config", validate_speculative_config(self.speculative_config))
 
-        for name in ("n_parallel", "n_batch", "chunk_size", "max_queue"):
+        for name in ("n_parallel", "n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))
         if self.n_ctx is not None:
             check_positive_int("n_ctx", self.n_ctx)

@@ -51,3 +51,17 @@ class EngineClosed(LlamaBatchError):
 
 class RequestCancelled(LlamaBatchError):
     """The request was cancelled before it produced a result."""
+
+
+class GrammarDeadEnd(LlamaBatchError, ValueError):
+    """A request's own constraints stopped its generation: its grammar, with ``min_tokens``,
+    ``stop_token_ids``, ``logit_bias`` and the model's vocabulary, admits no next token, or the
+    grammar grew too ambiguous (``GrammarLimits.max_live_stacks``). The request caused it, not
+    the engine: the completion ends with ``finish_reason="error"`` and ``error_type`` this
+    class, and the server answers 400."""
+
+
+class RequestTooLarge(LlamaBatchError, ValueError):
+    """A request's estimated memory (its grammar's parser per completion, and its outputs:
+    ``n`` x ``max_tokens`` tokens with their log-probabilities) exceeds the engine's
+    ``max_request_memory_mb``; refused at submit."""

@@ -66,9 +66,11 @@ class CompletionOutput:
 
     ``finish_reason`` is ``"stop"`` (end-of-generation token or a stop string),
     ``"length"`` (``max_tokens`` or the sequence's context is full), ``"cancelled"`` or
-    ``"error"`` (then ``error`` says why), or, for a chat answer that ends in tool calls,
-    ``"tool_calls"``. ``tool_calls`` are the calls read from a chat answer (its ``text`` is then
-    the content before them) and ``reasoning`` its ``<think>`` block, when the model thinks.
+    ``"error"`` (then ``error`` says why, and ``error_type`` is the class of the exception
+    that ended it: a ``GrammarDeadEnd`` is the request's own doing), or, for a chat answer
+    that ends in tool calls, ``"tool_calls"``. ``tool_calls`` are the calls read from a chat
+    answer (its ``text`` is then the content before them) and ``reasoning`` its ``<think>``
+    block, when the model thinks.
     ``logprobs``, when asked for, holds one dict
     per generated token mapping token id to log-probability (the sampled token and the N
     most likely ones).
@@ -87,6 +89,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
+    error_type: type[Exception] | None = None
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,9 @@ class FakeSampler:
     """A stand-in for ``SamplerChain`` over a fake context: a seeded RNG and a repeat
     penalty history that carry over from call to call (as llama.cpp's chain does)."""
 
-    def __init__(self, model: FakeModel, params: Any, *, n_ctx: int | None = None) -> None:
+    def __init__(
+        self, model: FakeModel, params: Any, *, n_ctx: int | None = None, max_live_stacks: int = 0
+    ) -> None:
         self.model = model
         self.params = params
         self.rng = np.random.default_rng(params.seed if params.seed is not None else 0)
@@ -671,6 +673,7 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
     built is kept as ``engine.context``."""
     import llamabatch.generate.core as engine
     import llamabatch.generate.llm_engine as llm_engine
+    import llamabatch.generate.request_memory as request_memory
 
     model = model or FakeModel()
 
@@ -683,5 +686,5 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
 
     monkeypatch.setattr(llm_engine, "Model", make_model)
     monkeypatch.setattr(engine, "Context", make_context)
-    monkeypatch.setattr(llm_engine, "SamplerChain", FakeSampler)
+    monkeypatch.setattr(request_memory, "SamplerChain", FakeSampler)
     return model

@@ -170,6 +170,7 @@ DEFAULTS = {
     "target_itl_ms": None,
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
+    "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)
     "speculative_config": None,  # off; {"method": "ngram" | "draft_model", ...} (generate/spec_config.py)
 }
 
@@ -193,6 +194,7 @@ def test_config_defaults_and_frozen():
         ({"n_batch": 1.5}, "n_batch"),
         ({"chunk_size": True}, "chunk_size"),
         ({"max_queue": 0}, "max_queue"),
+        ({"max_request_memory_mb": 0}, "max_request_memory_mb"),
         ({"kv_unified": 1}, r"kv_unified must be True, False or None \(chosen at load\)"),
         ({"prefix_cache": "no"}, "prefix_cache must be True or False"),
         ({"validate": None}, "validate must be True or False"),
@@ -203,9 +205,9 @@ def test_config_defaults_and_frozen():
         ({"type_k": "q3"}, "type_k must be one of"),
         ({"type_v": "q4_0", "flash_attn": False}, "needs flash attention"),
         ({"cache_ram": -1}, "cache_ram must be an int >= 0"),
+        ({"prefix_cache_dir_max_mb": 0}, "prefix_cache_dir_max_mb"),
         ({"prefix_cache_dir": 3}, "prefix_cache_dir must be a directory path"),
         ({"speculative_config": {"method": "ngram", "k": 3}}, r"speculative_config: unknown keys \['k'\]"),
-        ({"prefix_cache_dir_max_mb": 0}, "prefix_cache_dir_max_mb"),
     ],
 )
 def test_config_checks_name_the_option(options, message):

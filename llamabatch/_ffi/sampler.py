@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from llamabatch._ffi import BUILD, ffi, lib
 from llamabatch._ffi.model import Model
+from llamabatch.errors import GrammarDeadEnd
 
 if TYPE_CHECKING:  # the binding imports nothing above it; params are only read
     from llamabatch.params import SamplingParams
@@ -23,10 +24,14 @@ class SamplingError(RuntimeError):
     llamabatch's C++ helper); the engine ends that request with ``finish_reason="error"``."""
 
 
-class NoTokenAllowed(SamplingError):
+class NoTokenAllowed(SamplingError, GrammarDeadEnd):
     """A grammar request reached a state where its grammar (with the other constraints:
     ``min_tokens``, ``logit_bias`` bans, the vocabulary) admits no token. llama.cpp would throw
     a C++ exception out of sampling and end the process; the engine ends the request instead."""
+
+
+class GrammarTooAmbiguous(SamplingError, GrammarDeadEnd):
+    """A grammar request's parse stacks grew past ``GrammarLimits.max_live_stacks``."""
 
 
 #: characters std::regex (ECMAScript) gives a meaning; escaped in trigger words
@@ -164,13 +169,19 @@ class SamplerChain:
             )
         message = ffi.string(error).decode(errors="replace")
         if token == -3:
-            raise SamplingError(
+            raise GrammarTooAmbiguous(
                 f"the grammar is too ambiguous: {message} after this token, above the limit of "
                 f"{self._max_stacks} (GrammarLimits.max_live_stacks)"
             )
         raise SamplingError(f"llama.cpp failed while sampling: {message}")
 
+    @property
+    def closed(self) -> bool:
+        """Whether the chain was freed (``close``)."""
+        return self._ptr == ffi.NULL
+
     def close(self) -> None:
+        """Free the chain (its grammar with it) now; idempotent."""
         if self._ptr != ffi.NULL:
             ffi.release(self._ptr)
             self._ptr = ffi.NULL

@@ -53,6 +53,7 @@ from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
 from llamabatch.generate.priority import enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
+from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
 from llamabatch.generate.speculative import speculator_for
 from llamabatch.outputs import FinishReason
@@ -199,6 +200,8 @@ class EngineCore:
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
         self.spec = speculator_for(config.speculative_config, self)
+        #: builds each completion's sampler chain at its admission (``request_memory.py``)
+        self.samplers = SamplerBuilder(model, self.n_ctx_seq)
         self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()
         self._batch_released = False
@@ -284,6 +287,8 @@ class EngineCore:
             self._admit()
         if self.table.busy_slots:
             self._tick()
+        if not self.has_unfinished():
+            self.samplers.when_idle()
         return events
 
     def fail_all(self, reason: FinishReason, error: str | None = None) -> list[CoreOutput]:
@@ -354,6 +359,10 @@ class EngineCore:
             ):
                 break  # one more stream would push every tick over target_itl_ms
             del waiting[i]
+            error = self.samplers.attach(request)
+            if error is not None:  # a sampler that cannot be built ends its request, not the engine
+                self._end(request, "error", error)
+                continue
             self._start(request, tokens)
             admitting.append(tokens)
             n_idle -= 1
@@ -622,7 +631,7 @@ class EngineCore:
             except SamplingError as exc:  # a grammar at a dead end: end this request only
                 if n_before >= 0:
                     raise  # (speculation emits the tokens sampled before it first)
-                self._finish(slot, "error", error=str(exc))
+                self._finish(slot, "error", error=exc)
                 return None
         logprobs = request.state.logprobs
         if logprobs is not None and n_before < 0:
@@ -678,7 +687,7 @@ class EngineCore:
     # -- the end of a request -------------------------------------------------------------
 
     def _finish(
-        self, slot: int, reason: FinishReason, error: str | None = None, stop_reason: Any = None
+        self, slot: int, reason: FinishReason, error: str | Exception | None = None, stop_reason: Any = None
     ) -> None:
         request = self.slots.release(slot)
         if request is None:
@@ -688,7 +697,11 @@ class EngineCore:
         self._end(request, reason, error, stop_reason)
 
     def _end(
-        self, request: Request, reason: FinishReason, error: str | None = None, stop_reason: Any = None
+        self,
+        request: Request,
+        reason: FinishReason,
+        error: str | Exception | None = None,
+        stop_reason: Any = None,
     ) -> None:
         if self.spec is not None:
             self.spec.release(request)

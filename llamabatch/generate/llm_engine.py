@@ -11,22 +11,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from typing_extensions import Unpack
 
 from llamabatch._ffi.model import Model
-from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
+from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
-from llamabatch.prompts.grammar_check import get_grammar_limits
 from llamabatch.prompts.inputs import check_token_ids, normalize_prompt
 from llamabatch.runtime.telemetry import GenerationStats, Listener, Telemetry
 from llamabatch.toolcalls.host import (
@@ -197,11 +195,16 @@ class EngineHost:
         priority: int = 0,
     ) -> list[Request]:
         """The requests of one prompt: ``params.n`` completions sharing one request id
-        (and ``priority``: lower runs first)."""
+        (and ``priority``: lower runs first). Their samplers are built at admission
+        (``generate/request_memory.py``); a bad grammar, a token id outside the vocabulary or a
+        request over ``max_request_memory_mb`` raises here, at the caller."""
         priority = check_priority(priority)
         params = SamplingParams.coerce(params) if params is not None else _DEFAULT_PARAMS
         if params.n > self.max_queue:  # refused before any sampler is built
             raise QueueFull(f"n={params.n} completions cannot wait in a queue of max_queue={self.max_queue}")
+        check_sampling(
+            params, self.model.n_vocab, n_parallel=self.n_parallel, max_mb=self.config.max_request_memory_mb
+        )
         tokens, text = self.prompt_tokens(prompt, params)
         requests: list[Request] = []
         for i in range(params.n):
@@ -217,17 +220,8 @@ class EngineHost:
                 leader=requests[0] if i else None,
                 priority=priority,
             )
-            # Built on the caller's thread, so a bad grammar raises here.
-            live_stacks = get_grammar_limits().max_live_stacks
-            if not request.fast_greedy:
-                seeded = (
-                    params
-                    if params.seed is None or i == 0
-                    else replace(params, seed=(params.seed + i) % 2**32)
-                )
-                request.sampler = SamplerChain(
-                    self.model, seeded, n_ctx=self.n_ctx_seq, max_live_stacks=live_stacks
-                )
+            if i == 0:
+                check_sampler_builds(self.model, request, self.n_ctx_seq)
             requests.append(request)
         return requests
 

@@ -154,6 +154,7 @@ class OutputState:
             index=request.index,
             error=request.error,
             stop_reason=request.stop_reason,
+            error_type=request.error_type,
         )
         return self.output
 
@@ -197,6 +198,7 @@ class Request:
         "admitted_order",
         "arrival",
         "error",
+        "error_type",
         "fast_greedy",
         "index",
         "kind",
@@ -271,6 +273,8 @@ class Request:
         self.spec_counts = [0, 0]
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        #: the class of the exception that ended the request (``GrammarDeadEnd``: its own doing)
+        self.error_type: type[Exception] | None = None
         self.state = OutputState(params, streaming=streaming, channel=channel)
         #: plain greedy with no state in the sampler chain: the engine takes the argmax
         self.fast_greedy = (
@@ -337,10 +341,14 @@ class Request:
         return self.prompt_tokens
 
     def finish(
-        self, reason: FinishReason, error: str | None = None, stop_reason: str | int | None = None
+        self,
+        reason: FinishReason,
+        error: str | Exception | None = None,
+        stop_reason: str | int | None = None,
     ) -> str | None:
         """End the request exactly once; returns the text released at the end, or None when
-        it had already ended.
+        it had already ended. ``error``: why it failed, a message or the exception (whose class
+        becomes the output's ``error_type``).
 
         Text still held back (an incomplete character, a possible stop-string start) is
         released unless a stop string ended the request."""
@@ -358,6 +366,9 @@ class Request:
         self.transition(RequestStatus.finished_with(reason))
         if self.sampler is not None:
             self.sampler.close()
+        if isinstance(error, Exception):
+            self.error_type = type(error)
+            error = str(error)
         self.error = error
         self.stop_reason = stop_reason
         state.complete(self, now)

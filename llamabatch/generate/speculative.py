@@ -472,7 +472,7 @@ class Speculator:
         d = len(idxs) - 1
         draft = st.draft[:d]
         tokens: list[int] = []
-        error: str | None = None
+        error: SamplingError | None = None
         if st.rule == "sampled":
             rows_logits = np.stack([core.context.logits_view(i) for i in idxs]).astype(np.float32)
             n_acc, nxt = self.drafter.verify(
@@ -484,7 +484,7 @@ class Speculator:
                 try:
                     token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
                 except SamplingError as exc:  # a grammar at a dead end: what came before is emitted
-                    error = str(exc)
+                    error = exc
                     break
                 assert token is not None
                 tokens.append(token)

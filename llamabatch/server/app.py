@@ -49,6 +49,7 @@ from llamabatch.server.protocol import (
     Body,
     TokenText,
     bad_request,
+    generation_error,
     now,
 )
 from llamabatch.server.streaming import (
@@ -177,7 +178,7 @@ class OpenAIServer:
     def raise_for_errors(outputs: Sequence[Any]) -> None:
         for out in outputs:
             if out.finish_reason == "error":
-                raise APIError(500, f"generation failed: {out.error}", type="server_error")
+                raise generation_error(out)
 
 
 def create_app(

@@ -16,11 +16,11 @@ from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
 from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
 from llamabatch.server.protocol import (
-    APIError,
     bad_request,
     chat_logprobs,
     chat_messages,
     finish_reason,
+    generation_error,
     new_id,
     now,
     sampling_params,
@@ -158,7 +158,7 @@ async def chat_events(
         if out is None:
             continue
         if out.finish_reason == "error":
-            yield sse_event(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+            yield sse_event(generation_error(out).body())
             continue
         lp = None
         if params.logprobs is not None and out.logprobs is not None:

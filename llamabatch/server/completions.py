@@ -14,11 +14,11 @@ from starlette.requests import Request
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
 from llamabatch.server.protocol import (
-    APIError,
     bad_request,
     completion_logprobs,
     completion_prompts,
     finish_reason,
+    generation_error,
     new_id,
     now,
     sampling_params,
@@ -137,7 +137,7 @@ async def completion_events(
         offsets[index] += len(text)
         if text or out is not None:
             if out is not None and out.finish_reason == "error":
-                yield sse_event(APIError(500, f"generation failed: {out.error}", type="server_error").body())
+                yield sse_event(generation_error(out).body())
                 continue
             yield chunk(
                 {

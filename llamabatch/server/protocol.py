@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from llamabatch import SamplingParams
+from llamabatch import CompletionOutput, GrammarDeadEnd, SamplingParams
 
 logger = logging.getLogger("llamabatch.server")
 
@@ -67,6 +67,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def generation_error(out: CompletionOutput) -> APIError:
+    """The answer to a completion that ended with ``finish_reason="error"``: a 400 when the
+    request's own constraints led there (``GrammarDeadEnd``: its grammar with ``min_tokens``,
+    ``stop_token_ids`` or ``logit_bias`` admits no token), else a 500."""
+    if out.error_type is not None and issubclass(out.error_type, GrammarDeadEnd):
+        message = f"the request's constraints stopped its generation: {out.error}"
+        return bad_request(message, code="grammar_dead_end")
+    return APIError(500, f"generation failed: {out.error}", type="server_error")
 
 
 def context_length_exceeded(limit: int, prompt: int, completion: int, param: str = "messages") -> APIError:

@@ -1,0 +1,143 @@
+"""What a request holds in memory, and when: its samplers are built at admission and freed at
+its end, and its estimated size is checked at submit against ``max_request_memory_mb``.
+
+A sampler chain with a grammar holds llama.cpp's parser of it: the rules, and a stack of rule
+positions per alternative being followed (about 10 bytes per byte of GBNF text, and up to
+megabytes for a deeply nested grammar). Built at submit for each of ``n`` completions, a queue
+of such requests held all their parsers while waiting. Here:
+
+- at submit, on the caller's thread, :func:`check_sampling` checks token ids against the
+  vocabulary and the request's estimated memory against the budget (``RequestTooLarge``), and
+  :func:`check_sampler_builds` builds the leader's chain once and frees it, so a grammar
+  llama.cpp refuses still raises at the caller;
+- :class:`SamplerBuilder`, owned by the engine core, builds a completion's chain when it is
+  admitted (on the engine's thread; a preempted completion keeps its chain and its state), and
+  after a flood of grammars, once the engine is idle, gives the freed heap back to the system
+  (``trim_heap``: glibc keeps freed small allocations otherwise). ``Request.finish`` frees the
+  chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llamabatch._ffi.heap import trim_heap
+from llamabatch._ffi.model import Model
+from llamabatch._ffi.sampler import SamplerChain
+from llamabatch.errors import RequestTooLarge
+from llamabatch.generate.request import Request, RequestKind
+from llamabatch.params import SamplingParams
+from llamabatch.prompts.grammar_check import check_grammar, get_grammar_limits
+
+__all__ = [
+    "SamplerBuilder",
+    "build_sampler",
+    "check_sampler_builds",
+    "check_sampling",
+    "check_vocabulary_ids",
+    "estimate_request_bytes",
+    "grammar_parser_bytes",
+]
+
+MIB = 1 << 20
+#: a generated token in its request and output: its id (twice), its time, its share of the text
+TOKEN_BYTES = 160
+#: one token's log-probability dict, empty, and per entry (measured with tracemalloc)
+LOGPROBS_DICT_BYTES, LOGPROB_ENTRY_BYTES = 232, 80
+#: grammar text built into parsers since the last heap trim above which the idle engine trims
+TRIM_AFTER_TEXT_BYTES = 1 << 20
+
+
+def grammar_parser_bytes(grammar: str) -> int:
+    """An upper estimate of the memory one llama.cpp parser of ``grammar`` takes: its text
+    (kept twice), its elements and rules, and its initial stacks (one per alternative entering
+    a rule, as deep as the longest chain of references). Measured 0.6 to 0.8 times this on
+    wide, deep, literal and JSON-like grammars."""
+    stats = check_grammar(grammar, what="SamplingParams.grammar")  # cached: checked at coerce
+    n_bytes = len(grammar.encode("utf-8", "surrogatepass"))
+    stacks = stats.max_stacks * (48 + 8 * stats.ref_depth)
+    return 2 * n_bytes + 16 * stats.n_elements + 48 * stats.n_rules + stacks
+
+
+def estimate_request_bytes(params: SamplingParams, n_parallel: int) -> int:
+    """The memory a request of ``params`` may hold at once: a grammar parser per running
+    completion (at most ``n_parallel`` run together: a waiting completion has none), and every
+    completion's output of ``max_tokens`` tokens with its log-probabilities."""
+    grammar = params.effective_grammar
+    parsers = 0 if grammar is None else min(params.n, n_parallel) * grammar_parser_bytes(grammar)
+    per_token = TOKEN_BYTES
+    if params.logprobs is not None:
+        per_token += LOGPROBS_DICT_BYTES + LOGPROB_ENTRY_BYTES * (params.logprobs + 1)
+    return parsers + params.n * params.max_tokens * per_token
+
+
+def check_vocabulary_ids(params: SamplingParams, n_vocab: int) -> None:
+    """``ValueError`` naming the field when ``stop_token_ids`` or ``logit_bias`` holds a token
+    id outside the vocabulary (``SamplingParams`` cannot know its size)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        for token in ids:
+            if token >= n_vocab:
+                raise ValueError(f"SamplingParams.{name}: token id {token} >= n_vocab {n_vocab}")
+
+
+def build_sampler(model: Model, params: SamplingParams, index: int, n_ctx_seq: int) -> SamplerChain:
+    """The sampler chain of completion ``index`` of a request (``seed + index``: completions
+    of one seeded request differ, reproducibly)."""
+    if params.seed is not None and index:
+        params = replace(params, seed=(params.seed + index) % 2**32)
+    return SamplerChain(model, params, n_ctx=n_ctx_seq, max_live_stacks=get_grammar_limits().max_live_stacks)
+
+
+def check_sampling(params: SamplingParams, n_vocab: int, *, n_parallel: int, max_mb: int) -> None:
+    """The submit-time checks of a request's sampling before its prompt is read: token ids
+    against the vocabulary (``ValueError`` naming the field), the estimated memory against
+    ``max_request_memory_mb`` (``RequestTooLarge``)."""
+    check_vocabulary_ids(params, n_vocab)
+    size = estimate_request_bytes(params, n_parallel)
+    if size > max_mb * MIB:
+        grammar = params.effective_grammar
+        raise RequestTooLarge(
+            f"the request may take about {-(-size // MIB)} MiB, above max_request_memory_mb={max_mb}: "
+            f"n={params.n} completions of up to max_tokens={params.max_tokens} tokens, "
+            f"logprobs={params.logprobs}"
+            + ("" if grammar is None else f", a grammar of {len(grammar)} characters")
+            + "; ask for fewer completions (n), tokens (max_tokens) or logprobs"
+        )
+
+
+def check_sampler_builds(model: Model, leader: Request, n_ctx_seq: int) -> None:
+    """Build the leader's sampler chain once and free it: a grammar llama.cpp refuses raises
+    here, at the caller (its completions' own chains are built at admission)."""
+    if not leader.fast_greedy:
+        build_sampler(model, leader.params, 0, n_ctx_seq).close()
+
+
+class SamplerBuilder:
+    """The engine core's: a completion's sampler chain, built when it is admitted."""
+
+    def __init__(self, model: Model, n_ctx_seq: int) -> None:
+        self.model = model
+        self.n_ctx_seq = n_ctx_seq
+        #: grammar text built into parsers since the heap was last trimmed
+        self.grammar_bytes_built = 0
+
+    def attach(self, request: Request) -> Exception | None:
+        """Give ``request`` its sampler chain unless it has one or needs none; the exception
+        when it cannot be built (the caller ends that request, not the engine)."""
+        if request.sampler is not None or request.fast_greedy or request.kind is RequestKind.PIN:
+            return None
+        try:
+            request.sampler = build_sampler(self.model, request.params, request.index, self.n_ctx_seq)
+        except Exception as exc:  # out of memory, or llama.cpp refusing what it took at submit
+            return exc
+        grammar = request.params.effective_grammar
+        if grammar is not None:
+            self.grammar_bytes_built += len(grammar)
+        return None
+
+    def when_idle(self) -> None:
+        """The engine has nothing left to do: after a flood of grammars, give the heap their
+        parsers took back to the system."""
+        if self.grammar_bytes_built >= TRIM_AFTER_TEXT_BYTES:
+            self.grammar_bytes_built = 0
+            trim_heap()
