@@ -196,10 +196,12 @@ def _finish_order(url: str, path: str, bodies: dict[str, dict]) -> list[str]:
 
 
 def _bodies(path: str) -> dict[str, dict]:
+    # long enough that the second answer ends well after the first (the client's threads see
+    # the ends with some delay of their own)
     if path == "/v1/completions":
-        base = {"prompt": "hello", "max_tokens": 4}
+        base = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True}
     else:
-        base = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        base = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 300, "ignore_eos": True}
     return {"first": {**base, "priority": 0}, "jumper": {**base, "priority": LOWEST}}
 
 
