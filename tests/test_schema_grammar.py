@@ -8,6 +8,7 @@ test instead of stalling the suite.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -277,31 +278,61 @@ _PATTERN_PIECES = [
 
 
 _CONSTANTS = [1, "a", None, [1], {"k": "v"}, "é\n", "\u2028"]
+_FORMATS = ["date", "time", "date-time", "uuid", "email"]
+
+
+_ATOMS = [
+    "a", "b", "]", "}", "{", '"', "\\\\", "é", "\\d", "\\w", "\\s", "\\D", ".", "[a-c]", "[^a]", "[]x]",
+    "[\\]-]", "\\{", "\\x00", "\\n", "[\\s\\S]",
+]  # fmt: skip
+_QUANTIFIERS = ["", "", "", "*", "+", "?", "{2}", "{1,3}", "{,2}", "{2,}", "*?", "{0}"]
+
+
+@st.composite
+def _regex(draw: st.DrawFn, depth: int = 0) -> str:
+    """A well-formed regular expression (mostly: some quantified groups can be empty)."""
+    branches = []
+    for _ in range(draw(st.integers(1, 2))):
+        items = []
+        for _ in range(draw(st.integers(0, 4))):
+            if depth < 3 and draw(st.integers(0, 3)) == 0:
+                atom = draw(st.sampled_from(["(", "(?:", "(?P<g>"])) + draw(_regex(depth + 1)) + ")"
+            else:
+                atom = draw(st.sampled_from(_ATOMS))
+            items.append(atom + draw(st.sampled_from(_QUANTIFIERS)))
+        branches.append("".join(items))
+    return "|".join(branches)
 
 
 @st.composite
 def _patterns(draw: st.DrawFn) -> str:
-    body = "".join(draw(st.lists(st.sampled_from(_PATTERN_PIECES), max_size=12)))
-    return draw(st.sampled_from(["^{}$", "^{}", "{}$", "^({})$"])).format(body)
+    if draw(st.booleans()):
+        body = "".join(draw(st.lists(st.sampled_from(_PATTERN_PIECES), max_size=12)))
+    else:
+        body = draw(_regex())
+    return draw(st.sampled_from(["^{}$", "^{}$", "^{}$", "^({})$", "^{}$|^a$", "^{}", "{}$"])).format(body)
+
+
+@st.composite
+def _leaf(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["pattern", "type", "enum", "format", "length", "ref", "any"]))
+    if kind == "pattern":
+        return {"type": "string", "pattern": draw(_patterns())}
+    if kind == "type":
+        return {"type": draw(st.sampled_from(["string", "integer", "number", "boolean", "null"]))}
+    if kind == "enum":
+        return {"enum": draw(st.lists(st.sampled_from(_CONSTANTS), min_size=1, max_size=3))}
+    if kind == "format":
+        return {"type": "string", "format": draw(st.sampled_from(_FORMATS))}
+    if kind == "length":
+        return {"type": "string", "minLength": draw(st.integers(0, 3)), "maxLength": draw(st.integers(3, 6))}
+    return {"$ref": "#/$defs/d"} if kind == "ref" else {}
 
 
 @st.composite
 def _schemas(draw: st.DrawFn, depth: int = 0) -> Any:
-    leaf = [
-        {"type": "string", "pattern": draw(_patterns())},
-        {"type": draw(st.sampled_from(["string", "integer", "number", "boolean", "null"]))},
-        {
-            "enum": draw(
-                st.lists(st.sampled_from([1, "a", None, [1], {"k": "v"}, "é\n"]), min_size=1, max_size=3)
-            )
-        },
-        {"type": "string", "format": draw(st.sampled_from(["date", "time", "date-time", "uuid", "email"]))},
-        {"type": "string", "minLength": draw(st.integers(0, 3)), "maxLength": draw(st.integers(3, 6))},
-        {"$ref": "#/$defs/d"},
-        {},
-    ]
     if depth >= 3:
-        return draw(st.sampled_from(leaf))
+        return draw(_leaf())
     kind = draw(st.sampled_from(["leaf", "leaf", "object", "array", "anyOf", "allOf", "types"]))
     if kind == "object":
         names = draw(st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5))
@@ -331,7 +362,7 @@ def _schemas(draw: st.DrawFn, depth: int = 0) -> Any:
         return {
             "type": draw(st.lists(st.sampled_from(["string", "null", "object"]), min_size=1, unique=True))
         }
-    return draw(st.sampled_from(leaf))
+    return draw(_leaf())
 
 
 def _draw(strategy: st.SearchStrategy, n: int) -> list[Any]:
@@ -350,6 +381,11 @@ def _draw(strategy: st.SearchStrategy, n: int) -> list[Any]:
 
     collect()
     return out[:n]
+
+
+@functools.cache
+def _fuzz_patterns() -> list[str]:
+    return _draw(_patterns(), 120)
 
 
 FUZZ_CHILD = """
@@ -374,7 +410,7 @@ print(worst)
 def test_fuzz_conversions_terminate() -> None:
     """Random schemas and patterns (stray brackets, nested groups, quantifiers): each
     conversion ends within a bound with a grammar ``check_grammar`` accepts, or a ValueError."""
-    schemas = _draw(_schemas(), 150) + [{"type": "string", "pattern": p} for p in _draw(_patterns(), 150)]
+    schemas = _draw(_schemas(), 80) + [{"type": "string", "pattern": p} for p in _fuzz_patterns()]
     try:
         done = subprocess.run(
             [sys.executable, "-c", FUZZ_CHILD],
@@ -387,6 +423,52 @@ def test_fuzz_conversions_terminate() -> None:
         pytest.fail("a conversion did not finish within 60 s")
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout) < 2.0, done.stdout
+
+
+PATTERN_GENERATION_CHILD = """
+import json, re, sys
+from llamabatch import LLM, SamplingParams
+from llamabatch.gguf.testing import model_path
+prompts, params, patterns = [], [], []
+for i, pattern in enumerate(json.loads(sys.stdin.read())):
+    try:
+        schema = {"type": "string", "pattern": pattern}
+        sampling = SamplingParams(json_schema=schema, max_tokens=24, temperature=1.0, top_k=0, seed=i)
+    except ValueError:
+        continue
+    prompts.append("x")
+    params.append(sampling)
+    patterns.append(pattern)
+checked = 0
+with LLM(model_path("tiny"), n_ctx=1024, n_parallel=8, n_threads=1) as llm:
+    for pattern, out in zip(patterns, llm.generate(prompts, params, use_tqdm=False)):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            value = json.loads(completion.text)
+            assert isinstance(value, str) and re.search(pattern, value), (pattern, completion.text)
+            checked += 1
+print(len(patterns), checked)
+"""
+
+
+def test_fuzz_generated_strings_match_their_patterns() -> None:
+    """Random patterns the converter accepts: what a random-weight model writes under their
+    grammar parses as a JSON string that matches the pattern (Python's ``re``)."""
+    patterns = _fuzz_patterns()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PATTERN_GENERATION_CHILD],
+            input=json.dumps(patterns),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("generation under the fuzzed patterns did not finish within 120 s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    accepted, checked = map(int, done.stdout.split())
+    print("patterns accepted, outputs checked:", accepted, checked)
+    assert accepted >= 20 and checked >= 10, done.stdout
 
 
 def _distributed(levels: int, width: int) -> dict[str, Any]:

@@ -94,6 +94,8 @@ _ANNOTATIONS = frozenset(
 _OBJECT_KEYS = ("properties", "additionalProperties", "required")
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_KEYS = ("pattern", "format", "minLength", "maxLength")
+_LOWER_BOUNDS = frozenset(("minLength", "minItems", "minimum", "exclusiveMinimum", "minProperties"))
+_UPPER_BOUNDS = frozenset(("maxLength", "maxItems", "maximum", "exclusiveMaximum", "maxProperties"))
 _NAME_CHARS = re.compile(r"[^a-zA-Z0-9]+")
 _MAX_REF_HOPS = 64
 #: Wall-clock bound on one conversion, a backstop behind the step budget (which alone keeps
@@ -126,6 +128,14 @@ def conversion_budget(limits: GrammarLimits) -> int:
     """The steps one conversion may take: enough to write a grammar of ``max_bytes`` from a
     schema of ``max_schema_nodes`` values a few times over, and no more."""
     return 4 * limits.max_bytes + 8 * limits.max_schema_nodes
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _both_numbers(a: Any, b: Any) -> bool:
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
 
 
 def _short(path: str) -> str:
@@ -396,9 +406,7 @@ class _Converter:
                         )
                     alternatives = list(value)
                 elif key in merged and merged[key] is not value and self.differ(merged[key], value):
-                    raise self.fail(
-                        f"allOf at {_short(path)}: the schemas disagree on {key!r}, which is not supported"
-                    )
+                    merged[key] = self.both(key, merged[key], value, path)
                 else:
                     merged[key] = value
         if closed:
@@ -419,6 +427,19 @@ class _Converter:
             self.step(len(alternatives) * (len(merged) + 1))
             return {"anyOf": [{"allOf": [merged, alt]} for alt in alternatives]}
         return merged
+
+    def both(self, key: str, first: Any, second: Any, path: str) -> Any:
+        """The value of ``key`` that means both ``first`` and ``second`` (allOf), where one exists."""
+        if key == "type":
+            common = [t for t in _as_list(first) if t in _as_list(second)]
+            if not common:
+                raise self.fail(f"allOf at {_short(path)}: the types {first!r} and {second!r} share no value")
+            return common if len(common) > 1 else common[0]
+        if key in _LOWER_BOUNDS and _both_numbers(first, second):
+            return max(first, second)
+        if key in _UPPER_BOUNDS and _both_numbers(first, second):
+            return min(first, second)
+        raise self.fail(f"allOf at {_short(path)}: the schemas disagree on {key!r} (not supported)")
 
     # -- objects ------------------------------------------------------------------------------
 
@@ -497,6 +518,7 @@ class _Converter:
             prefix, items = items, None
         lo = schema.get("minItems", 0)
         hi = schema.get("maxItems")
+        self.check_range("minItems", lo, "maxItems", hi, path)
         if prefix:
             elements = [
                 self.visit(sub, f"{path}.prefixItems[{i}]", f"{hint}-{i}") for i, sub in enumerate(prefix)
@@ -521,6 +543,10 @@ class _Converter:
             body = _separated(item, lo, hi)
         return self.rule(hint, f'"[" space {body} "]" space')
 
+    def check_range(self, low_key: str, lo: int, high_key: str, hi: int | None, path: str) -> None:
+        if hi is not None and lo > hi:
+            raise self.fail(f"{low_key} {lo} is above {high_key} {hi} at {_short(path)}: no value can match")
+
     def string(self, schema: Mapping[str, Any], path: str, hint: str) -> str:
         pattern = schema.get("pattern")
         if pattern is not None:
@@ -536,6 +562,7 @@ class _Converter:
             return self.primitive(_FORMATS[fmt])
         lo = schema.get("minLength", 0)
         hi = schema.get("maxLength")
+        self.check_range("minLength", lo, "maxLength", hi, path)
         if lo == 0 and hi is None:
             return self.primitive("string")
         self.primitive("char")
