@@ -40,9 +40,7 @@ from llamabatch.gguf.testing import model_path
 N_PARALLEL = 2
 #: a grammar whose parser holds about 1 MB: 400 rules, each entered through the one before
 DEEP_GRAMMAR = (
-    "root ::= r0\n"
-    + "\n".join(f'r{i} ::= r{i + 1} "z" | "x{i}"' for i in range(400))
-    + '\nr400 ::= "e"\n'
+    "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} "z" | "x{i}"' for i in range(400)) + '\nr400 ::= "e"\n'
 )
 DEAD_END = {"grammar": 'root ::= "a"', "min_tokens": 5, "max_tokens": 8}
 
@@ -262,7 +260,9 @@ def test_server_a_dead_end_of_the_requests_grammar_is_a_400(base_url, path):
 
 
 def test_server_stop_token_ids_outside_the_vocabulary_are_a_400(base_url):
-    answer = post(base_url, "/v1/completions", {"prompt": "Hello", "stop_token_ids": [1 << 20], "max_tokens": 2})
+    answer = post(
+        base_url, "/v1/completions", {"prompt": "Hello", "stop_token_ids": [1 << 20], "max_tokens": 2}
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "stop_token_ids" and "n_vocab" in error["message"]
