@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import re
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,18 +209,17 @@ def _language(grammar: str, limit: int = 200) -> set[str]:
     """Every string a small, finite grammar generates, with the optional space left out.
 
     A naive expansion of the GBNF subset the converter writes for constants and objects."""
-    rules = {}
+    rules: dict[str, str] = {}
     for line in grammar.splitlines():
         name, _, body = line.partition(" ::= ")
         rules[name] = body
     rules["space"] = '""'
 
     def alternatives(body: str) -> list[list[str]]:
-        out, current, depth, token = [], [], 0, ""
-        i = 0
-        tokens = re.findall(r'"(?:\\.|[^"\\])*"\??|\(|\)\??|\||[^\s()|]+', body)
-        del i, token
-        for tok in tokens:
+        out: list[list[str]] = []
+        current: list[str] = []
+        depth = 0
+        for tok in re.findall(r'"(?:\\.|[^"\\])*"\??|\(|\)\??|\||[^\s()|]+', body):
             if tok == "|" and depth == 0:
                 out.append(current)
                 current = []
@@ -519,3 +521,56 @@ def test_self_references_end() -> None:
         },
     }
     check_grammar(json_schema_grammar(tree))
+
+
+def test_server_answers_stray_bracket_patterns(tmp_path: Path) -> None:
+    """Through the server (each pattern through ``json_schema``, ``response_format`` and a
+    tool's ``parameters``, more requests than the default executor's workers): every request
+    is answered, and a normal one after them too."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("starlette")
+    from llamabatch.gguf.testing import model_path
+
+    template = Path(__file__).parent / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "llamabatch", "serve", "-m", str(model_path("tiny")), "-t", "1"]
+    command += ["--port", str(port), "-np", "2", "-c", "2048", "--chat-template", str(template)]
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "llamabatch serve did not come up"
+            time.sleep(0.1)
+        ask = [{"role": "user", "content": "Hi"}]
+        for pattern in STRAY_BRACKETS * 3:
+            schema = {"type": "string", "pattern": pattern}
+            obj = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+            tool = {"type": "function", "function": {"name": "f", "description": "", "parameters": obj}}
+            fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+            for path, body in [
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "json_schema": schema}),
+                ("/v1/chat/completions", {"messages": ask, "max_tokens": 2, "response_format": fmt}),
+                ("/v1/chat/completions", {"messages": ask, "max_tokens": 2, "tools": [tool]}),
+            ]:
+                r = httpx.post(f"{url}{path}", json=body, timeout=30)
+                assert r.status_code == 200, (path, pattern, r.text)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
