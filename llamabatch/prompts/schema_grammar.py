@@ -16,8 +16,9 @@ Supported: ``type`` (one or a list), ``properties`` / ``required`` / ``additiona
 ``items`` / ``prefixItems`` / ``minItems`` / ``maxItems``, ``enum`` / ``const``, ``anyOf`` /
 ``oneOf`` (as alternatives), ``allOf`` (merged), local ``$ref`` (``#/...``), string
 ``minLength`` / ``maxLength`` / ``pattern`` / ``format`` (``date``, ``time``, ``date-time``,
-``uuid``). Other keywords (numeric bounds, ``minProperties``, ``uniqueItems``, ``not`` ...)
-do not constrain the grammar.
+``uuid``), numbers without a sign where ``minimum`` (or ``exclusiveMinimum``) is at least 0.
+Other keywords (other numeric bounds, ``minProperties``, ``uniqueItems``, ``not`` ...) do not
+constrain the grammar.
 """
 
 from __future__ import annotations
@@ -128,6 +129,23 @@ def conversion_budget(limits: GrammarLimits) -> int:
     """The steps one conversion may take: enough to write a grammar of ``max_bytes`` from a
     schema of ``max_schema_nodes`` values a few times over, and no more."""
     return 4 * limits.max_bytes + 8 * limits.max_schema_nodes
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON, non-ASCII characters as themselves (escaped where they cannot be:
+    lone surrogates, which no token produces)."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, allow_nan=False)
+    return text
+
+
+def _non_negative(schema: Mapping[str, Any]) -> bool:
+    """Whether the numeric bounds exclude every negative number (so no sign is written)."""
+    bound = schema.get("minimum", schema.get("exclusiveMinimum"))
+    return isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound >= 0
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -309,6 +327,9 @@ class _Converter:
             return self.array(schema, path, hint)
         if kind == "string":
             return self.string(schema, path, hint)
+        if kind in ("integer", "number") and _non_negative(schema):
+            self.primitive("space")
+            return self.rule(f"{kind}-non-negative", _PRIMITIVES[kind][0].removeprefix('"-"? '))
         if kind in ("integer", "number", "boolean", "null"):
             return self.primitive(kind)
         return self.primitive("value")
@@ -321,7 +342,7 @@ class _Converter:
         return None
 
     def literal(self, value: Any) -> str:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = _json_text(value)
         self.step(8 + len(text))
         return f"{gbnf_literal(text)} space"
 
@@ -456,7 +477,7 @@ class _Converter:
         for name, sub in properties.items():
             self.step(8)
             value = self.visit(sub, f"{path}.properties.{name}", name)
-            key = gbnf_literal(json.dumps(name, ensure_ascii=False))
+            key = gbnf_literal(_json_text(name))
             kvs.append(f'{key} space ":" space {value}')
             needed.append(name in required)
         extra = None
