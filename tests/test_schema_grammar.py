@@ -574,3 +574,31 @@ def test_server_answers_stray_bracket_patterns(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_all_of_merges() -> None:
+    both = {"allOf": [{"type": ["string", "null"]}, {"type": "string", "maxLength": 3}, {"maxLength": 2}]}
+    grammar = json_schema_grammar(both)
+    assert "char{0,2}" in grammar and "null" not in grammar.split("\n", 1)[0]
+    closed = {
+        "allOf": [
+            {"properties": {"a": {"const": 1}, "b": {"const": 2}}, "additionalProperties": False},
+            {"properties": {"b": {"const": 2}, "c": {"const": 3}}},
+        ]
+    }
+    # c is forbidden by the first part
+    assert _language(json_schema_grammar(closed)) == {"{}", '{"a":1}', '{"b":2}', '{"a":1,"b":2}'}
+    for schema, message in [
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "share no value"),
+        ({"allOf": [{"type": "string", "minLength": 3}, {"maxLength": 2}]}, "minLength 3 is above maxLength"),
+        ({"allOf": [{"pattern": "^a$"}, {"pattern": "^b$"}]}, "disagree on 'pattern'"),
+    ]:
+        with pytest.raises(ValueError, match=r"^SamplingParams\.json_schema: ") as info:
+            SamplingParams(json_schema=schema)
+        assert message in str(info.value)
+
+
+def test_non_negative_numbers_have_no_sign() -> None:
+    grammar = json_schema_grammar({"type": "integer", "minimum": 0})
+    assert '"-"' not in grammar
+    assert '"-"' in json_schema_grammar({"type": "integer", "minimum": -1})
