@@ -588,11 +588,12 @@ def test_all_of_merges() -> None:
     }
     # c is forbidden by the first part
     assert _language(json_schema_grammar(closed)) == {"{}", '{"a":1}', '{"b":2}', '{"a":1,"b":2}'}
-    for schema, message in [
+    refused: list[tuple[dict[str, Any], str]] = [
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "share no value"),
         ({"allOf": [{"type": "string", "minLength": 3}, {"maxLength": 2}]}, "minLength 3 is above maxLength"),
         ({"allOf": [{"pattern": "^a$"}, {"pattern": "^b$"}]}, "disagree on 'pattern'"),
-    ]:
+    ]
+    for schema, message in refused:
         with pytest.raises(ValueError, match=r"^SamplingParams\.json_schema: ") as info:
             SamplingParams(json_schema=schema)
         assert message in str(info.value)
