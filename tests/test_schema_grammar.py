@@ -404,6 +404,7 @@ for schema in json.loads(sys.stdin.read()):
         assert str(exc).startswith("json_schema"), exc
     else:
         check_grammar(grammar)
+        assert len(grammar.splitlines()) == grammar.count("\\n") + 1  # one rule per line (tools split them)
     worst = max(worst, time.perf_counter() - start)
 print(worst)
 """
