@@ -5,7 +5,8 @@
   where it was (measured in a subprocess); a chain that cannot be built at admission ends its
   request only; a bad grammar still raises at submit.
 - A request's estimated memory is checked against ``max_request_memory_mb``
-  (``RequestTooLarge``, a 400 from the server).
+  (``RequestTooLarge``, a 400 from the server); checked grammars are remembered by digest, not
+  by their text.
 - A dead end the request's own grammar causes (``min_tokens`` past ``root ::= "a"``) is a
   ``GrammarDeadEnd`` in the output and a 400 from the server, not a 500.
 - ``stop_token_ids`` outside the vocabulary are refused at submit, naming the field.
@@ -36,6 +37,7 @@ from llamabatch import (
 )
 from llamabatch.generate.request_memory import estimate_request_bytes, grammar_parser_bytes
 from llamabatch.gguf.testing import model_path
+from llamabatch.prompts.grammar_check import check_grammar
 
 N_PARALLEL = 2
 #: a grammar whose parser holds about 1 MB: 400 rules, each entered through the one before
@@ -134,6 +136,17 @@ def test_a_request_over_the_memory_budget_is_refused_at_submit():
         assert not eng.has_unfinished_requests()
         eng.add_request("Hello", SamplingParams(n=2, max_tokens=4, logprobs=2))
         assert [o.finish_reason for o in eng.run_until_complete()] == ["length", "length"]
+
+
+def test_checked_grammars_are_remembered_without_their_text():
+    """A grammar that passed ``check_grammar`` is remembered by digest: 256 remembered grammars
+    of 256 KiB kept 64 MiB alive (and a second copy under each name they were checked as)."""
+    grammar = 'root ::= "' + "ab" * 50_000 + '"'
+    before = sys.getrefcount(grammar)
+    first = check_grammar(grammar, what="SamplingParams.json_schema (the grammar made from it)")
+    assert sys.getrefcount(grammar) == before
+    assert check_grammar(grammar, what="SamplingParams.grammar") is first  # one entry, any name
+    assert grammar_parser_bytes(grammar) > 100_000
 
 
 _FLOOD_SCRIPT = """

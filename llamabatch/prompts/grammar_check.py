@@ -24,8 +24,10 @@ Every problem is a ``ValueError`` naming the field (``what``), the problem, and 
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, fields
-from functools import lru_cache
 
 __all__ = [
     "DEFAULT_GRAMMAR_LIMITS",
@@ -650,16 +652,37 @@ def check_grammar(
     """Validate a GBNF ``grammar`` (root rule ``root``) as llama.cpp would parse it.
 
     Raises ``ValueError`` naming ``what``, the problem and, for a limit, the ``GrammarLimits``
-    field. ``limits`` defaults to the process-wide ones (``get_grammar_limits``). Results are
-    cached, so checking the same grammar again is cheap."""
+    field. ``limits`` defaults to the process-wide ones (``get_grammar_limits``). The grammars
+    that passed are remembered (by digest, whatever ``what`` named them), so checking the same
+    grammar again is cheap."""
     if not isinstance(grammar, str):
         raise ValueError(f"{what} must be a str, got {type(grammar).__name__}")
-    return _check_cached(grammar, what, limits if limits is not None else _limits)
+    limits = limits if limits is not None else _limits
+    data = grammar.encode("utf-8", "surrogatepass")
+    if len(data) > limits.max_bytes:  # refused before it is hashed
+        return _check(grammar, len(data), what, limits)
+    key = (hashlib.blake2b(data, digest_size=16).digest(), limits)
+    with _passed_lock:
+        stats = _passed.get(key)
+        if stats is not None:
+            _passed.move_to_end(key)
+            return stats
+    stats = _check(grammar, len(data), what, limits)
+    with _passed_lock:
+        _passed[key] = stats
+        while len(_passed) > _PASSED_MAX:
+            _passed.popitem(last=False)
+    return stats
 
 
-@lru_cache(maxsize=256)
-def _check_cached(grammar: str, what: str, limits: GrammarLimits) -> GrammarStats:
-    size = len(grammar.encode("utf-8", "surrogatepass"))
+#: the last grammars that passed, by digest: keyed by their text, 256 grammars of 256 KiB
+#: would keep 64 MiB alive
+_PASSED_MAX = 256
+_passed: OrderedDict[tuple[bytes, GrammarLimits], GrammarStats] = OrderedDict()
+_passed_lock = threading.Lock()
+
+
+def _check(grammar: str, size: int, what: str, limits: GrammarLimits) -> GrammarStats:
     if size > limits.max_bytes:
         raise ValueError(
             f"{what}: the grammar is {size} bytes, above the limit of {limits.max_bytes} "
