@@ -3,8 +3,8 @@ its end, and its estimated size is checked at submit against ``max_request_memor
 
 A sampler chain with a grammar holds llama.cpp's parser of it: the rules, and a stack of rule
 positions per alternative being followed (about 10 bytes per byte of GBNF text, and up to
-megabytes for a deeply nested grammar). Built at submit for each of ``n`` completions, a queue
-of such requests held all their parsers while waiting. Here:
+megabytes for a deeply nested grammar). Built for each of ``n`` completions at submit, a
+queue of such requests would hold all their parsers while waiting. Here:
 
 - at submit, on the caller's thread, :func:`check_sampling` checks token ids against the
   vocabulary and the request's estimated memory against the budget (``RequestTooLarge``), and
@@ -53,7 +53,7 @@ def grammar_parser_bytes(grammar: str) -> int:
     (kept twice), its elements and rules, and its initial stacks (one per alternative entering
     a rule, as deep as the longest chain of references). Measured 0.6 to 0.8 times this on
     wide, deep, literal and JSON-like grammars."""
-    stats = check_grammar(grammar, what="SamplingParams.grammar")  # cached: checked at coerce
+    stats = check_grammar(grammar, what="SamplingParams.grammar")  # remembered: checked at coerce
     n_bytes = len(grammar.encode("utf-8", "surrogatepass"))
     stacks = stats.max_stacks * (48 + 8 * stats.ref_depth)
     return 2 * n_bytes + 16 * stats.n_elements + 48 * stats.n_rules + stacks
