@@ -1,9 +1,10 @@
 """A JSON-schema ``pattern`` (a regular expression) as GBNF for the inside of a JSON string.
 
-A small recursive-descent parser reads the pattern into a tree (literal characters, character
-sets, sequences, alternatives, repetitions, anchors) and the tree is written as GBNF. Each
-step of the parser consumes input or fails, its recursion is bounded by ``max_nesting``, and
-the tree is translated in one pass, so the work is linear in the pattern's length.
+A parser reads the pattern left to right, without recursion (open groups on an explicit stack
+of at most ``max_nesting``), and writes GBNF as it goes: literal characters, character sets,
+groups, alternatives and repetitions. Every step consumes a character of the pattern or fails
+and reports its work to the caller's budget, so the work is linear in the pattern and the
+grammar it writes, and no input can make it loop.
 
 The pattern constrains the *decoded* string, the grammar the JSON text: every character is
 written as its JSON encoding (``"`` as ``\\"``, a control character as ``\\u00XX``).
