@@ -51,6 +51,11 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 Activation = str | Callable[[np.ndarray], np.ndarray] | None
 
 
+def _cancel_job(submit: asyncio.Future[Any]) -> None:
+    if not submit.cancelled() and submit.exception() is None:
+        submit.result().future.cancel()
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     if x.ndim < 2:
         return x
@@ -128,7 +133,10 @@ class _PairEncoder(Embedder):
         return self.model.meta("tokenizer.ggml.model") or ""
 
     def pair_tokens(self, index: int, pair: Any) -> np.ndarray:
-        """The ``(n, 2)`` ids and types of pair ``index`` (truncated or refused when too long)."""
+        """The ``(n, 2)`` ids and types of pair ``index`` (truncated or refused when too long);
+        an array (from ``Reranker.tokenize_pairs``) is checked and taken as it is."""
+        if isinstance(pair, np.ndarray):
+            return self._checked_pair(index, pair)
         if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"pairs[{index}] must be a (query, document) pair of strings, got {pair!r:.80}")
         query, document = pair
@@ -137,8 +145,36 @@ class _PairEncoder(Embedder):
                 f"pairs[{index}] must hold two strings, "
                 f"got ({type(query).__name__}, {type(document).__name__})"
             )
-        q = self.model.tokenize(query, add_special=False) if query else []
-        d = self.model.tokenize(document, add_special=False) if document else []
+        return self.join_pair(index, self.segment_tokens(query), document)
+
+    def segment_tokens(self, text: str) -> list[int]:
+        """One segment's token ids (no special tokens)."""
+        return self.model.tokenize(text, add_special=False) if text else []
+
+    def _checked_pair(self, index: int, pair: np.ndarray) -> np.ndarray:
+        if (
+            pair.ndim != 2
+            or pair.shape[1] != 2
+            or pair.dtype.kind not in "iu"
+            or not 0 < len(pair) <= self.max_length
+        ):
+            raise ValueError(
+                f"pairs[{index}] must be an (n, 2) int array of token ids and types with 1 to "
+                f"{self.max_length} rows (as tokenize_pairs makes them)"
+            )
+        ids, types = pair[:, 0], pair[:, 1]
+        if (
+            ids.min() < 0
+            or ids.max() >= self.table.n_vocab
+            or types.min() < 0
+            or types.max() >= self.table.n_types
+        ):
+            raise ValueError(f"pairs[{index}] holds a token id or type out of range")
+        return np.ascontiguousarray(pair, dtype=np.int32)
+
+    def join_pair(self, index: int, q: list[int], document: str) -> np.ndarray:
+        """Pair ``index`` from its query's token ids ``q`` and its document's text."""
+        d = self.segment_tokens(document)
         # an empty document is still a second segment, as CrossEncoder's batched tokenizer call
         # makes it ([CLS] q [SEP] [SEP]); a lone tokenizer(q, "") would drop it
         n_special = len(self._prefix) + len(self._mid) + len(self._suffix_ids)
@@ -310,7 +346,10 @@ class Reranker:
 
     def predict(
         self,
-        sentences: tuple[str, str] | Sequence[tuple[str, str]] | Iterable[Sequence[str]],
+        sentences: tuple[str, str]
+        | Sequence[tuple[str, str]]
+        | Iterable[Sequence[str]]
+        | Sequence[np.ndarray],
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
         activation_fn: Activation = None,
@@ -322,7 +361,8 @@ class Reranker:
         multi-label head) in input order, or one score for a single pair (``CrossEncoder.predict``).
 
         Args:
-            sentences: pairs of strings (tuples or 2-lists), or one pair.
+            sentences: pairs of strings (tuples or 2-lists), or one pair, or the arrays of
+                ``tokenize_pairs``.
             batch_size: pairs tokenized and queued at a time (> 0); any value gives the same
                 scores: the worker packs by tokens.
             show_progress_bar: a tqdm bar on stderr advancing per pair (default: when the
@@ -351,7 +391,7 @@ class Reranker:
 
     async def apredict(
         self,
-        sentences: tuple[str, str] | Sequence[tuple[str, str]],
+        sentences: tuple[str, str] | Sequence[tuple[str, str]] | Sequence[np.ndarray],
         *,
         activation_fn: Activation = None,
         apply_softmax: bool = False,
@@ -360,7 +400,12 @@ class Reranker:
         and join the shared packs. Cancelling the awaiting task drops the pairs not packed yet."""
         single, pairs = self._as_pairs(sentences)
         out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
-        job = await asyncio.to_thread(self._engine._submit, pairs, 0, out, None, True)
+        submit = asyncio.ensure_future(asyncio.to_thread(self._engine._submit, pairs, 0, out, None, True))
+        try:
+            job = await asyncio.shield(submit)
+        except asyncio.CancelledError:  # the pairs are still being tokenized: drop them once queued
+            submit.add_done_callback(_cancel_job)
+            raise
         try:
             await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
@@ -391,7 +436,7 @@ class Reranker:
             raise TypeError("documents must be a sequence of strings, not a single string")
         docs = list(documents)
         check_positive_int("top_k", top_k, allow_none=True)
-        return docs, [(query, d) for d in docs]
+        return docs, self.tokenize_pairs(query, docs)
 
     def rank(
         self,
@@ -422,13 +467,44 @@ class Reranker:
         activation_fn: Activation = None,
     ) -> list[dict[str, Any]]:
         """``rank`` for asyncio."""
-        docs, pairs = self._rank_pairs(query, documents, top_k)
+        docs, pairs = await asyncio.to_thread(self._rank_pairs, query, documents, top_k)
         if not pairs:
             return []
         scores = await self.apredict(pairs, activation_fn=activation_fn)
         return self._ranked(np.atleast_1d(scores), docs, top_k, return_documents)
 
     # -- the rest -------------------------------------------------------------------------
+
+    def tokenize_pairs(
+        self, query: str, documents: Sequence[str], *, max_query_tokens: int | None = None
+    ) -> list[np.ndarray]:
+        """Each ``(query, document)`` pair as ``predict`` builds it, an ``(n, 2)`` int32 array
+        of token ids and token types; the query is tokenized once. ``predict`` / ``apredict``
+        take these arrays in place of string pairs.
+
+        Raises:
+            PromptTooLong: the query has more than ``max_query_tokens`` tokens (its ``param``
+                is ``"query"``), or a pair is too long with ``truncate=False``.
+            TypeError: not strings.
+        """
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        check_positive_int("max_query_tokens", max_query_tokens, allow_none=True)
+        engine = self._engine
+        with engine.using_resources():
+            q = engine.segment_tokens(query)
+            if max_query_tokens is not None and len(q) > max_query_tokens:
+                error = PromptTooLong(
+                    f"the query has {len(q)} tokens, more than the {max_query_tokens} it may have"
+                )
+                error.param = "query"  # type: ignore[attr-defined]
+                raise error
+            pairs = []
+            for i, document in enumerate(documents):
+                if not isinstance(document, str):
+                    raise TypeError(f"documents[{i}] must be a str, got {type(document).__name__}")
+                pairs.append(engine.join_pair(i, q, document))
+            return pairs
 
     def tokenize(self, query: str, document: str) -> tuple[list[int], list[int]]:
         """The token ids and token types of the pair, as ``predict`` computes it (truncated

@@ -12,9 +12,9 @@ Built on llamabatch's public API only: ``LLM.astream``/``agenerate`` and
 ``llamabatch.runtime.metrics``. Every request runs on the event loop; the engines' own threads do
 the work, so one process serves many clients with one batched forward pass per tick.
 Nothing heavier than parsing a bounded body runs on the loop: tokenizing, rendering chat
-templates and building samplers (grammars) happen in worker threads (``asyncio.to_thread``;
-``astream``/``agenerate``/``aembed`` do it themselves), and the HTTP edge (Host, Content-Type,
-body size and time) is checked first, by ``limits.EdgeGuard``.
+templates, building samplers (grammars) and encoding big answers happen in the bounded worker
+pools of ``offload.py``, within each request's time budget, and the HTTP edge (Host,
+Content-Type, body size and time) is checked first, by ``limits.EdgeGuard``.
 
 A client that goes away cancels its generation: each request races its work against the
 ASGI ``http.disconnect`` message, and cancelling the task that awaits ``astream`` cancels the
@@ -24,10 +24,11 @@ request in the engine before its next tick.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,6 +45,7 @@ from llamabatch.runtime.metrics import PrometheusListener
 from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits, read_json
+from llamabatch.server.offload import Offload, WorkLimits
 from llamabatch.server.protocol import (
     APIError,
     Body,
@@ -77,11 +79,14 @@ class OpenAIServer:
         chat_template: str | None,
         reranker: Reranker | None = None,
         rerank_model_name: str | None = None,
+        offload: Offload | None = None,
     ) -> None:
         if llm is None and embedder is None and reranker is None:
             raise ValueError("give an LLM, an Embedder, or both (and/or a Reranker)")
         self.llm = llm
         self.embedder = embedder
+        #: the worker pools of the requests' CPU-heavy steps
+        self.offload = offload if offload is not None else Offload()
         # -- rerank (issue 25): /v1/rerank's model
         self.reranker = reranker
         self.rerank_model_name = rerank_model_name or (
@@ -164,9 +169,11 @@ class OpenAIServer:
 
     @staticmethod
     async def collect(
-        llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0
+        llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0, client: str | None = None
     ) -> list[Any]:
-        tasks = [asyncio.ensure_future(llm.agenerate(p, params, priority=priority)) for p in prompts]
+        tasks = [
+            asyncio.ensure_future(llm.agenerate(p, params, priority=priority, client=client)) for p in prompts
+        ]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -195,6 +202,7 @@ def create_app(
     reranker: Reranker | None = None,
     rerank_model_name: str | None = None,
     client_policy: ClientPolicy | None = None,
+    work_limits: WorkLimits | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
 
@@ -220,6 +228,8 @@ def create_app(
         client_policy: what becomes of a body's ``priority`` and how many completions one
             client may have in flight (``server/client_policy.py``); default: priorities
             ignored, half the queue per client.
+        work_limits: the worker threads and per-request time budget of the CPU-heavy steps
+            (``offload.WorkLimits``; default: 2 threads per pool, 30 s).
     """
     server = OpenAIServer(
         llm,
@@ -231,6 +241,7 @@ def create_app(
         chat_template=chat_template,
         reranker=reranker,
         rerank_model_name=rerank_model_name,
+        offload=Offload(work_limits),
     )
     ep = server.endpoint
 
@@ -276,6 +287,18 @@ def create_app(
                 allow_headers=["authorization", "content-type"],
             )
         )
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        server.offload.close()  # abandon what is left: the threads are not joined
+
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error},
+        middleware=middleware,
+        lifespan=lifespan,
+    )
     app.state.server = server
+    app.state.offload = server.offload
     return app

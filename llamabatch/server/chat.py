@@ -6,18 +6,18 @@ the request."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
 from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
+from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     bad_request,
-    chat_logprobs,
     chat_messages,
     finish_reason,
     generation_error,
@@ -29,8 +29,9 @@ from llamabatch.server.protocol import (
 from llamabatch.server.streaming import (
     DONE_EVENT,
     EventStream,
+    chat_logprobs_json,
+    dumps_json,
     generate_all,
-    json_response,
     primed,
     sse_chunk,
     sse_event,
@@ -63,12 +64,14 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
             raise bad_request(str(exc), param=getattr(exc, "param", "messages")) from None
         return prepare.chat_tokens(llm, text), text
 
-    tokens, prompt_text = await asyncio.to_thread(render)
+    tokens, prompt_text = await run_step(request, PREPARE, render)
     want_logprobs = body.get("logprobs", "bool", False)
     top = body.get("top_logprobs", "int", minimum=0, maximum=20)
     if top is not None and not want_logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    params = await asyncio.to_thread(
+    params = await run_step(
+        request,
+        prepare.params_pool(body),
         sampling_params,
         body,
         chat=True,
@@ -77,45 +80,59 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
         logprobs=(top or 0) if want_logprobs else None,
     )
     template = server.chat_template if server.chat_template is not None else llm.model.chat_template
-    setup = await asyncio.to_thread(  # tool-call grammars and the answer's parser
-        setup_chat, params, tool_request, llm.chat_options, template, prompt_text
+    setup = await run_step(  # tool-call grammars and the answer's parser
+        request,
+        prepare.params_pool(body),
+        setup_chat,
+        params,
+        tool_request,
+        llm.chat_options,
+        template,
+        prompt_text,
     )
     params = setup.params
     prepare.check_queue_room(llm, 1, params.n)
     stream, include_usage = server.stream_options(body)
     priority = client_policy.request_priority(request, body, params.n)  # --client-priority, per-client share
+    client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
     if stream:
-        gen = await primed(generate_all(llm, [tokens], params, priority), request.receive)
-        return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup))
-    (result,) = await until_disconnect(request.receive, server.collect(llm, [tokens], params, priority))
+        gen = await primed(generate_all(llm, [tokens], params, priority, client), request.receive)
+        return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup, request))
+    (result,) = await until_disconnect(
+        request.receive, server.collect(llm, [tokens], params, priority, client)
+    )
     server.raise_for_errors(result.outputs)
-    choices = []
-    for out in result.outputs:
-        out = setup.finish_output(out)  # content, reasoning_content, tool_calls
-        lp = None
-        if want_logprobs and out.logprobs is not None:
-            assert server.token_text is not None
-            lp = {"content": chat_logprobs(server.token_text, out.token_ids, out.logprobs, top or 0)}
-        choices.append(
+
+    def answer() -> bytes:  # in a worker thread: log-probabilities x n make big answers
+        choices = []
+        for out in result.outputs:
+            out = setup.finish_output(out)  # content, reasoning_content, tool_calls
+            lp = None
+            if want_logprobs and out.logprobs is not None:
+                assert server.token_text is not None
+                lp = chat_logprobs_json(server.token_text, out.token_ids, out.logprobs, top or 0)
+            choices.append(
+                {
+                    "index": out.index,
+                    "message": chat_message(out),
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+            )
+        n_completion = sum(o.usage.completion_tokens for o in result.outputs)
+        return dumps_json(
             {
-                "index": out.index,
-                "message": chat_message(out),
-                "logprobs": lp,
-                "finish_reason": finish_reason(out.finish_reason),
+                "id": new_id("chatcmpl"),
+                "object": "chat.completion",
+                "created": now(),
+                "model": server.model_name,
+                "choices": choices,
+                "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
             }
         )
-    n_completion = sum(o.usage.completion_tokens for o in result.outputs)
-    return json_response(
-        {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": now(),
-            "model": server.model_name,
-            "choices": choices,
-            "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
-        }
-    )
+
+    return Response(await run_step(request, ENCODE, answer), media_type="application/json")
 
 
 async def chat_events(
@@ -125,6 +142,7 @@ async def chat_events(
     top: int,
     include_usage: bool,
     setup: ChatSetup,
+    request: Request,
 ) -> AsyncIterator[bytes]:
     rid, created = new_id("chatcmpl"), now()
     started: set[int] = set()
@@ -163,7 +181,16 @@ async def chat_events(
         lp = None
         if params.logprobs is not None and out.logprobs is not None:
             assert server.token_text is not None
-            lp = {"content": chat_logprobs(server.token_text, out.token_ids, out.logprobs, top)}
+            lp = await run_step(  # the stream's pump watches for the disconnect
+                request,
+                ENCODE,
+                chat_logprobs_json,
+                server.token_text,
+                out.token_ids,
+                out.logprobs,
+                top,
+                watch=False,
+            )
         yield chunk(
             {
                 "index": index,

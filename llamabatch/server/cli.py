@@ -149,6 +149,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: half of --max-queue, plus --n-parallel)",
     )
 
+    w = parser.add_argument_group("CPU work of requests (see README: Running it safely)")
+    w.add_argument(
+        "--work-timeout-s",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="wall-clock seconds one request's CPU-heavy steps (parsing, tokenizing, templates, "
+        "grammars, encoding the answer; waiting for a worker included) may take in all; past it "
+        "the work is abandoned and the request gets 503 work_timeout (default 30)",
+    )
+    w.add_argument(
+        "--work-threads",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="threads of each pool of CPU-heavy steps (prepare, grammar, rerank, encode; default 2)",
+    )
+
 
 def _positive_float(value: str) -> float:
     number = float(value)
@@ -244,6 +262,7 @@ def main(args: argparse.Namespace) -> int:
             limits=_limits(args),
             cors_origins=args.cors_origins,
             client_policy=_client_policy(args),
+            work_limits=_work_limits(args),
         )
     except (FileNotFoundError, ValueError, LlamaBatchError) as exc:
         print(f"llamabatch serve: error: {exc}", file=sys.stderr)
@@ -255,7 +274,8 @@ def main(args: argparse.Namespace) -> int:
     # (not the default one, which would kill the process before the engines close).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(
+        _serve(
+            uvicorn,
             app,
             host=args.host,
             port=args.port,
@@ -280,6 +300,56 @@ def _limits(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         allowed_hosts=(*args.allowed_hosts, args.host),
     )
+
+
+def _work_limits(args: argparse.Namespace) -> Any:
+    """The app's ``WorkLimits`` from ``--work-timeout-s`` and ``--work-threads``."""
+    from llamabatch.server.offload import WorkLimits
+
+    return WorkLimits(timeout_s=args.work_timeout_s, threads=args.work_threads)
+
+
+#: seconds from SIGTERM (or Ctrl-C) to a forced exit (status 1) when the graceful shutdown
+#: (answers in flight get 5 s, then the engines close) is held up, e.g. by a thread that never
+#: returns: the interpreter would wait for it forever
+SHUTDOWN_DEADLINE_S = 10.0
+
+
+def _serve(uvicorn: Any, app: Any, **options: Any) -> None:
+    """``uvicorn.run(app, **options)``, but a SIGTERM or SIGINT also abandons the requests'
+    CPU work at once (``Offload.close``: their clients get 503) and arms the forced exit."""
+    import asyncio
+    import threading
+    import time
+
+    offload = app.state.offload
+
+    def exit_at_deadline() -> None:
+        time.sleep(SHUTDOWN_DEADLINE_S)
+        logging.getLogger("llamabatch.server").error(
+            "shutdown still unfinished after %g s: exiting now", SHUTDOWN_DEADLINE_S
+        )
+        os._exit(1)
+
+    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if not first:
+                return
+            threading.Thread(target=exit_at_deadline, name="llamabatch-shutdown", daemon=True).start()
+            try:  # a signal handler may run inside any loop callback: close from a fresh one
+                asyncio.get_running_loop().call_soon_threadsafe(offload.close)
+            except RuntimeError:
+                offload.close()
+
+    server = Server(uvicorn.Config(app, **options))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(3)  # uvicorn's status for a failed start (e.g. the port is taken)
 
 
 def _client_policy(args: argparse.Namespace) -> Any:

@@ -5,17 +5,17 @@ the request."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
+from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     bad_request,
-    completion_logprobs,
     completion_prompts,
     finish_reason,
     generation_error,
@@ -27,8 +27,9 @@ from llamabatch.server.protocol import (
 from llamabatch.server.streaming import (
     DONE_EVENT,
     EventStream,
+    completion_logprobs_json,
+    dumps_json,
     generate_all,
-    json_response,
     primed,
     sse_chunk,
     sse_event,
@@ -44,9 +45,11 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     llm = server.need_llm()
     prompts = completion_prompts(body)
     prepare.check_queue_room(llm, len(prompts), 1)
-    token_prompts = await asyncio.to_thread(prepare.tokenize_prompts, llm, prompts)
+    token_prompts = await run_step(request, PREPARE, prepare.tokenize_prompts, llm, prompts)
     logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
-    params = await asyncio.to_thread(
+    params = await run_step(
+        request,
+        prepare.params_pool(body),
         sampling_params,
         body,
         chat=False,
@@ -63,49 +66,59 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
     stream, include_usage = server.stream_options(body)
     priority = client_policy.request_priority(request, body, len(prompts) * params.n)  # --client-priority
+    client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
     detokenize = llm.model.detokenize
     texts = (
-        await asyncio.to_thread(
-            lambda: [p if isinstance(p, str) else detokenize(p, unparse_special=True) for p in prompts]
+        await run_step(
+            request,
+            PREPARE,
+            lambda: [p if isinstance(p, str) else detokenize(p, unparse_special=True) for p in prompts],
         )
         if echo
         else None
     )
     if stream:
-        gen = await primed(generate_all(llm, token_prompts, params, priority), request.receive)
-        return EventStream(completion_events(server, gen, params, texts, include_usage))
-    results = await until_disconnect(request.receive, server.collect(llm, token_prompts, params, priority))
-    choices, n_prompt, n_completion, cached = [], 0, 0, 0
-    for p, result in enumerate(results):
-        server.raise_for_errors(result.outputs)
-        n_prompt += len(result.prompt_token_ids)
-        cached += result.outputs[0].usage.reused_tokens
-        prefix = texts[p] if texts is not None else ""
-        for out in result.outputs:
-            n_completion += out.usage.completion_tokens
-            lp = None
-            if logprobs is not None and out.logprobs is not None:
-                assert server.token_text is not None
-                lp = completion_logprobs(server.token_text, out.token_ids, out.logprobs, len(prefix))
-            choices.append(
-                {
-                    "index": p * params.n + out.index,
-                    "text": prefix + out.text,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(out.finish_reason),
-                }
-            )
-    return json_response(
-        {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": server.model_name,
-            "choices": choices,
-            "usage": usage(n_prompt, n_completion, cached),
-        }
+        gen = await primed(generate_all(llm, token_prompts, params, priority, client), request.receive)
+        return EventStream(completion_events(server, gen, params, texts, include_usage, request))
+    results = await until_disconnect(
+        request.receive, server.collect(llm, token_prompts, params, priority, client)
     )
+    for result in results:
+        server.raise_for_errors(result.outputs)
+
+    def answer() -> bytes:  # in a worker thread: log-probabilities x n make big answers
+        choices, n_prompt, n_completion, cached = [], 0, 0, 0
+        for p, result in enumerate(results):
+            n_prompt += len(result.prompt_token_ids)
+            cached += result.outputs[0].usage.reused_tokens
+            prefix = texts[p] if texts is not None else ""
+            for out in result.outputs:
+                n_completion += out.usage.completion_tokens
+                lp = None
+                if logprobs is not None and out.logprobs is not None:
+                    assert server.token_text is not None
+                    lp = completion_logprobs_json(server.token_text, out.token_ids, out.logprobs, len(prefix))
+                choices.append(
+                    {
+                        "index": p * params.n + out.index,
+                        "text": prefix + out.text,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason(out.finish_reason),
+                    }
+                )
+        return dumps_json(
+            {
+                "id": new_id("cmpl"),
+                "object": "text_completion",
+                "created": now(),
+                "model": server.model_name,
+                "choices": choices,
+                "usage": usage(n_prompt, n_completion, cached),
+            }
+        )
+
+    return Response(await run_step(request, ENCODE, answer), media_type="application/json")
 
 
 async def completion_events(
@@ -114,6 +127,7 @@ async def completion_events(
     params: SamplingParams,
     echo: list[str] | None,
     include_usage: bool,
+    request: Request,
 ) -> AsyncIterator[bytes]:
     rid, created, n = new_id("cmpl"), now(), params.n
     offsets: dict[int, int] = {}
@@ -133,7 +147,16 @@ async def completion_events(
         lp = None
         if out is not None and params.logprobs is not None and out.logprobs is not None:
             assert server.token_text is not None
-            lp = completion_logprobs(server.token_text, out.token_ids, out.logprobs, 0)
+            lp = await run_step(  # the stream's pump watches for the disconnect
+                request,
+                ENCODE,
+                completion_logprobs_json,
+                server.token_text,
+                out.token_ids,
+                out.logprobs,
+                0,
+                watch=False,
+            )
         offsets[index] += len(text)
         if text or out is not None:
             if out is not None and out.finish_reason == "error":

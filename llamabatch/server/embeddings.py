@@ -5,7 +5,6 @@ the request."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -13,6 +12,7 @@ from starlette.responses import Response
 
 from llamabatch import PromptTooLong
 from llamabatch.server import prepare
+from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     APIError,
     bad_request,
@@ -57,13 +57,13 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
         raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
     body.warn_unknown()
     try:
-        n_tokens = await asyncio.to_thread(prepare.count_embedding_tokens, embedder, texts)
+        n_tokens = await run_step(request, PREPARE, prepare.count_embedding_tokens, embedder, texts)
         vectors = await until_disconnect(request.receive, embedder.aembed(texts))
     except PromptTooLong as exc:
         raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), param="input") from None
-    payload = await asyncio.to_thread(  # vector by vector: JSON-encoding floats holds the GIL
-        prepare.embedding_response, vectors, encoding, server.embedding_model_name, n_tokens
+    payload = await run_step(  # vector by vector: JSON-encoding floats holds the GIL
+        request, ENCODE, prepare.embedding_response, vectors, encoding, server.embedding_model_name, n_tokens
     )
     return Response(payload, media_type="application/json")

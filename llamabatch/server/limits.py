@@ -289,11 +289,13 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_values: int = MA
 
 async def read_json(request: Any) -> Any:
     """A Starlette request's body (bounded by :class:`EdgeGuard`) through :func:`parse_json`;
-    a big body is parsed in a worker thread."""
+    a big body is parsed as one of the request's steps (``offload.run_step``)."""
+    from llamabatch.server.offload import PREPARE, run_step
+
     raw = await request.body()
     if len(raw) <= _INLINE_PARSE_BYTES:
         return parse_json(raw)
-    return await asyncio.to_thread(parse_json, raw)
+    return await run_step(request, PREPARE, parse_json, raw)
 
 
 # -- the request head's deadline (uvicorn) ----------------------------------------------------

@@ -1,8 +1,9 @@
 """A request's CPU work before it reaches an engine, and the checks that bound it.
 
-The endpoints in ``app.py`` run these in worker threads (``asyncio.to_thread``): tokenizing,
-and the byte bound that refuses a text before tokenizing it when no tokenization of it could
-fit the context (tokenizing a long run without whitespace costs time quadratic in its length).
+The endpoints run these as steps of their request, in the worker pools of ``offload.py``
+(``params_pool`` picks the pool of a request's sampling parameters): tokenizing, and the byte
+bound that refuses a text before tokenizing it when no tokenization of it could fit the context
+(tokenizing a long run without whitespace costs time quadratic in its length).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from llamabatch import LLM, Embedder, PromptTooLong
 from llamabatch.generate.llm_engine import prompt_bytes_bound
 from llamabatch.prompts.chat_template import special_token_text
 from llamabatch.prompts.inputs import check_token_ids
-from llamabatch.server.protocol import bad_request, encode_embedding
+from llamabatch.server.offload import GRAMMAR, PREPARE
+from llamabatch.server.protocol import Body, bad_request, encode_embedding
 from llamabatch.server.streaming import dumps_json
 
 __all__ = [
@@ -24,12 +26,24 @@ __all__ = [
     "check_queue_room",
     "count_embedding_tokens",
     "embedding_response",
+    "params_pool",
     "prompt_fits",
     "tokenize_prompts",
 ]
 
 #: the most texts one /v1/embeddings request may hold (OpenAI's limit)
 MAX_EMBEDDING_INPUTS = 2048
+
+
+#: request fields that make grammars (schema conversion, grammar parsing: heavy CPU work)
+GRAMMAR_FIELDS = ("grammar", "json_schema", "response_format", "tools")
+
+
+def params_pool(body: Body) -> str:
+    """The pool that builds a request's sampling parameters and tool setup: ``GRAMMAR`` when
+    the body holds a grammar, schema or tools (so that hostile ones queue behind each other,
+    never in front of plain requests), else ``PREPARE``."""
+    return GRAMMAR if any(name in body for name in GRAMMAR_FIELDS) else PREPARE
 
 
 def check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:

@@ -6,21 +6,22 @@ Response: ``{"object": "list", "model", "results": [{"index", "relevance_score",
 ``relevance_score`` is the reranker's score with its default activation (sentence-transformers'
 rule: sigmoid for a one-label cross-encoder unless the model recorded another).
 
-Built on the public API (``Reranker.arank``, ``Reranker.tokenize``); the route is registered by
+Built on the public API (``Reranker.tokenize_pairs``, ``Reranker.apredict``); the route is registered by
 :func:`llamabatch.server.app.create_app` (``reranker=``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch.embed.reranker import Reranker
 from llamabatch.errors import PromptTooLong
+from llamabatch.server.offload import RERANK, run_step
 from llamabatch.server.protocol import Body, bad_request
 from llamabatch.server.streaming import json_response
 
@@ -31,6 +32,9 @@ __all__ = ["rerank", "rerank_endpoint"]
 
 #: the most documents one request may rank (a bound on the request's work)
 MAX_DOCUMENTS = 4096
+#: a query's most bytes per token of a pair's ``max_length``: a longer query is refused before
+#: it is tokenized (WordPiece has no byte bound of its own: one unknown word is one token)
+MAX_QUERY_BYTES_PER_TOKEN = 16
 
 
 def _documents(body: Body) -> list[str]:
@@ -59,8 +63,10 @@ async def rerank_endpoint(
     model_name: str | None,
     body: Body,
     receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+    request: Request,
 ) -> dict[str, Any]:
-    """The response body of one rerank request (raises ``APIError`` for a 4xx)."""
+    """The response body of one rerank request (raises ``APIError`` for a 4xx); the pairs are
+    tokenized as one of ``request``'s steps (``offload.RERANK``), the query once."""
     from llamabatch.server.protocol import APIError
     from llamabatch.server.streaming import until_disconnect
 
@@ -73,24 +79,35 @@ async def rerank_endpoint(
     query = body.get("query", "str")
     if query is None:
         raise bad_request("'query' is required (a string)", param="query")
+    max_bytes = reranker.max_length * MAX_QUERY_BYTES_PER_TOKEN
+    if len(query) > max_bytes // 4 and len(query.encode("utf-8", "replace")) > max_bytes:
+        raise bad_request(
+            f"'query' is {len(query.encode('utf-8', 'replace'))} bytes, more than the {max_bytes} a query "
+            f"may have ({MAX_QUERY_BYTES_PER_TOKEN} per token of the {reranker.max_length} one pair holds)",
+            param="query",
+        )
     documents = _documents(body)
     top_n = body.get("top_n", "int", minimum=1)
     return_documents = body.get("return_documents", "bool", False)
     body.warn_unknown()
-    try:  # tokenizing is CPU work: off the event loop (Reranker.arank tokenizes off it too)
-        n_tokens = await asyncio.to_thread(
-            lambda: sum(len(reranker.tokenize(query, doc)[0]) for doc in documents)
-        )
-        ranked = await until_disconnect(
-            receive, reranker.arank(query, documents, top_k=top_n, return_documents=return_documents)
+    if reranker.num_labels != 1:
+        raise bad_request(f"this reranker's head has {reranker.num_labels} labels; ranking needs one")
+    try:
+        pairs = await run_step(
+            request, RERANK, reranker.tokenize_pairs, query, documents, max_query_tokens=reranker.max_length
         )
     except PromptTooLong as exc:
-        raise bad_request(str(exc), param="documents", code="context_length_exceeded") from None
+        param = getattr(exc, "param", "documents")
+        raise bad_request(str(exc), param=param, code="context_length_exceeded") from None
+    n_tokens = sum(len(pair) for pair in pairs)
+    scores = await until_disconnect(receive, reranker.apredict(pairs))
+    scores = [float(s) for s in np.atleast_1d(scores)]
+    order = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)  # stable: ties keep order
     results = []
-    for item in ranked:
-        result: dict[str, Any] = {"index": item["corpus_id"], "relevance_score": item["score"]}
+    for i in order[:top_n]:  # a top_n past the documents' count gives them all
+        result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
         if return_documents:
-            result["document"] = {"text": item["text"]}
+            result["document"] = {"text": documents[i]}
         results.append(result)
     return {
         "object": "list",
@@ -103,5 +120,5 @@ async def rerank_endpoint(
 async def rerank(server: OpenAIServer, request: Request) -> Response:
     """``/v1/rerank`` and ``/rerank`` (issue 25): the handler ``create_app`` routes."""
     body = await server.read_body(request, "/v1/rerank")
-    answer = await rerank_endpoint(server.reranker, server.rerank_model_name, body, request.receive)
+    answer = await rerank_endpoint(server.reranker, server.rerank_model_name, body, request.receive, request)
     return json_response(answer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -16,7 +17,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams
-from llamabatch.server.protocol import APIError, bad_request, param_of_error, request_field
+from llamabatch.server.protocol import (
+    APIError,
+    TokenText,
+    bad_request,
+    chat_logprobs,
+    completion_logprobs,
+    param_of_error,
+    request_field,
+)
 
 logger = logging.getLogger("llamabatch.server")
 
@@ -30,8 +39,77 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+#: tokens of log-probabilities per ``json.dumps`` call: one call holds the GIL while it runs
+LOGPROB_SLICE = 64
+
+
+class RawJSON:
+    """JSON already encoded, spliced as is by :func:`dumps_json` (a big part of an answer,
+    encoded in slices so that no single ``json.dumps`` call holds the GIL for long)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 def dumps_json(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """``obj`` as compact UTF-8 JSON; ``RawJSON`` values inside are spliced in as they are."""
+    raws: list[bytes] = []
+    mark = ""
+
+    def splice(value: Any) -> str:
+        nonlocal mark
+        if not isinstance(value, RawJSON):
+            raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+        if not mark:
+            mark = f"\x00raw-{uuid.uuid4().hex}\x00"
+        raws.append(value.data)
+        return mark
+
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=splice).encode()
+    if not raws:
+        return text
+    parts = text.split(json.dumps(mark).encode())
+    out = [parts[0]]
+    for raw, part in zip(raws, parts[1:], strict=True):
+        out += (raw, part)
+    return b"".join(out)
+
+
+def chat_logprobs_json(
+    token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[Any], top_n: int
+) -> RawJSON:
+    """``choices[].logprobs`` of a chat answer (``{"content": [...]}``), built and encoded
+    ``LOGPROB_SLICE`` tokens at a time: memory and GIL hold bounded by a slice."""
+    n = min(len(token_ids), len(logprobs))
+    parts = [
+        dumps_json(
+            chat_logprobs(
+                token_text, token_ids[i : i + LOGPROB_SLICE], logprobs[i : i + LOGPROB_SLICE], top_n
+            )
+        )[1:-1]
+        for i in range(0, n, LOGPROB_SLICE)
+    ]
+    return RawJSON(b'{"content":[' + b",".join(parts) + b"]}")
+
+
+def completion_logprobs_json(
+    token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[Any], offset: int
+) -> RawJSON:
+    """The legacy completions ``logprobs`` object, built and encoded in slices (as
+    :func:`chat_logprobs_json`)."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    parts: dict[str, list[bytes]] = {key: [] for key in keys}
+    for i in range(0, min(len(token_ids), len(logprobs)), LOGPROB_SLICE):
+        lp = completion_logprobs(
+            token_text, token_ids[i : i + LOGPROB_SLICE], logprobs[i : i + LOGPROB_SLICE], offset
+        )
+        offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        for key in keys:
+            parts[key].append(dumps_json(lp[key])[1:-1])
+    fields = (dumps_json(key) + b":[" + b",".join(parts[key]) + b"]" for key in keys)
+    return RawJSON(b"{" + b",".join(fields) + b"}")
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -129,12 +207,12 @@ class EventStream:
 
 
 async def generate_all(
-    llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0
+    llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0, client: str | None = None
 ) -> AsyncIterator[tuple[int, Any]]:
     """``(prompt index, Delta)`` of every prompt's generation, as they come (``priority``:
-    the body's ``priority``, lower runs first)."""
+    lower runs first; ``client``: whose turn, ``client_policy.client_key``)."""
     if len(prompts) == 1:
-        stream = llm.astream(prompts[0], params, priority=priority)
+        stream = llm.astream(prompts[0], params, priority=priority, client=client)
         try:
             async for delta in stream:
                 yield 0, delta
@@ -145,7 +223,7 @@ async def generate_all(
     done = object()
 
     async def pump(i: int, prompt: Any) -> None:
-        stream = llm.astream(prompt, params, priority=priority)
+        stream = llm.astream(prompt, params, priority=priority, client=client)
         try:
             async for delta in stream:
                 queue.put_nowait((i, delta))

@@ -5,13 +5,13 @@ the request."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch.server import prepare
+from llamabatch.server.offload import PREPARE, run_step
 from llamabatch.server.protocol import (
     bad_request,
 )
@@ -70,7 +70,7 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
             for t in tokens
         ]
 
-    out = await asyncio.to_thread(run)
+    out = await run_step(request, PREPARE, run)
     return json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
 
 
@@ -83,7 +83,7 @@ async def detokenize(server: OpenAIServer, request: Request) -> Response:
     engine = server.llm or server.embedder or server.reranker
     model = engine.model  # type: ignore[union-attr]
     try:  # special tokens as text, in a worker thread
-        text = await asyncio.to_thread(model.detokenize, tokens, unparse_special=True)
+        text = await run_step(request, PREPARE, model.detokenize, tokens, unparse_special=True)
     except ValueError as exc:
         raise bad_request(str(exc), param="tokens") from None
     return json_response({"prompt": text, "content": text})

@@ -1,0 +1,185 @@
+"""``llamabatch.server.offload``: the server's bounded worker pools and per-request budgets.
+
+Steps that never end (a pure-Python loop, a call stuck in C) are abandoned at their budget or
+at the client's disconnect, the pool keeps serving, and a process with stuck workers exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from llamabatch.server.offload import (
+    PREPARE,
+    Offload,
+    RequestWork,
+    WorkLimits,
+)
+from llamabatch.server.protocol import APIError
+from llamabatch.server.streaming import ClientGone
+
+
+def spin(stop: threading.Event) -> None:
+    """A step that never returns by itself (pure Python: interruptible)."""
+    while not stop.is_set():
+        pass
+
+
+def test_a_step_past_its_budget_is_503_and_interrupted() -> None:
+    stopped = threading.Event()
+
+    def forever() -> None:
+        try:
+            while True:
+                pass
+        finally:
+            stopped.set()
+
+    async def main() -> None:
+        offload = Offload(WorkLimits(timeout_s=0.3, threads=1))
+        work = RequestWork(offload, None)
+        start = time.monotonic()
+        with pytest.raises(APIError) as info:
+            await work.run(PREPARE, forever)
+        assert time.monotonic() - start < 2
+        assert info.value.status == 503 and info.value.code == "work_timeout"
+        assert "--work-timeout-s" in info.value.message
+        assert await asyncio.to_thread(stopped.wait, 5), "the abandoned step's thread kept running"
+        # the budget is spent: the request's next step is refused at once
+        with pytest.raises(APIError):
+            await work.run(PREPARE, lambda: 1)
+        # the pool serves other requests
+        assert await RequestWork(offload, None).run(PREPARE, lambda x: x + 1, 41) == 42
+        offload.close()
+
+    asyncio.run(main())
+
+
+def test_steps_stuck_in_c_do_not_take_the_pool() -> None:
+    """``time.sleep`` stands for a call stuck in C: its thread cannot be interrupted, so the
+    pool starts another."""
+
+    async def main() -> None:
+        offload = Offload(WorkLimits(timeout_s=0.2, threads=2))
+        for _ in range(2):
+            with pytest.raises(APIError):
+                await RequestWork(offload, None).run(PREPARE, time.sleep, 3600)
+        start = time.monotonic()
+        assert await RequestWork(offload, None).run(PREPARE, lambda: "ok") == "ok"
+        assert time.monotonic() - start < 1
+        offload.close()
+
+    asyncio.run(main())
+
+
+def test_results_and_errors_come_back() -> None:
+    async def main() -> None:
+        offload = Offload(WorkLimits(timeout_s=5, threads=2))
+        work = RequestWork(offload, None)
+        assert await work.run(PREPARE, sorted, [3, 1, 2], reverse=True) == [3, 2, 1]
+        with pytest.raises(ValueError, match="boom"):
+            await work.run(PREPARE, _raise, ValueError("boom"))
+        results = await asyncio.gather(
+            *(RequestWork(offload, None).run(PREPARE, pow, i, 2) for i in range(20))
+        )
+        assert results == [i * i for i in range(20)]
+        offload.close()
+
+    asyncio.run(main())
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+def test_a_disconnect_abandons_the_step() -> None:
+    stop = threading.Event()
+
+    async def main() -> None:
+        offload = Offload(WorkLimits(timeout_s=30, threads=1))
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, str]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        asyncio.get_running_loop().call_later(0.2, gone.set)
+        start = time.monotonic()
+        with pytest.raises(ClientGone):
+            await RequestWork(offload, receive).run(PREPARE, spin, stop)
+        assert time.monotonic() - start < 2
+        assert await RequestWork(offload, None).run(PREPARE, lambda: 7) == 7
+        offload.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+
+
+def test_close_fails_waiting_steps_with_503() -> None:
+    stop = threading.Event()
+
+    async def main() -> None:
+        offload = Offload(WorkLimits(timeout_s=30, threads=1))
+        task = asyncio.ensure_future(RequestWork(offload, None).run(PREPARE, spin, stop))
+        queued = asyncio.ensure_future(RequestWork(offload, None).run(PREPARE, lambda: 1))
+        await asyncio.sleep(0.1)
+        offload.close()
+        for t in (task, queued):
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(t, 2)
+            assert info.value.status == 503 and info.value.code == "shutting_down"
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+
+
+def test_request_work_is_kept_on_the_request_state() -> None:
+    offload = Offload(WorkLimits())
+    state = SimpleNamespace()
+    assert offload.request(state, None) is offload.request(state, None)
+    offload.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"timeout_s": 0}, {"timeout_s": float("inf")}, {"threads": 0}, {"threads": True}]
+)
+def test_bad_limits(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        WorkLimits(**kwargs)
+
+
+def test_a_process_with_stuck_workers_exits() -> None:
+    script = textwrap.dedent(
+        """
+        import asyncio, time
+        from llamabatch.server.offload import PREPARE, Offload, RequestWork, WorkLimits
+
+        async def main():
+            offload = Offload(WorkLimits(timeout_s=0.2, threads=2))
+            for _ in range(3):
+                try:
+                    await RequestWork(offload, None).run(PREPARE, time.sleep, 3600)
+                except Exception as exc:
+                    print(type(exc).__name__)
+
+        asyncio.run(main())
+        """
+    )
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["APIError"] * 3
+    assert time.monotonic() - start < 20  # the import is most of it; a join would never end
