@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_scheduler_fake import check_core, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
-from llamabatch.generate.priority import enqueue, priority_victim
+from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim
 from llamabatch.generate.request import Request
 
 DEFAULT_AGING = EngineConfig().priority_aging
@@ -84,6 +84,29 @@ def test_aging_protects_an_aged_request_from_preemption():
     assert old.status.name == "RUNNING" and old.n_preemptions == 0
 
 
+@pytest.mark.parametrize("clients", [False, True])
+def test_clients_take_turns(clients):
+    """One client queues ten requests, then another one: with clients named, the second
+    client's request runs after at most one of the first's queued ones (turns); without,
+    first come, first served."""
+    core, ctx, _ = make_core(n_parallel=1, n_ctx=256)
+    flood = [Request(prompt(4, i), greedy(2), client="a" if clients else None) for i in range(10)]
+    core.add(flood[:1])
+    core.step()
+    order = [core.running[0]]
+    core.add(flood[1:])
+    other = Request(prompt(4, 99), greedy(2), client="b" if clients else None)
+    core.add([other])
+    while core.has_unfinished():
+        core.step()
+        running = core.running[0]
+        if running is not None and running not in order:
+            order.append(running)
+    check_core(core, ctx)
+    assert order[0] is flood[0]
+    assert order.index(other) == (2 if clients else 10)
+
+
 def test_config_checks_priority_aging():
     assert EngineConfig(priority_aging=0).priority_aging == 0
     for bad in (-1, 1.5, True, "8", None):
@@ -99,34 +122,41 @@ PARAMS = SamplingParams(max_tokens=1)
 @settings(max_examples=150, deadline=None)
 @given(
     aging=st.integers(1, 6),
-    arrivals=st.lists(st.lists(st.integers(-20, 20), max_size=3), min_size=1, max_size=120),
+    arrivals=st.lists(
+        st.lists(st.tuples(st.integers(-20, 20), st.sampled_from([None, "a", "b", "c"])), max_size=3),
+        min_size=1,
+        max_size=120,
+    ),
 )
 def test_every_waiting_request_is_admitted_within_its_bound(aging, arrivals):
-    """Whatever arrives, a request is admitted after at most the requests ahead of it when it
-    came, plus those arriving while it ages its way past every better priority:
-    ``(its priority - the best priority + 1) x aging`` admissions. So under any endless stream
-    of finite rate, every waiting request is admitted."""
+    """Whatever arrives, from whichever clients, a request is admitted after at most the
+    requests ahead of it when it came, plus those arriving while it ages its way past every
+    better priority: until ``(its priority - the best priority + 1) x aging`` admissions after
+    its turn. So under any endless stream of finite rate, every waiting request is admitted."""
     waiting: deque[Request] = deque()
+    turns = ClientTurns()
     admitted = 0
-    info: dict[int, tuple[int, int, int]] = {}  # arrival -> (stamp, ahead at arrival, priority)
+    info: dict[int, tuple[int, int, int]] = {}  # arrival -> (admissions then, ahead then, priority)
     arrivals_at: list[int] = []  # the admission count at each arrival, in arrival order
-    best = min((p for batch in arrivals for p in batch), default=0)
-    waited: dict[int, int] = {}
+    best = min((p for batch in arrivals for p, _ in batch), default=0)
+    waited: dict[int, Request] = {}
     for batch in [*arrivals, *([[]] * 400)]:
-        new = [Request([1], PARAMS, priority=p) for p in batch]
-        enqueue(waiting, new, aging, admitted)
+        new = [Request([1], PARAMS, priority=p, client=c) for p, c in batch]
+        enqueue(waiting, new, aging, admitted, turns)
         for r in new:
             info[r.arrival] = (admitted, waiting.index(r), r.priority)
             arrivals_at.append(admitted)
         if waiting:
             r = waiting.popleft()
-            waited[r.arrival] = admitted - info[r.arrival][0]
+            r.admitted_order = admitted  # the admissions before it
+            waited[r.arrival] = r
             admitted += 1
     assert not waiting
-    for arrival, (stamp, ahead, priority) in info.items():
-        window = (priority - best + 1) * aging
-        overtakers = sum(1 for s in arrivals_at if stamp <= s < stamp + window)
-        assert waited[arrival] <= ahead + overtakers, (arrival, priority, waited[arrival])
+    for arrival, (came, ahead, priority) in info.items():
+        r = waited[arrival]
+        window_end = r.wait_stamp + (priority - best + 1) * aging
+        overtakers = sum(1 for s in arrivals_at if came <= s < window_end)
+        assert r.admitted_order - came <= ahead + overtakers, (arrival, priority, r.client)
 
 
 def test_priority_victim_respects_aging():

@@ -50,7 +50,7 @@ from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import KVCache
 from llamabatch.generate.kv_memory import ubatch_cost_cells
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
-from llamabatch.generate.priority import enqueue, priority_victim
+from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim
 from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
@@ -212,6 +212,7 @@ class EngineCore:
         self.counters = GenerationCounters()
         self._aborts: list[Request] = []
         self._n_admissions = 0
+        self.turns = ClientTurns()  # clients take turns at one priority (generate/priority.py)
         #: whether any request had a priority other than 0 (else no priority preemption to check)
         self._priorities = False
         self._events: list[CoreOutput] = []
@@ -245,7 +246,7 @@ class EngineCore:
         for request in requests:
             if request.status is not RequestStatus.WAITING or request.arrival in self.requests:
                 raise ValueError(f"request {request.request_id!r} was queued before")
-        enqueue(self.waiting, requests, self.config.priority_aging, self._n_admissions)
+        enqueue(self.waiting, requests, self.config.priority_aging, self._n_admissions, self.turns)
         for request in requests:
             self.requests[request.arrival] = request
             if request.priority:

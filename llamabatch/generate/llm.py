@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from llamabatch.config import EngineConfig, options_signature
@@ -237,15 +237,19 @@ class LLM(HostFacts):
                 "(in a listener or a strategy); use submit() there"
             )
 
-    def submit(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> RequestHandle:
+    def submit(
+        self, prompt: Prompt, params: Params = None, *, priority: int = 0, client: Hashable | None = None
+    ) -> RequestHandle:
         """Queue one prompt (text or token ids); returns at once. Thread-safe. ``priority``:
         lower runs first and may preempt running requests of a higher number (see README).
+        ``client``: who the request is for (any hashable; ``None``: no one in particular):
+        at one priority, the requests of different clients take turns.
 
         Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
         prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""
         with self._worker.cond:
             self._worker.raise_if_closed()
-        requests = self._make_requests(prompt, params, channel=Channel(), priority=priority)
+        requests = self._make_requests(prompt, params, channel=Channel(), priority=priority, client=client)
         self._enqueue(requests)
         return RequestHandle(requests, self._cancel)
 
@@ -302,11 +306,13 @@ class LLM(HostFacts):
                 bar.close()
         return [request_output(group) for group in groups]
 
-    def stream(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> Iterator[Delta]:
+    def stream(
+        self, prompt: Prompt, params: Params = None, *, priority: int = 0, client: Hashable | None = None
+    ) -> Iterator[Delta]:
         """Yield deltas as tokens arrive (for ``n > 1``, of every completion, told apart by
         ``.index``); closing the iterator early cancels the request."""
         self._check_can_wait("stream")
-        handle = self.submit(prompt, params, priority=priority)
+        handle = self.submit(prompt, params, priority=priority, client=client)
         try:
             yield from handle
         finally:
@@ -314,11 +320,13 @@ class LLM(HostFacts):
                 handle.cancel()
 
     async def astream(
-        self, prompt: Prompt, params: Params = None, *, priority: int = 0
+        self, prompt: Prompt, params: Params = None, *, priority: int = 0, client: Hashable | None = None
     ) -> AsyncIterator[Delta]:
         """Async iterator of deltas (``.index`` tells ``n > 1`` completions apart);
         cancelling the consuming task cancels the request."""
-        requests, aqueue = await self._submit_async(prompt, params, streaming=True, priority=priority)
+        requests, aqueue = await self._submit_async(
+            prompt, params, streaming=True, priority=priority, client=client
+        )
         try:
             ends = 0
             while ends < len(requests):
@@ -330,10 +338,14 @@ class LLM(HostFacts):
         finally:
             self._cancel_unfinished(requests)
 
-    async def agenerate(self, prompt: Prompt, params: Params = None, *, priority: int = 0) -> RequestOutput:
+    async def agenerate(
+        self, prompt: Prompt, params: Params = None, *, priority: int = 0, client: Hashable | None = None
+    ) -> RequestOutput:
         """Await one prompt's ``RequestOutput`` (all ``n`` completions); cancelling the
         awaiting task cancels the request."""
-        requests, aqueue = await self._submit_async(prompt, params, streaming=False, priority=priority)
+        requests, aqueue = await self._submit_async(
+            prompt, params, streaming=False, priority=priority, client=client
+        )
         try:
             ends = 0
             while ends < len(requests):  # only the completions' ends arrive
@@ -343,7 +355,12 @@ class LLM(HostFacts):
         return request_output(requests)
 
     async def _submit_async(
-        self, prompt: Prompt, params: Params, streaming: bool, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: Params,
+        streaming: bool,
+        priority: int = 0,
+        client: Hashable | None = None,
     ) -> tuple[list[Request], Any]:
         """Submit a prompt whose deltas go to an asyncio queue of the running loop. The
         prompt is tokenized and its samplers (grammars) built in a worker thread, so a heavy
@@ -355,7 +372,13 @@ class LLM(HostFacts):
         channel.listen_from(asyncio.get_running_loop(), aqueue)
         built = asyncio.ensure_future(
             asyncio.to_thread(
-                self._make_requests, prompt, params, channel=channel, streaming=streaming, priority=priority
+                self._make_requests,
+                prompt,
+                params,
+                channel=channel,
+                streaming=streaming,
+                priority=priority,
+                client=client,
             )
         )
         try:

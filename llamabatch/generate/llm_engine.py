@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from typing_extensions import Unpack
@@ -193,9 +193,10 @@ class EngineHost:
         channel: Channel | None = None,
         request_id: Any = None,
         priority: int = 0,
+        client: Hashable | None = None,
     ) -> list[Request]:
         """The requests of one prompt: ``params.n`` completions sharing one request id
-        (and ``priority``: lower runs first). Their samplers are built at admission
+        (and ``priority``: lower runs first; ``client``: whose turn, ``generate/priority.py``). Their samplers are built at admission
         (``generate/request_memory.py``); a bad grammar, a token id outside the vocabulary or a
         request over ``max_request_memory_mb`` raises here, at the caller."""
         priority = check_priority(priority)
@@ -219,6 +220,7 @@ class EngineHost:
                 # followers wait for the leader's prompt and copy its KV
                 leader=requests[0] if i else None,
                 priority=priority,
+                client=client,
             )
             if i == 0:
                 check_sampler_builds(self.model, request, self.n_ctx_seq)

@@ -2,22 +2,32 @@
 
 A request's ``priority`` is an int, lower first (as vLLM); the default 0 for all keeps
 first come, first served. The queue is ordered by :func:`wait_key`: the aged priority,
-then preempted requests before new ones (they were admitted once), then arrival. When a
+then preempted requests before new ones (they were admitted once), then the turn, then
+arrival. When a
 waiting request cannot start (no idle slot, or with a unified KV cache no room for its
 prompt) and a request of a lower priority (a higher number) runs, the most recently
 admitted such request is preempted: its KV cells are freed and it goes back to the queue,
 to be recomputed later with what it generated so far (invisible to its caller, as a
 preemption for KV room).
 
-Aging: no waiting request starves behind a stream of better priorities. A request is
-stamped at its first queueing with the core's admission count (``Request.wait_stamp``);
-its aged priority is ``priority + wait_stamp // aging`` (``EngineConfig.priority_aging``,
-0: no aging). As every waiting request's stamp is fixed, the order is static (the queue
-stays sorted by insertion), and relative to the requests arriving later a waiting request
-gains one level per ``aging`` admissions: one that is ``d`` levels behind the best
-priority arriving is overtaken only by requests arriving within ``(d + 1) * aging``
-admissions after it. Only whole epochs of ``aging`` admissions count, so requests within
-one epoch keep strict priority order.
+Turns: clients take turns at one priority. A request is stamped at its first queueing
+with its turn (``Request.wait_stamp``): the core's admission count, or for a request with
+a ``client`` (``LLM.agenerate(..., client=)``; the server passes the peer's address) one
+more than that client's previous turn when that is later (:class:`ClientTurns`). So a
+client that queued 100 requests holds the next 100 turns, and another client's request,
+stamped with the admission count, runs after at most one of them: round robin among the
+clients with requests waiting, instead of first come, first served. Requests without a
+client keep the admission count: first come, first served, as before.
+
+Aging: no waiting request starves behind a stream of better priorities. A request's aged
+priority is ``priority + wait_stamp // aging`` (``EngineConfig.priority_aging``, 0: no
+aging). As every waiting request's stamp is fixed, the order is static (the queue stays
+sorted by insertion), and relative to the requests arriving later a waiting request gains
+one level per ``aging`` admissions: one that is ``d`` levels behind the best priority
+arriving is overtaken only by requests arriving within ``(d + 1) * aging`` admissions
+after it. Only whole epochs of ``aging`` admissions count, so requests within one epoch
+keep strict priority order. A client's turns far ahead age its requests less: its own
+backlog counts against it.
 
 No starvation of a running request: one that was already preempted
 ``MAX_PRIORITY_PREEMPTIONS`` times (for any reason) is no longer preempted for priority,
@@ -31,13 +41,14 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from llamabatch.generate.request import Request, RequestKind
 from llamabatch.status import RequestStatus
 
 __all__ = [
     "MAX_PRIORITY_PREEMPTIONS",
+    "ClientTurns",
     "aged_priority",
     "check_priority",
     "enqueue",
@@ -67,22 +78,50 @@ def aged_priority(request: Request, aging: int) -> int:
     return request.priority + max(request.wait_stamp, 0) // aging
 
 
-def wait_key(request: Request, aging: int = 0) -> tuple[int, int, int]:
-    """A waiting request's place: aged priority, preempted before new, then arrival."""
+class ClientTurns:
+    """Each client's last turn (see the module): a request of a client gets the later of
+    the admission count and one past the client's previous turn."""
+
+    #: clients remembered before the ones whose turns are past are forgotten
+    PRUNE_AT = 4096
+
+    def __init__(self) -> None:
+        self.last: dict[Hashable, int] = {}
+
+    def turn(self, client: Hashable | None, n_admitted: int) -> int:
+        """The next turn of ``client`` (``None``: no client, the admission count)."""
+        if client is None:
+            return n_admitted
+        last = self.last
+        turn = max(n_admitted, last.get(client, -1) + 1)
+        last[client] = turn
+        if len(last) > self.PRUNE_AT:  # a client whose turn is past is as one never seen
+            for key in [key for key, value in last.items() if value < n_admitted]:
+                del last[key]
+        return turn
+
+
+def wait_key(request: Request, aging: int = 0) -> tuple[int, int, int, int]:
+    """A waiting request's place: aged priority, preempted before new, turn, then arrival."""
     preempted = 0 if request.status is RequestStatus.PREEMPTED else 1
-    return (aged_priority(request, aging), preempted, request.arrival)
+    return (aged_priority(request, aging), preempted, request.wait_stamp, request.arrival)
 
 
 def enqueue(
-    waiting: deque[Request], requests: Iterable[Request], aging: int = 0, n_admitted: int = 0
+    waiting: deque[Request],
+    requests: Iterable[Request],
+    aging: int = 0,
+    n_admitted: int = 0,
+    turns: ClientTurns | None = None,
 ) -> None:
     """Put ``requests`` into ``waiting`` at their places (:func:`wait_key` with ``aging``;
     the queue is kept sorted by the same ``aging``). A request queued for the first time is
-    stamped with ``n_admitted``, the admissions so far; a preempted one keeps its stamp."""
+    stamped with its turn (``turns``; without: ``n_admitted``, the admissions so far); a
+    preempted one keeps its stamp."""
     key_of = functools.partial(wait_key, aging=aging)
     for request in requests:
         if request.wait_stamp < 0:
-            request.wait_stamp = n_admitted
+            request.wait_stamp = n_admitted if turns is None else turns.turn(request.client, n_admitted)
         key = key_of(request)
         if not waiting or key_of(waiting[-1]) <= key:
             waiting.append(request)

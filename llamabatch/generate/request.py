@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -197,6 +197,7 @@ class Request:
     __slots__ = (
         "admitted_order",
         "arrival",
+        "client",
         "error",
         "error_type",
         "fast_greedy",
@@ -238,6 +239,7 @@ class Request:
         leader: Request | None = None,
         pin: Any = None,
         priority: int = 0,
+        client: Hashable | None = None,
     ) -> None:
         self.request_id = next_request_id() if request_id is None else request_id
         #: submission order (unique): the engine's key for the request, and who is preempted first
@@ -247,7 +249,10 @@ class Request:
         #: when the request was last admitted (the core's admission count): the latest
         #: admitted of a lower priority is preempted first
         self.admitted_order = -1
-        #: the core's admission count when the request was first queued (-1 before): its
+        #: who the request is for (``None``: the caller): at one priority, clients take turns
+        self.client = client
+        #: the request's turn (``ClientTurns``): the core's admission count when it was first
+        #: queued, later for a client with requests queued before (-1 before queueing); its
         #: priority ages from there (``generate/priority.py``)
         self.wait_stamp = -1
         self.prompt = prompt

@@ -17,6 +17,9 @@
   clients apart: the server has one, shared by all.
 - :func:`request_priority`: the generation handlers' one call, once the request's
   completions are known: the priority to run at, or the 429.
+- :func:`client_key`: the client, passed to the engine (``LLM.agenerate(..., client=)``), in
+  whose queue clients take turns at one priority: a client that queued many requests does
+  not make another client's request wait behind all of them (``generate/priority.py``).
 
 The engine ages waiting requests (``EngineConfig.priority_aging``), so within what the
 policy allows no request waits forever behind better priorities either.
@@ -39,6 +42,7 @@ __all__ = [
     "ClientPolicy",
     "ClientPriority",
     "ClientShare",
+    "client_key",
     "client_of",
     "request_priority",
 ]
@@ -227,3 +231,10 @@ def request_priority(request: Any, body: Body, n_completions: int) -> int:
             "client %s sent priority %d; it runs at %d (--client-priority)", ticket.client, sent, priority
         )
     return priority
+
+
+def client_key(request: Any) -> str:
+    """The client a Starlette request comes from (:func:`client_of`, as ``ClientShare``
+    counts it): the engine gives clients turns by it."""
+    ticket = request.scope.get(_SCOPE_KEY)
+    return ticket.client if isinstance(ticket, _Ticket) else client_of(request.scope)
