@@ -95,7 +95,6 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     stream, include_usage = server.stream_options(body)
     priority = client_policy.request_priority(request, body, params.n)  # --client-priority, per-client share
     client = client_policy.client_key(request)  # clients take turns in the engine's queue
-    client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
     if stream:
         gen = await primed(generate_all(llm, [tokens], params, priority, client), request.receive)

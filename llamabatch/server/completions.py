@@ -67,7 +67,6 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     stream, include_usage = server.stream_options(body)
     priority = client_policy.request_priority(request, body, len(prompts) * params.n)  # --client-priority
     client = client_policy.client_key(request)  # clients take turns in the engine's queue
-    client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
     detokenize = llm.model.detokenize
     texts = (
