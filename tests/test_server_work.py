@@ -262,3 +262,34 @@ def test_big_logprob_answers_are_encoded_off_the_event_loop(monkeypatch: pytest.
     assert len(threads) >= 4
     loop_thread = threading.main_thread().name
     assert all(t.startswith("llamabatch-encode") for t in threads), (threads, loop_thread)
+
+
+@pytest.mark.parametrize("method", ["rank", "arank", "tokenize_pairs"])
+def test_the_query_is_tokenized_once_per_request(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Reranker.rank`` / ``arank`` (which /v1/rerank's pairs come from) tokenize the query once,
+    not once per document."""
+    import asyncio
+
+    from llamabatch.embed.reranker import Reranker
+
+    with Reranker(reranker_path("f32"), n_threads=1) as reranker:
+        calls: list[str] = []
+        tokenize = reranker.model.tokenize
+
+        def counting(text, *args, **kwargs):
+            calls.append(text)
+            return tokenize(text, *args, **kwargs)
+
+        monkeypatch.setattr(reranker.model, "tokenize", counting)
+        documents = [f"document {i}" for i in range(8)]
+        if method == "rank":
+            assert len(reranker.rank("the query", documents)) == 8
+        elif method == "arank":
+            assert len(asyncio.run(reranker.arank("the query", documents))) == 8
+        else:
+            pairs = reranker.tokenize_pairs("the query", documents)
+            assert [p.tolist() for p in pairs] == [
+                list(map(list, zip(*reranker.tokenize("the query", d), strict=True))) for d in documents
+            ]
+            calls = calls[:9]  # tokenize() above tokenizes the query again, once per pair
+        assert calls.count("the query") == 1, calls
