@@ -230,6 +230,12 @@ class EngineConfig(OptionsConfig):
             ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": k}``;
             checked by ``generate/spec_config.py``, run by ``generate/speculative.py``. CLI:
             ``--spec-type ngram|draft``, ``--model-draft FILE``, ``--draft-max N``.
+        batch_invariant: ``True``: a request's tokens and log-probs are bit-identical
+            whatever else runs (alone or with others, any arrival order, chunked prefill,
+            prefix reuse, preemption, speculation). It decides one KV stream per sequence,
+            flash attention on and a ``q8_0`` KV cache in place of the default ``f16``
+            (``generate/batch_invariant.py``); ``kv_unified=True``, ``flash_attn=False``, an
+            ``f32`` cache or ``n_gpu_layers != 0`` with it are refused. Default ``False``.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
@@ -387,6 +393,15 @@ class EngineConfig(OptionsConfig):
         ),
     )
 
+    batch_invariant: bool = field(
+        default=False,
+        metadata=flag(
+            "--batch-invariant",
+            action=argparse.BooleanOptionalAction,
+            help="a request's tokens and log-probs are bit-identical whatever else runs (one KV stream "
+            "per sequence, flash attention on, a q8_0 KV cache for the default f16)",
+        ),
+    )
     speculative_config: dict[str, Any] | None = field(
         default=None,
         hash=False,
@@ -417,11 +432,17 @@ class EngineConfig(OptionsConfig):
                 f"type_v={self.type_v}: a quantized V cache needs flash attention (flash_attn=False was "
                 "given; use flash_attn=None/'auto' or True, or a type_v of f16, bf16 or f32)"
             )
-        for name in ("prefix_cache", "kv_unified", "validate"):
+        for name in ("prefix_cache", "kv_unified", "validate", "batch_invariant"):
             flag = getattr(self, name)
             if not isinstance(flag, bool) and not (name == "kv_unified" and flag is None):
                 choices = "True, False or None (chosen at load)" if name == "kv_unified" else "True or False"
                 raise ValueError(f"{name} must be {choices}, got {flag!r}")
+        if self.batch_invariant:
+            from llamabatch.generate.batch_invariant import batch_invariant_conflict
+
+            conflict = batch_invariant_conflict(self)
+            if conflict:
+                raise ValueError(conflict)
         target = self.target_itl_ms
         if target is not None and (
             not isinstance(target, (int, float))

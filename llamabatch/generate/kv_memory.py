@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llamabatch._ffi.kv_types import head_dims, kv_bytes_per_cell
+from llamabatch.generate.batch_invariant import invariant_config
 
 if TYPE_CHECKING:
     from llamabatch._ffi.model import Model
@@ -134,7 +135,9 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
 
 def plan_config(model: Model, config: EngineConfig) -> tuple[KVPlan, EngineConfig]:
     """The KV plan of ``config`` over ``model``, and ``config`` with what it left to the load
-    (``n_ctx``, ``kv_unified``, ``flash_attn``) set from the plan."""
+    (``n_ctx``, ``kv_unified``, ``flash_attn``) set from the plan; with ``batch_invariant``
+    the layout, flash attention and KV types it decides come first (``invariant_config``)."""
+    config = invariant_config(config, model)
     plan = plan_kv(model, config)
     return plan, config.replace(n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn)
 

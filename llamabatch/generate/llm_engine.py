@@ -285,6 +285,7 @@ class EngineHost:
             flash_attn=plan.flash_attn,
             kv_type_k=plan.type_k,
             kv_type_v=plan.type_v,
+            batch_invariant=self.config.batch_invariant,
             kv_bytes=plan.kv_bytes(self.n_ctx),
             kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
             kv_budget_bytes=plan.budget_bytes,

@@ -64,12 +64,14 @@ __all__ = [
     "UNK_ID",
     "DraftPair",
     "ModelSpec",
+    "SWASpec",
     "build_vocab",
     "cache_dir",
     "draft_pair",
     "english_sentences",
     "loop_model",
     "loop_prompts",
+    "make_swa_model",
     "model_path",
     "real_model_path",
     "spec_hash",
@@ -698,3 +700,4 @@ def english_sentences(n: int) -> list[str]:
 
 from llamabatch.gguf.real_model import real_model_path  # noqa: E402
 from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair, loop_model, loop_prompts  # noqa: E402 (uses this module)
+from llamabatch.gguf.testing_swa import SWASpec, make_swa_model  # noqa: E402 (uses this module)

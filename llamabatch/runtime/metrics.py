@@ -263,6 +263,7 @@ class PrometheusListener:
         kv = family(gauge, "kv_cache_usage_perc", "KV cache cells in use / all cells (0..1).")
         cached = family(gauge, "prefix_cache_tokens", "Prompt tokens kept in the KV cache for reuse.")
         emb_waiting = family(gauge, "embedding_queue_texts", "Texts waiting to be embedded.")
+        invariant = family(gauge, "batch_invariant", "1: outputs do not depend on the batch.")
         tier = {key: family(gauge, key, doc) for key, doc in _TIER_GAUGES.items()}
         for source, name in sources:
             try:
@@ -276,6 +277,8 @@ class PrometheusListener:
             _add(waiting, name, _get(stats, "num_requests_waiting", "waiting", "queue_depth"))
             _add(slots, name, _get(stats, "n_parallel"))
             _add(cached, name, _get(stats, "cached_prefix_tokens"))
+            mode = _get(stats, "batch_invariant")
+            _add(invariant, name, None if mode is None else int(bool(mode)))
             used, total = _get(stats, "kv_cells_used"), _get(stats, "kv_cells_total")
             usage = _get(stats, "kv_cache_usage")
             if usage is None and used is not None and total:
@@ -283,7 +286,7 @@ class PrometheusListener:
             _add(kv, name, usage)
             for key, tier_family in tier.items():
                 _add(tier_family, name, _get(stats, key))
-        yield from (running, waiting, slots, kv, cached, emb_waiting)
+        yield from (running, waiting, slots, kv, cached, invariant, emb_waiting)
         yield from tier.values()
 
 

@@ -167,6 +167,9 @@ class GenerationStats:
     #: the KV cache element types (llama.cpp's names)
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
+    #: ``batch_invariant=True``: each request's tokens and log-probs do not depend on what
+    #: else runs (``generate/batch_invariant.py``)
+    batch_invariant: bool = False
     #: the KV cache's bytes, and what it would take at f16
     kv_bytes: int = 0
     kv_bytes_f16: int = 0

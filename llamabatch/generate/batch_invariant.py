@@ -1,0 +1,89 @@
+"""``batch_invariant=True``: the settings under which a request's tokens and log-probs are
+bit-identical whatever else the engine runs (alone or with others, in any arrival order,
+through chunked prefill, prefix reuse, preemption and recompute, with speculation on).
+
+ggml's CPU backend computes each token's row of a matrix product on its own, but which kernel
+computes it, and in what order it sums, can depend on the batch (llama.cpp commit 0c1e570,
+``ggml-cpu/ops.cpp`` and ``ggml-cpu/llamafile/sgemm.cpp``):
+
+- flash attention with an f16 or f32 KV cache takes a tiled kernel when a ubatch holds 64 or
+  more query rows of one stream (its 64-cell tiles group a sequence's cells by where they
+  sit), and splits the KV cells among the threads when a ubatch holds one row of one stream
+  over 512 cells or more; otherwise one row at a time, its cells in order;
+- without flash attention a stream's attention products take llamafile's sgemm for two rows
+  or more and ggml's ``vec_dot`` for one, and the two round differently;
+- in one unified buffer a sequence's cells sit where the others left room, so the tiled
+  kernel's tiles and sgemm's lanes group them differently from one run to the next.
+
+With one KV stream per sequence, flash attention on and a KV type other than f16/f32
+(``q8_0`` here), every attention row goes through the one-row kernel, over the sequence's
+own cells in position order, whatever the ubatch holds. The weight products then depend only
+on the weight types: Q4_1 and Q8_0 (SmolLM2-135M's) give the same row whatever the batch.
+README, "Reproducibility", has the measurements; ``docs/batch_invariance.py`` reproduces the
+unified buffer's divergence through llama.cpp's C API.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llamabatch._ffi.kv_types import head_dims
+
+if TYPE_CHECKING:
+    from llamabatch._ffi.model import Model
+    from llamabatch.config import EngineConfig
+
+__all__ = ["INVARIANT_KV_TYPE", "TILED_KV_TYPES", "batch_invariant_conflict", "invariant_config"]
+
+#: the KV cache type ``batch_invariant=True`` uses in place of the default f16
+INVARIANT_KV_TYPE = "q8_0"
+#: the KV types for which ggml's CPU flash attention picks its kernel by the batch's shape
+TILED_KV_TYPES = ("f16", "f32")
+
+
+def batch_invariant_conflict(config: EngineConfig) -> str | None:
+    """Why ``config``'s explicit settings cannot be batch-invariant (None: they can). Only
+    meaningful with ``config.batch_invariant``."""
+    if config.kv_unified is True:
+        return (
+            "batch_invariant=True needs one KV stream per sequence (kv_unified=False or None); "
+            "kv_unified=True was given: in one buffer a sequence's cells sit wherever the other "
+            "sequences left room, and llama.cpp's kernels group them by where they sit"
+        )
+    if config.flash_attn is False:
+        return (
+            "batch_invariant=True needs flash attention (flash_attn=True or None); flash_attn=False "
+            "was given: without it llama.cpp multiplies a stream's one-row attention with another "
+            "kernel than its several rows, which round differently"
+        )
+    for name in ("type_k", "type_v"):
+        if getattr(config, name) == "f32":
+            return (
+                f"batch_invariant=True needs a KV type other than f16/f32 ({name}='f32' was given): "
+                "ggml's flash attention picks its kernel by the batch's shape for those; use "
+                f"{INVARIANT_KV_TYPE} (the default here), bf16 or another quantized type"
+            )
+    if config.n_gpu_layers != 0:
+        return (
+            "batch_invariant=True is made and checked for ggml's CPU kernels only; "
+            f"n_gpu_layers={config.n_gpu_layers} was given (use n_gpu_layers=0)"
+        )
+    return None
+
+
+def invariant_config(config: EngineConfig, model: Model | None = None) -> EngineConfig:
+    """``config`` with what ``batch_invariant=True`` decides: one KV stream per sequence,
+    flash attention on, and an f16 K or V cache (the default) stored as
+    :data:`INVARIANT_KV_TYPE`, or as bf16 where ``model``'s head size is not a multiple of
+    q8_0's 32-value blocks. Unchanged without ``batch_invariant``."""
+    if not config.batch_invariant:
+        return config
+    kv_type = INVARIANT_KV_TYPE
+    if model is not None and any(dim % 32 for dim in head_dims(model)):
+        kv_type = "bf16"
+    return config.replace(
+        kv_unified=False,
+        flash_attn=True,
+        type_k=kv_type if config.type_k in TILED_KV_TYPES else config.type_k,
+        type_v=kv_type if config.type_v in TILED_KV_TYPES else config.type_v,
+    )
