@@ -8,7 +8,8 @@
   running at once (``--max-queue-per-client``; default half of ``max_queue`` plus
   ``n_parallel``, so one client fills at most half the queue, and one backend serving many
   users from one address still has room). Past it the request gets 429 with
-  ``Retry-After``; a request that alone holds more gets 400.
+  ``Retry-After``; a request that alone holds more runs only while its client has nothing
+  else in flight.
 - :class:`ClientShare`: ASGI middleware that identifies each request's client and frees what
   the request holds when its answer ends (a stream's too). A client is its peer address:
   uvicorn has already put the ``X-Forwarded-For`` address there when, and only when, the
@@ -34,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamabatch.server.protocol import APIError, Body, bad_request
+from llamabatch.server.protocol import APIError, Body
 
 __all__ = [
     "PRIORITY_MAX",
@@ -181,19 +182,15 @@ class ClientShare:
             self._release(ticket)
 
     def take(self, ticket: _Ticket, n: int) -> None:
-        """Count ``n`` more completions for ``ticket``'s client: 400 when ``n`` alone is over
-        the share, 429 (with ``Retry-After``) when the client's requests in flight hold it."""
+        """Count ``n`` more completions for ``ticket``'s client; 429 (with ``Retry-After``)
+        when they would pass the share with the client's requests in flight. A request over the
+        share alone is served when the client has nothing else in flight (``--max-queue``
+        bounds it), so a batch that fits the queue always runs, one at a time."""
         cap = self.policy.max_per_client
         if cap is None:
             return
-        if n > cap:
-            raise bad_request(
-                f"the request makes {n} completions (prompts x n), more than one client may have "
-                f"queued or running at once (--max-queue-per-client {cap})",
-                param="n",
-            )
         held = self.in_flight.get(ticket.client, 0)
-        if held + n > cap:
+        if held and held + n > cap:
             raise APIError(
                 429,
                 f"this client has {held} completions queued or running; at most {cap} at once "
