@@ -4,8 +4,8 @@
 thread, or ``LLM``'s engine thread) calls ``add``, ``abort`` and ``step`` from one thread.
 Each step:
 
-  1. end aborted requests, then admit waiting requests into idle slots, first come first
-     served, while their uncomputed prompt tokens fit the free KV cells (less a watermark
+  1. end aborted requests, then admit waiting requests into idle slots in queue order
+     (``priority.py``), while their uncomputed prompt tokens fit the free KV cells (less a watermark
      kept for running sequences' next tokens), evicting idle cached prefixes (LRU) to make
      room, and reusing a cached prompt prefix where one matches (``kv_cache.py``);
   2. the Cython core builds the batch under the token budget (``SlotTable.fill``);
