@@ -5,7 +5,9 @@ request run alone, whatever else runs, on the real SmolLM2-135M and on a sliding
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -239,3 +241,30 @@ def test_explicit_per_stream_types_are_kept(smollm2_path):
     with LLM(smollm2_path, n_parallel=2, n_ctx=512, type_k="bf16", type_v="bf16", **ENGINE) as llm:
         s = llm.stats()
         assert (s.kv_type_k, s.kv_type_v, s.kv_unified, s.flash_attn) == ("bf16", "bf16", False, True)
+
+
+# -- the unified buffer's divergence is llama.cpp's ------------------------------------------
+
+
+def _reproduction():
+    path = Path(__file__).resolve().parent.parent / "docs" / "batch_invariance.py"
+    spec = importlib.util.spec_from_file_location("batch_invariance_doc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_cpp_picks_its_flash_attention_kernel_by_the_batch(smollm2_path):
+    """Documents llama.cpp's behaviour (commit 0c1e570), through its C API only, with the
+    reproduction in docs/batch_invariance.py: with an f16 cache the same prompt's logits
+    change when its ubatch reaches 64 rows (tiled kernel) or when its cells move within the
+    64-cell tiles, and a long sequence's decode step changes beside another stream (KV split
+    among threads); positions, masks and order stay the same. A q8_0 cache takes the
+    one-row kernel there (the script shows the other cases too). If this fails after a llama.cpp upgrade, the kernels
+    changed: re-run the script and update README, "Reproducibility"."""
+    doc = _reproduction()
+    with doc.Model(str(smollm2_path)) as model:
+        f16 = list(doc.tiled_kernel(model, "f16").values())
+        assert f16 == [True, False, True, True, False]
+        assert doc.split_kv(model, "f16") is False
+        assert doc.split_kv(model, "q8_0") is True
