@@ -16,6 +16,7 @@ from llamabatch.server.protocol import (
     bad_request,
 )
 from llamabatch.server.streaming import (
+    dumps_json,
     json_response,
 )
 
@@ -70,8 +71,11 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
             for t in tokens
         ]
 
-    out = await run_step(request, PREPARE, run)
-    return json_response({"tokens": out, "count": len(out), "max_model_len": max_len})
+    def answer() -> bytes:  # a context's worth of tokens and pieces is a big answer
+        out = run()
+        return dumps_json({"tokens": out, "count": len(out), "max_model_len": max_len})
+
+    return Response(await run_step(request, PREPARE, answer), media_type="application/json")
 
 
 async def detokenize(server: OpenAIServer, request: Request) -> Response:
