@@ -6,7 +6,8 @@ SIGTERM (``server/offload.py``).
 - a 1 MB rerank query is refused at once (400 naming ``query``), and the query is
   tokenized once per request; a ``top_n`` error names ``top_n``;
 - log-probabilities x ``n`` are built and encoded off the event loop;
-- SIGTERM ends the server within seconds while heavy work runs.
+- SIGTERM ends the server within seconds while heavy work runs;
+- a request whose steps run past ``--work-timeout-s`` gets 503 ``work_timeout``.
 
 ``WORK_BASELINE=1`` starts the server without the flags these tests add (to run them against
 an older llamabatch put first on ``PYTHONPATH``, where they fail).
@@ -60,10 +61,10 @@ def start_server(log: Path, *extra: str) -> Server:
         sys.executable, "-m", "llamabatch", "serve", "-m", str(model_path("tiny")),
         "--rerank-model", str(reranker_path("f32")), "--port", str(port), "-np", "4", "-c", "4096",
         "-t", "1", "--max-queue", "128", "--max-queue-per-client", "128", "--log-level", "warning",
-        *extra,
     ]  # fmt: skip
     if not BASELINE:
         command += ["--work-timeout-s", str(WORK_TIMEOUT_S)]
+    command += extra  # the last of a repeated flag wins
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -293,3 +294,24 @@ def test_the_query_is_tokenized_once_per_request(method: str, monkeypatch: pytes
             ]
             calls = calls[:9]  # tokenize() above tokenizes the query again, once per pair
         assert calls.count("the query") == 1, calls
+
+
+def test_work_past_its_budget_is_503_work_timeout(tmp_path: Path) -> None:
+    """``--work-timeout-s``: a rerank whose tokenizing takes longer gets 503 ``work_timeout``
+    (and the server goes on serving)."""
+    if BASELINE:
+        pytest.skip("the flag is new")
+    server = start_server(tmp_path / "server.log", "--work-timeout-s", "0.1")
+    try:
+        words = " ".join(f"w{i}x" for i in range(4000))
+        took, r = timed_post(server, "/v1/rerank", {"query": "q", "documents": [words] * 256}, timeout=60)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "work_timeout" and "--work-timeout-s" in error["message"], error
+        assert took < 5, took
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello"}, timeout=10)
+        assert r.status_code == 200, r.text
+        server.check_alive()
+        assert "budget (--work-timeout-s): abandoned" in server.log.read_text()
+    finally:
+        stop_server(server)
