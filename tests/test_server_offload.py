@@ -183,3 +183,35 @@ def test_a_process_with_stuck_workers_exits() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["APIError"] * 3
     assert time.monotonic() - start < 20  # the import is most of it; a join would never end
+
+
+def test_logprobs_encoded_in_slices_match_the_whole() -> None:
+    """``chat_logprobs_json`` / ``completion_logprobs_json`` (64 tokens per ``json.dumps``)
+    give the JSON of ``chat_logprobs`` / ``completion_logprobs``, spliced by ``dumps_json``."""
+    import json
+    import math
+    import random
+
+    from llamabatch.server.protocol import chat_logprobs, completion_logprobs
+    from llamabatch.server.streaming import RawJSON, chat_logprobs_json, completion_logprobs_json, dumps_json
+
+    def token_text(token: int) -> tuple[str, list[int]]:
+        text = f"t{token}é"
+        return text, list(text.encode())
+
+    rng = random.Random(0)
+    ids = [rng.randrange(50) for _ in range(150)]
+    logprobs = [{rng.randrange(50): -rng.random() * 5 for _ in range(5)} | {t: -0.5} for t in ids]
+    logprobs[3][ids[3]] = -math.inf
+    for n in (0, 1, 64, 65, 150):
+        whole = {"content": chat_logprobs(token_text, ids[:n], logprobs[:n], 3)}
+        sliced = chat_logprobs_json(token_text, ids[:n], logprobs[:n], 3)  # type: ignore[arg-type]
+        assert json.loads(dumps_json({"x": sliced}))["x"] == whole
+        whole = completion_logprobs(token_text, ids[:n], logprobs[:n], 7)  # type: ignore[arg-type]
+        sliced = completion_logprobs_json(token_text, ids[:n], logprobs[:n], 7)  # type: ignore[arg-type]
+        assert json.loads(dumps_json([sliced]))[0] == whole
+    # a client's text that looks like the splice mark stays text
+    assert (
+        dumps_json({"a": RawJSON(b"[1]"), "b": [RawJSON(b"{}"), "\x00raw"]})
+        == b'{"a":[1],"b":[{},"\\u0000raw"]}'
+    )
