@@ -215,3 +215,18 @@ def test_logprobs_encoded_in_slices_match_the_whole() -> None:
         dumps_json({"a": RawJSON(b"[1]"), "b": [RawJSON(b"{}"), "\x00raw"]})
         == b'{"a":[1],"b":[{},"\\u0000raw"]}'
     )
+
+
+def test_an_app_served_twice_gets_new_pools() -> None:
+    from starlette.testclient import TestClient
+
+    from llamabatch import LLM
+    from llamabatch.gguf.testing import model_path
+    from llamabatch.server.app import create_app
+    from llamabatch.server.limits import ServerLimits
+
+    with LLM(str(model_path("tiny")), n_ctx=256, n_parallel=1, n_threads=1) as llm:
+        app = create_app(llm, limits=ServerLimits(allowed_hosts=("testserver",)))
+        for _ in range(2):
+            with TestClient(app) as client:
+                assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200

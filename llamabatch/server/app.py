@@ -290,6 +290,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.offload.reopen()
         yield
         server.offload.close()  # abandon what is left: the threads are not joined
 

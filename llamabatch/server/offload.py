@@ -306,6 +306,12 @@ class Offload:
         for pool in self.pools.values():
             pool.close()
 
+    def reopen(self) -> None:
+        """New pools after ``close`` (an app served again, e.g. by a second test client)."""
+        if self.closed:
+            self.pools = {name: WorkPool(name, self.limits.threads) for name in POOLS}
+            self.closed = False
+
     def request(
         self, state: Any, receive: Callable[[], Awaitable[MutableMapping[str, Any]]] | None
     ) -> RequestWork:
