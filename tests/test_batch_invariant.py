@@ -260,11 +260,40 @@ def test_llama_cpp_picks_its_flash_attention_kernel_by_the_batch(smollm2_path):
     change when its ubatch reaches 64 rows (tiled kernel) or when its cells move within the
     64-cell tiles, and a long sequence's decode step changes beside another stream (KV split
     among threads); positions, masks and order stay the same. A q8_0 cache takes the
-    one-row kernel there (the script shows the other cases too). If this fails after a llama.cpp upgrade, the kernels
-    changed: re-run the script and update README, "Reproducibility"."""
+    one-row kernel there (the script shows the other cases too). If this fails after a
+    llama.cpp upgrade, the kernels changed: re-run the script and update README,
+    "Reproducibility"."""
     doc = _reproduction()
     with doc.Model(str(smollm2_path)) as model:
         f16 = list(doc.tiled_kernel(model, "f16").values())
         assert f16 == [True, False, True, True, False]
         assert doc.split_kv(model, "f16") is False
         assert doc.split_kv(model, "q8_0") is True
+
+
+def test_equals_llama_cpp_single_sequence_with_the_same_settings(smollm2_path, busy):
+    """The same tokens as llama.cpp decoding the prompt as its only sequence with flash
+    attention on and a q8_0 cache (llama-server -np 1 -fa on -ctk q8_0 -ctv q8_0), through
+    llama-cpp-python, and its log-probs within the log-softmax's own rounding."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    q8_0 = 8  # GGML_TYPE_Q8_0
+    ref = llama_cpp.Llama(
+        model_path=str(smollm2_path), n_ctx=512, n_threads=2, n_threads_batch=2, flash_attn=True,
+        type_k=q8_0, type_v=q8_0, logits_all=True, verbose=False,
+    )  # fmt: skip
+    try:
+        outs = busy.generate(PROMPTS[:3], _params(False), use_tqdm=False)
+        for out in outs:
+            c = out.outputs[0]
+            ref.reset()
+            ref.eval(out.prompt_token_ids)
+            for token, logprobs in zip(c.token_ids, c.logprobs, strict=True):
+                row = np.asarray(ref.scores[ref.n_tokens - 1], dtype=np.float32)
+                assert int(np.argmax(row)) == token
+                expected = row - np.float32(np.logaddexp.reduce(row.astype(np.float64)))
+                assert logprobs[token] == pytest.approx(float(expected[token]), abs=1e-5)
+                ref.eval([token])
+    finally:
+        ref.close()
