@@ -172,6 +172,7 @@ DEFAULTS = {
     "prefix_cache_dir": None,
     "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)
     "speculative_config": None,  # off; {"method": "ngram" | "draft_model", ...} (generate/spec_config.py)
+    "batch_invariant": False,  # outputs may depend on the batch (generate/batch_invariant.py)
 }
 
 
