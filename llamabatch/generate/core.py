@@ -55,6 +55,7 @@ from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
+from llamabatch.generate.slot_map import SlotMap
 from llamabatch.generate.speculative import speculator_for
 from llamabatch.outputs import FinishReason
 from llamabatch.runtime.telemetry import GenerationCounters, Telemetry, TickEvent
@@ -83,37 +84,6 @@ class CoreOutput:
     #: the request's status when this was produced (``RUNNING``, or its end)
     status: RequestStatus
     finish_reason: FinishReason | None = None
-
-
-class SlotMap:
-    """Which request runs in which slot: the one record of it (the slot table knows what
-    each slot's sequence holds, not whose it is)."""
-
-    __slots__ = ("_by_key", "requests")
-
-    def __init__(self, n_slots: int) -> None:
-        #: slot -> the request running there, or None (read-only for everyone but the core)
-        self.requests: list[Request | None] = [None] * n_slots
-        self._by_key: dict[int, int] = {}
-
-    def assign(self, slot: int, request: Request) -> None:
-        assert self.requests[slot] is None, f"slot {slot} is taken"
-        self.requests[slot] = request
-        self._by_key[request.arrival] = slot
-
-    def release(self, slot: int) -> Request | None:
-        request = self.requests[slot]
-        if request is not None:
-            self.requests[slot] = None
-            del self._by_key[request.arrival]
-        return request
-
-    def slot_of(self, request: Request) -> int:
-        """The slot ``request`` runs in, or -1."""
-        return self._by_key.get(request.arrival, -1)
-
-    def busy(self) -> list[tuple[int, Request]]:
-        return [(s, r) for s, r in enumerate(self.requests) if r is not None]
 
 
 def build_engine(
