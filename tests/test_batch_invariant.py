@@ -297,3 +297,10 @@ def test_equals_llama_cpp_single_sequence_with_the_same_settings(smollm2_path, b
                 ref.eval([token])
     finally:
         ref.close()
+
+
+def test_a_model_with_float_matrices_is_refused(tiny_path):
+    """F32/F16 products take ggml's vec_dot for a one-token ubatch and llamafile's sgemm for
+    more, which round differently: the tiny test model (F32) cannot be batch-invariant."""
+    with pytest.raises(ValueError, match=r"batch_invariant=True: .* holds F32 matrices"):
+        LLM(tiny_path, **ENGINE)

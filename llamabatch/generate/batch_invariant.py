@@ -25,20 +25,65 @@ unified buffer's divergence through llama.cpp's C API.
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llamabatch._ffi.kv_types import head_dims
+from llamabatch.gguf.reader import read_header
 
 if TYPE_CHECKING:
     from llamabatch._ffi.model import Model
     from llamabatch.config import EngineConfig
 
-__all__ = ["INVARIANT_KV_TYPE", "TILED_KV_TYPES", "batch_invariant_conflict", "invariant_config"]
+__all__ = [
+    "INVARIANT_KV_TYPE",
+    "INVARIANT_WEIGHT_TYPES",
+    "TILED_KV_TYPES",
+    "VARIANT_WEIGHT_TYPES",
+    "batch_invariant_conflict",
+    "check_weight_types",
+    "invariant_config",
+]
+
+logger = logging.getLogger("llamabatch")
 
 #: the KV cache type ``batch_invariant=True`` uses in place of the default f16
 INVARIANT_KV_TYPE = "q8_0"
 #: the KV types for which ggml's CPU flash attention picks its kernel by the batch's shape
 TILED_KV_TYPES = ("f16", "f32")
+#: matrix weight types whose products gave a token the same row whatever else its ubatch
+#: held (measured: a decode step alone and beside another stream, bit for bit)
+INVARIANT_WEIGHT_TYPES = frozenset({"Q4_1", "Q8_0"})
+#: matrix weight types whose one-token ubatch takes ggml's ``vec_dot`` and larger ones
+#: llamafile's sgemm, which round differently (measured for F32 and F16)
+VARIANT_WEIGHT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def check_weight_types(path: str | os.PathLike[str]) -> None:
+    """Refuse a model whose matrices (2-D tensors) are of a :data:`VARIANT_WEIGHT_TYPES`
+    type, with ``ValueError`` naming one; log a warning for types not measured either way
+    (K-quants take a tiled kernel from 8 rows, Q4_0 and IQ4_NL a repacked one by groups of
+    rows, others llamafile's sgemm from 2 rows: not checked here)."""
+    matrices = [t for t in read_header(Path(path)).tensors if len(t.dims) >= 2]
+    variant = [t for t in matrices if t.type.name in VARIANT_WEIGHT_TYPES]
+    if variant:
+        raise ValueError(
+            f"batch_invariant=True: {Path(path).name} holds {variant[0].type.name} matrices "
+            f"({variant[0].name}, ...), whose product ggml computes for a one-token ubatch with "
+            "another kernel than for several tokens (vec_dot against llamafile's sgemm), so a "
+            "token's row depends on its batch; measured invariant: "
+            f"{', '.join(sorted(INVARIANT_WEIGHT_TYPES))} weights"
+        )
+    unchecked = sorted({t.type.name for t in matrices} - INVARIANT_WEIGHT_TYPES)
+    if unchecked:
+        logger.warning(
+            "llamabatch: batch_invariant=True with %s weights (%s): not measured; outputs may "
+            'still depend on the batch (README, "Reproducibility")',
+            "/".join(unchecked),
+            Path(path).name,
+        )
 
 
 def batch_invariant_conflict(config: EngineConfig) -> str | None:

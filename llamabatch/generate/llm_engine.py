@@ -18,6 +18,7 @@ from typing_extensions import Unpack
 from llamabatch._ffi.model import Model
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
+from llamabatch.generate.batch_invariant import check_weight_types
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.priority import check_priority
@@ -74,6 +75,8 @@ class EngineHost:
                     f"{self.model.path.name} is not a decoder-only model (it cannot generate text); "
                     "use llamabatch.Embedder (or `llamabatch embed`) for embedding models"
                 )
+            if config.batch_invariant:
+                check_weight_types(self.model.path)
             self.telemetry = Telemetry()
             #: the KV cache's size, bytes and the reason for them (``generate/kv_memory.py``)
             self.kv_plan, config = plan_config(self.model, config)
