@@ -22,7 +22,10 @@ shape, and, in the tiled kernel, which 64-cell tile a sequence's cells fall in:
   step beside another stream.
 
 A q8_0 (or bf16) cache never takes the last two, so with one stream per sequence (cells in
-position order) every row takes the first kernel: ``batch_invariant=True``.
+position order) every row takes the first kernel: ``batch_invariant=True``. Without flash
+attention (the CPU defaults) a stream's attention products go through llamafile's sgemm for
+two rows or more and ggml's ``vec_dot`` for one: the prompts cut into ubatches beside the
+others change by that too.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def rows(tokens: list[int], seq: int, pos0: int = 0) -> list[Entry]:
     return [(t, pos0 + i, seq, i == len(tokens) - 1) for i, t in enumerate(tokens)]
 
 
-def context(model: Model, unified: bool = True, kv_type: str = "f16", n_seq: int = 12) -> Context:
+def context(
+    model: Model, unified: bool = True, kv_type: str = "f16", n_seq: int = 12, flash_attn: bool = True
+) -> Context:
     return Context(
         model,
         n_ctx=1024 * (1 if unified else n_seq),
@@ -81,7 +86,7 @@ def context(model: Model, unified: bool = True, kv_type: str = "f16", n_seq: int
         n_seq_max=n_seq,
         n_threads=2,
         n_threads_batch=2,
-        flash_attn=True,
+        flash_attn=flash_attn,
         kv_unified=unified,
         type_k=kv_type,
         type_v=kv_type,
@@ -95,18 +100,20 @@ def max_logprob_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(logprobs(a) - logprobs(b))))
 
 
-def together_vs_alone(model: Model, unified: bool, kv_type: str) -> tuple[int, float]:
+def together_vs_alone(
+    model: Model, unified: bool, kv_type: str, flash_attn: bool = True
+) -> tuple[int, float]:
     """The 12 prompts in one batch against each alone: (first logits rows equal, max
     |delta log-prob|)."""
     tokens = [model.tokenize(p) for p in PROMPTS]
-    with context(model, unified, kv_type) as ctx:
+    with context(model, unified, kv_type, flash_attn=flash_attn) as ctx:
         entries = [e for s, t in enumerate(tokens) for e in rows(t, s)]
         out = decode(ctx, entries)
         ends = np.cumsum([len(t) for t in tokens]) - 1
         together = [out[int(i)] for i in ends]
     alone = []
     for t in tokens:
-        with context(model, unified, kv_type) as ctx:
+        with context(model, unified, kv_type, flash_attn=flash_attn) as ctx:
             alone.append(decode(ctx, rows(t, 0))[len(t) - 1])
     same = sum(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
     return same, max(max_logprob_diff(a, b) for a, b in zip(alone, together, strict=True))
@@ -188,6 +195,9 @@ def main(argv: list[str]) -> None:
             layout = "unified" if unified else "per-stream"
             print(f"12 prompts together vs alone, {layout}, FA on, {kv_type} KV: {same}/12 equal, ", end="")
             print(f"max |dlogprob| {diff:.3f}")
+        same, diff = together_vs_alone(model, False, "f16", flash_attn=False)
+        print(f"12 prompts together vs alone, per-stream, FA off, f16 KV: {same}/12 equal, ", end="")
+        print(f"max |dlogprob| {diff:.3f}")
         for kv_type in ("f16", "q8_0"):
             for name, same in tiled_kernel(model, kv_type).items():
                 print(f"unified, {kv_type} KV, {name}: {'same' if same else 'DIFFERENT'}")

@@ -235,7 +235,8 @@ class EngineConfig(OptionsConfig):
             prefix reuse, preemption, speculation). It decides one KV stream per sequence,
             flash attention on and a ``q8_0`` KV cache in place of the default ``f16``
             (``generate/batch_invariant.py``); ``kv_unified=True``, ``flash_attn=False``, an
-            ``f32`` cache or ``n_gpu_layers != 0`` with it are refused. Default ``False``.
+            ``f32`` cache or ``n_gpu_layers != 0`` with it are refused, and so, at load, is a
+            model whose matrices are F32/F16/BF16. Default ``False``.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
