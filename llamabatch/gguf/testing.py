@@ -424,13 +424,9 @@ def _uniform(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.nda
 
 
 def _ggml_type(dtype: WeightDType) -> GGMLQuantizationType:
-    from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType as Q
 
-    return {
-        "F32": GGMLQuantizationType.F32,
-        "F16": GGMLQuantizationType.F16,
-        "Q8_0": GGMLQuantizationType.Q8_0,
-    }[dtype]
+    return {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0}[dtype]
 
 
 def _tensor_plan(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], float | None]]:
