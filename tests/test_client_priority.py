@@ -236,18 +236,35 @@ def test_one_client_flooding_gets_429_while_another_is_served(default_server):
         statuses.append(r.status_code)
         retry_after.append(r.headers.get("retry-after"))
 
-    threads = [threading.Thread(target=flooder) for _ in range(2 * DEFAULT_SHARE)]
-    for thread in threads:
-        thread.start()
-    _until(lambda: statuses.count(429) == DEFAULT_SHARE, "the flood's 429s")
-    served_before = statuses.count(200)
-    other = httpx.post(
-        f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=_as("10.7.7.7"), timeout=120
-    )
-    assert other.status_code == 200, other.text
+    other_served: list[int] = []  # how many of the flood's requests had ended then
+
+    def other_client() -> None:
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=_as("10.7.7.7"), timeout=120
+        )
+        assert r.status_code == 200, r.text
+        other_served.append(statuses.count(200))
+
+    # a third client holds the one slot, so no flood request can end (and free its share)
+    # before every one of them was answered or queued, however slowly the threads start
+    held_body = {"prompt": "a", "max_tokens": 16000, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=held_body, headers=_as("10.9.9.9"), timeout=60
+    ) as held:
+        lines = held.iter_lines()  # kept: a dropped iterator would close the connection
+        next(lines)  # the slot is taken
+        threads = [threading.Thread(target=flooder) for _ in range(2 * DEFAULT_SHARE)]
+        for thread in threads:
+            thread.start()
+        _until(lambda: statuses.count(429) == DEFAULT_SHARE, "the flood's 429s")
+        _until(lambda: _waiting(url) >= DEFAULT_SHARE, "the flood's share to queue")
+        other = threading.Thread(target=other_client)
+        other.start()
+        _until(lambda: _waiting(url) >= DEFAULT_SHARE + 1, "the other client to queue")
+    other.join(120)
     # clients take turns: the other client's request ran after at most one of the flood's
     # queued ones, not behind all of them
-    assert statuses.count(200) - served_before <= 3, statuses  # first come, first served: 9
+    assert other_served and other_served[0] <= 3, statuses  # first come, first served: 9
     for thread in threads:
         thread.join(120)
     assert sorted(statuses) == [200] * DEFAULT_SHARE + [429] * DEFAULT_SHARE

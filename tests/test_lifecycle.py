@@ -167,6 +167,7 @@ DEFAULTS = {
     "type_v": "f16",
     "validate": True,
     "prefix_cache_dir_max_mb": 4096,  # the prefix directory's size cap (generate/prefix_store.py)
+    "priority_aging": 8,  # a waiting request gains a level per 8 admissions (generate/priority.py)
     "target_itl_ms": None,
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
