@@ -240,7 +240,10 @@ def test_one_client_flooding_gets_429_while_another_is_served(default_server):
 
     def other_client() -> None:
         r = httpx.post(
-            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=_as("10.7.7.7"), timeout=120
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3},
+            headers=_as("10.7.7.7"),
+            timeout=120,
         )
         assert r.status_code == 200, r.text
         other_served.append(statuses.count(200))
