@@ -185,3 +185,26 @@ def test_a_corrupt_ram_tier_file_is_refused_and_recomputed(tiny_path, reference,
     out, stats = _follow_up_after_restart(tiny_path, options, convs, first)
     assert (stats.prefix_files_refused, stats.prefix_files_loaded, stats.ram_cache_restores) == (1, 0, 0)
     check_against_reference(reference, [out])
+
+
+def _room_case(path, cache_ram: int) -> tuple[list, object]:
+    """The issue's case at a quarter of its size: a 375-token prompt, four 750-token prompts one
+    after another, then the first prompt plus two tokens (``n_ctx=1024``, 2 slots: the last
+    750-token prefix, idle and sharing only the BOS token, holds the room the state needs)."""
+    with LLM(path, n_ctx=1024, n_parallel=2, n_batch=512, flash_attn=False, cache_ram=cache_ram) as llm:
+        texts = _texts(llm, 6, 750)
+        first = texts[0][:375]
+        outs = [llm.generate(first, PARAMS)[0].outputs[0]]
+        for text in texts[1:5]:
+            llm.generate(text, PARAMS)
+        outs.append(llm.generate(first + texts[5][1:3], PARAMS)[0].outputs[0])
+        return outs, llm.stats()
+
+
+def test_idle_prefixes_make_room_for_a_restore(tiny_path, reference):
+    outs, stats = _room_case(tiny_path, cache_ram=64)
+    assert stats.ram_cache_restores == 1 and stats.ram_cache_restore_skipped == {}, stats
+    assert outs[-1].usage.reused_tokens == 375
+    plain, _ = _room_case(tiny_path, cache_ram=0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    check_against_reference(reference, outs)

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
 from llamabatch.generate.prefix_store import PrefixStore, file_size
-from llamabatch.generate.ram_cache import RamCache
+from llamabatch.generate.ram_cache import SKIP_ROOM_HELD_BY_RUNNING, SKIP_STATE_DROPPED, RamCache
 
 logger = logging.getLogger("llamabatch")
 
@@ -225,7 +226,13 @@ class KVCache:
         """Load the saved state sharing the longest prefix with ``tokens`` into the idle slot
         a fresh placement takes (``admission_slot``) when it beats the KV cache's ``best_n``
         tokens; None when none does (or it cannot be loaded: then the prompt is computed as
-        usual)."""
+        usual, and a hit not loaded is counted in ``restore_skipped`` with its reason).
+
+        Idle slots' cached prefixes never keep a state out: they are saved (when worth it)
+        and evicted for its room. Only cells running requests hold can; then the prompt is
+        computed now rather than waiting, because the wait has no bound known at admission
+        (the running requests end when they end) while the prompt's own cells fit now
+        (``EngineCore._make_room`` checked it); the state stays in RAM for the next match."""
         ram = self.ram
         assert ram is not None
         table = self.table
@@ -243,11 +250,15 @@ class KVCache:
         entry, n = ram.match(array)  # saving may have replaced or dropped that entry
         n = min(n, limit)
         if entry is None or n < ram.block or n <= best_n:
+            ram.skip(SKIP_STATE_DROPPED)
             return None
         self.trim(slot, 0)
+        ram.touch(entry)  # the evictions' saves below drop older states first
         if table.kv_unified and not self._room_to_load(entry.tokens):
-            return None  # no room to load the whole state now: compute instead
-        if not ram.holds(entry):  # an eviction's save replaced it: look again next time
+            ram.skip(SKIP_ROOM_HELD_BY_RUNNING)
+            return None
+        if not ram.holds(entry):  # an eviction's save pushed it out of the budget
+            ram.skip(SKIP_STATE_DROPPED)
             return None
         if not self.context.state_seq_set(slot, entry.data):
             ram.restore_failures += 1
@@ -274,15 +285,21 @@ class KVCache:
     def _room_to_load(self, tokens: np.ndarray) -> bool:
         """Free cells (unified KV cache) to load a state holding ``tokens``: all of them are
         loaded before the prefix other sequences hold is shared again, so idle slots' cached
-        tokens are evicted for room (saved to RAM first, least recently used first; not the
-        sequence holding that prefix). Computing the prompt instead would take about as many
-        cells, and compute them."""
+        tokens are evicted for room (saved to RAM first, least recently used first), the
+        sequence holding that prefix last, and only when it shares at least a block (a
+        shorter match, a BOS token say, is not worth keeping a state out). False only when
+        running requests and prompts admitted but not computed yet hold the room. Computing
+        the prompt instead would take about as many cells, and compute them."""
         table = self.table
         pending = sum(table.n_pending(s) for s in range(table.n_parallel))
-        keep = table.best_prefix(tokens)[0]
+        source, shared = table.best_prefix(tokens)
+        keep = source if self.ram is not None and shared >= self.ram.block else -1
         while table.cells_free - pending < len(tokens):
-            if not self.evict_one(keep=keep):
+            if self.evict_one(keep=keep):
+                continue
+            if keep < 0 or keep >= table.n_parallel or table.state(keep) != SlotState.IDLE:
                 return False
+            keep = -1  # the shared prefix's holder goes too: the state brings that prefix back
         return True
 
     def _share_prefix(self, slot: int, tokens: np.ndarray) -> None:
@@ -410,9 +427,10 @@ class KVCache:
         store.loaded += 1
         return True
 
-    def tier_stats(self) -> dict[str, int]:
-        """The RAM tier's and the prefix files' counters (``GenerationStats`` fields)."""
-        out: dict[str, int] = {}
+    def tier_stats(self) -> dict[str, Any]:
+        """The RAM tier's and the prefix files' counters (``GenerationStats`` fields: counts,
+        and ``ram_cache_restore_skipped``, a count by reason)."""
+        out: dict[str, Any] = {}
         if self.ram is not None:
             for name, value in vars(self.ram.stats()).items():
                 out[f"ram_cache_{name}"] = value

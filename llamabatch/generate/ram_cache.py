@@ -18,13 +18,19 @@ saved or restored (a shorter one is cheaper to compute than to copy).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 #: tokens indexing an entry, and the shortest prefix saved or restored
 BLOCK = 32
+
+#: why a saved state that matched best was not loaded (``RamCacheStats.restore_skipped``):
+#: running requests (and prompts admitted but not computed yet) hold the cells it needs
+SKIP_ROOM_HELD_BY_RUNNING = "room_held_by_running"
+#: the state left the RAM tier while room was made for it (its budget too small for both)
+SKIP_STATE_DROPPED = "state_dropped"
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class RamCacheStats:
     #: of those, tokens then taken from cells another sequence holds (a shared system
     #: prompt) instead of the restored copy (unified KV cache)
     shared_tokens: int = 0
+    #: hits not loaded, by reason (``SKIP_*``): their prompts were computed instead
+    restore_skipped: dict[str, int] = field(default_factory=dict)
 
 
 class RamEntry:
@@ -93,6 +101,7 @@ class RamCache:
         self.bytes = 0
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
         self.restore_failures = self.restored_tokens = self.shared_tokens = 0
+        self.restore_skipped: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -157,6 +166,10 @@ class RamCache:
         if id(entry) in self._lru:
             self._remove(entry)
 
+    def skip(self, reason: str) -> None:
+        """Count a hit that was not loaded, and why (``SKIP_*``)."""
+        self.restore_skipped[reason] = self.restore_skipped.get(reason, 0) + 1
+
     def clear(self) -> None:
         for entry in list(self._lru.values()):
             self._remove(entry)
@@ -182,6 +195,7 @@ class RamCache:
             restore_failures=self.restore_failures,
             restored_tokens=self.restored_tokens,
             shared_tokens=self.shared_tokens,
+            restore_skipped=dict(self.restore_skipped),
         )
 
     def check(self) -> None:

@@ -252,6 +252,7 @@ class PrometheusListener:
 
         yield from self._gauges(sources, GaugeMetricFamily)
         yield from _spec_counters(sources, CounterMetricFamily)
+        yield from _restore_skipped(sources, CounterMetricFamily)
 
     def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
         def family(kind: Any, key: str, doc: str) -> Any:
@@ -341,6 +342,24 @@ def _spec_counters(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any
             per_pos.add_metric([name, str(position)], n)
     yield from families.values()
     yield per_pos
+
+
+def _restore_skipped(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any]:
+    """Host-RAM prompt states that matched best and were not loaded, by reason
+    (``GenerationStats.ram_cache_restore_skipped``)."""
+    family = counter(
+        PREFIX + "ram_cache_restore_skipped",
+        "Host-RAM prompt states matched but not loaded (the prompt computed), by reason.",
+        labels=["model_name", "reason"],
+    )
+    for source, name in sources:
+        try:
+            stats = source.stats()
+        except Exception:  # a closed engine: nothing to report
+            continue
+        for reason, n in sorted((_get(stats, "ram_cache_restore_skipped") or {}).items()):
+            family.add_metric([name, reason], n)
+    yield family
 
 
 def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:

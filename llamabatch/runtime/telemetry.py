@@ -192,6 +192,9 @@ class GenerationStats:
     ram_cache_restored_tokens: int = 0
     #: of those, tokens then shared with another sequence's cells instead of kept as a copy
     ram_cache_shared_tokens: int = 0
+    #: hits not loaded (their prompts computed), by reason: ``"room_held_by_running"`` (running
+    #: requests hold the cells the state needs), ``"state_dropped"`` (it left the RAM budget)
+    ram_cache_restore_skipped: dict[str, int] = field(default_factory=dict)
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files whose state llama.cpp loaded, files written, files refused (not a
     #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)
