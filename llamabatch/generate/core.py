@@ -32,7 +32,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,9 +49,9 @@ from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import KVCache
 from llamabatch.generate.kv_memory import ubatch_cost_cells
 from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
-from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim
+from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim, share_victim
 from llamabatch.generate.ram_cache import ram_cache_for
-from llamabatch.generate.request import Request, RequestKind, RequestStatus
+from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
 from llamabatch.generate.slot_map import SlotMap
@@ -71,19 +70,6 @@ def check_queue_room(n_queued: int, n_new: int, max_queue: int) -> None:
     ``n_queued`` (the one rule, for the core and for ``LLM``'s inbox)."""
     if n_queued + n_new > max_queue:
         raise QueueFull(f"the request queue is full ({n_queued} waiting, max_queue={max_queue})")
-
-
-@dataclass(slots=True)
-class CoreOutput:
-    """What one step produced for one completion: its new text and tokens, or its end
-    (``finish_reason`` set: then ``text`` is the text released at the end)."""
-
-    request: Request
-    text: str
-    token_ids: list[int]
-    #: the request's status when this was produced (``RUNNING``, or its end)
-    status: RequestStatus
-    finish_reason: FinishReason | None = None
 
 
 def build_engine(
@@ -185,6 +171,7 @@ class EngineCore:
         self.turns = ClientTurns()  # clients take turns at one priority (generate/priority.py)
         #: whether any request had a priority other than 0 (else no priority preemption to check)
         self._priorities = False
+        self._clients = False  # whether any request had a client (else no slot shares to check)
         self._events: list[CoreOutput] = []
         #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
         self.stopping = False
@@ -221,6 +208,8 @@ class EngineCore:
             self.requests[request.arrival] = request
             if request.priority:
                 self._priorities = True
+            if request.client is not None:
+                self._clients = True
 
     @property
     def running(self) -> list[Request | None]:
@@ -330,14 +319,10 @@ class EngineCore:
             ):
                 break  # one more stream would push every tick over target_itl_ms
             del waiting[i]
-            error = self.samplers.attach(request)
-            if error is not None:  # a sampler that cannot be built ends its request, not the engine
-                self._end(request, "error", error)
-                continue
-            self._start(request, tokens)
-            admitting.append(tokens)
-            n_idle -= 1
-        if not self._priorities:
+            if self._launch(request, tokens):
+                admitting.append(tokens)
+                n_idle -= 1
+        if not (self._priorities or self._clients):
             return
         while blocked is None and not n_idle and i < len(waiting):
             request = waiting[i]
@@ -345,12 +330,32 @@ class EngineCore:
                 i += 1
                 continue
             blocked = request
-        if blocked is not None:
-            slot = priority_victim(self.slots.busy(), blocked, self.config.priority_aging)
-            if slot >= 0:  # one preemption, then admission again (it ends: see priority.py)
-                self._preempt(slot)
-                self._tick_preemptions += 1
-                self._admit()
+        if blocked is None:
+            return
+        slot = priority_victim(self.slots.busy(), blocked, self.config.priority_aging)
+        if slot >= 0:  # one preemption, then admission again (it ends: see priority.py)
+            self._preempt(slot)
+            self._tick_preemptions += 1
+            self._admit()
+            return
+        slot = share_victim(self.slots.busy(), blocked) if self._clients else -1
+        if slot >= 0:  # the blocked request takes the freed slot itself (see priority.py)
+            self._preempt(slot)
+            self._tick_preemptions += 1
+            tokens = blocked.tokens_to_compute()
+            if self._make_room(tokens):
+                waiting.remove(blocked)
+                self._launch(blocked, tokens)
+
+    def _launch(self, request: Request, tokens: list[int]) -> bool:
+        """Start an admitted request (out of the queue) in an idle slot; a sampler that
+        cannot be built ends its request instead, not the engine."""
+        error = self.samplers.attach(request)
+        if error is not None:
+            self._end(request, "error", error)
+            return False
+        self._start(request, tokens)
+        return True
 
     def _make_room(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` can start now: with a unified KV cache its uncached tokens must

@@ -34,6 +34,12 @@ No starvation of a running request: one that was already preempted
 so it runs to its end once admitted again; and a request preempts only one of a lower
 priority whose aged priority is lower too (:func:`priority_victim`), so a request that
 aged its way in is not pushed out by the stream it waited behind.
+
+Slot shares: turns order the queue, but a client whose requests hold every slot (one
+request with ``n`` 16, say) would still keep another client waiting until one of them
+ends. A waiting request of a client that holds no slot therefore preempts, once, the most
+recently admitted request of the client holding the most slots (two or more), of no better
+priority (:func:`share_victim`), and starts in its place.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ __all__ = [
     "check_priority",
     "enqueue",
     "priority_victim",
+    "share_victim",
     "wait_key",
 ]
 
@@ -143,6 +150,37 @@ def priority_victim(running: Iterable[tuple[int, Request]], blocked: Request, ag
             and request.kind is not RequestKind.PIN
             and request.admitted_order > best_order
             and aged_priority(request, aging) > aged
+        ):
+            best_slot, best_order = slot, request.admitted_order
+    return best_slot
+
+
+def share_victim(running: Iterable[tuple[int, Request]], blocked: Request) -> int:
+    """The slot of the most recently admitted request of the client holding the most slots
+    (two or more) that ``blocked`` may take, or -1: only for a ``blocked`` of a client that
+    holds no slot, and only a request of no better priority, preempted fewer than
+    ``MAX_PRIORITY_PREEMPTIONS`` times, not a pin (see the module)."""
+    client = blocked.client
+    if client is None:
+        return -1
+    held: dict[Hashable, list[tuple[int, Request]]] = {}
+    for slot, request in running:
+        if request.client == client:
+            return -1  # it has a slot already: it waits its turn
+        if request.client is not None:
+            held.setdefault(request.client, []).append((slot, request))
+    if not held:
+        return -1
+    hog = max(held.values(), key=len)
+    if len(hog) < 2:
+        return -1
+    best_slot, best_order = -1, -1
+    for slot, request in hog:
+        if (
+            request.priority >= blocked.priority
+            and request.n_preemptions < MAX_PRIORITY_PREEMPTIONS
+            and request.kind is not RequestKind.PIN
+            and request.admitted_order > best_order
         ):
             best_slot, best_order = slot, request.admitted_order
     return best_slot

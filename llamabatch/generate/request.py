@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "END_OF_STREAM",
     "STATUS_EDGES",
     "Channel",
+    "CoreOutput",
     "InvalidTransition",
     "OutputState",
     "Request",
@@ -458,3 +460,16 @@ class RequestHandle:
         if any(o.finish_reason == "cancelled" for o in out.outputs):
             raise RequestCancelled(f"request {out.request_id} was cancelled")
         return out
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one step produced for one completion: its new text and tokens, or its end
+    (``finish_reason`` set: then ``text`` is the text released at the end)."""
+
+    request: Request
+    text: str
+    token_ids: list[int]
+    #: the request's status when this was produced (``RUNNING``, or its end)
+    status: RequestStatus
+    finish_reason: FinishReason | None = None
