@@ -199,7 +199,8 @@ class EngineHost:
         client: Hashable | None = None,
     ) -> list[Request]:
         """The requests of one prompt: ``params.n`` completions sharing one request id
-        (and ``priority``: lower runs first; ``client``: whose turn, ``generate/priority.py``). Their samplers are built at admission
+        (and ``priority``: lower runs first; ``client``: whose turn, ``generate/priority.py``).
+        Their samplers are built at admission
         (``generate/request_memory.py``); a bad grammar, a token id outside the vocabulary or a
         request over ``max_request_memory_mb`` raises here, at the caller."""
         priority = check_priority(priority)
