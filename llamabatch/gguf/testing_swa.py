@@ -17,16 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llamabatch.gguf.testing import (
-    BOS_ID,
-    CHATML_TEMPLATE,
-    EOS_ID,
-    IM_END_ID,
-    UNK_ID,
-    build_vocab,
-    built_once,
-    cache_dir,
-)
+from llamabatch.gguf.testing import CHATML_TEMPLATE, built_once, cache_dir
+from llamabatch.gguf.testing_vocab import add_test_vocab
 
 __all__ = ["SWASpec", "make_swa_model", "write_swa_gguf"]
 
@@ -91,7 +83,6 @@ def write_swa_gguf(path: str | os.PathLike[str], spec: SWASpec | None = None) ->
     spec = spec or SWASpec()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pieces, scores, types = build_vocab(spec.n_vocab)
     plan = _tensors(spec)
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     writer = gguf.GGUFWriter(str(tmp), arch="gemma3")
@@ -111,16 +102,7 @@ def write_swa_gguf(path: str | os.PathLike[str], spec: SWASpec | None = None) ->
         writer.add_layer_norm_rms_eps(1e-6)
         writer.add_rope_freq_base(10000.0)
         writer.add_sliding_window(spec.sliding_window)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(list(pieces))
-        writer.add_token_scores(list(scores))
-        writer.add_token_types(list(types))
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_eot_token_id(IM_END_ID)
-        writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
+        add_test_vocab(writer, spec.n_vocab)
         writer.add_chat_template(CHATML_TEMPLATE)
         f32, q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
         for name, shape, std in plan:
