@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
@@ -221,27 +217,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_at_submit(engine):
 
 httpx = pytest.importorskip("httpx")
 
-
-@contextmanager
-def serve(app) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on a free port; yields the base URL."""
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+from test_server import serve  # noqa: E402 (after the skip: it needs the server extra)
 
 
 @pytest.fixture(scope="module")
