@@ -208,3 +208,27 @@ def test_idle_prefixes_make_room_for_a_restore(tiny_path, reference):
     plain, _ = _room_case(tiny_path, cache_ram=0)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     check_against_reference(reference, outs)
+
+
+def test_restore_waits_for_a_running_request(tiny_path, reference):
+    """The room a saved state needs is held by a request running its last tokens: the next
+    prompt matching the state waits for it, then restores instead of computing."""
+    from llamabatch import LLMEngine
+
+    options = dict(n_ctx=1024, n_parallel=2, n_batch=512, flash_attn=False, kv_unified=True, cache_ram=64)
+    with LLMEngine(tiny_path, **options) as engine:
+        texts = [engine.tokenize(" ".join(testing.english_sentences(300)[5 * i :]))[:700] for i in range(3)]
+        for tokens in (texts[0][:420], texts[1]):  # the second evicts (saves) the first
+            engine.add_request(tokens, PARAMS)
+            engine.run_until_complete()
+        engine.add_request(texts[2][:620], SamplingParams(max_tokens=6, temperature=0))
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        later = texts[0][:300] + texts[1][1:21]
+        engine.add_request(later, PARAMS)
+        outs = [o for o in engine.run_until_complete() if o.prompt_token_ids == later]
+        stats = engine.stats()
+    assert (stats.ram_cache_restores, stats.ram_cache_restore_waits) == (1, 1), stats
+    assert stats.ram_cache_restore_skipped == {}
+    assert outs[0].usage.reused_tokens == 300
+    check_against_reference(reference, outs)

@@ -83,6 +83,63 @@ def test_room_held_by_a_running_request_is_counted_with_its_reason():
     rec.check_done(running)
 
 
+def test_restore_waits_for_room_a_running_request_frees_soon():
+    """The same held room, but the running request ends in a few ticks: the prompt waits for
+    them (fewer ticks than computing its 300 restorable tokens would cost), then its state is
+    restored, not computed; greedy tokens equal those of the same prompt computed."""
+    rec, core = _core()
+    saved = _prompt(420, 1)
+    _turn(rec, saved)
+    _turn(rec, _prompt(700, 2))  # evicts (saves) the first
+    (running,) = rec.new(_prompt(620, 3), greedy(6))
+    while not running.output_tokens:
+        rec.step()
+    later = [*saved[:300], *prompt(20, 4)]
+    (r,) = rec.new(later, greedy(4))
+    rec.run()
+    rec.check_done(r)
+    rec.check_done(running)
+    ram = core.kv.ram
+    assert ram is not None
+    stats = ram.stats()
+    assert (stats.hits, stats.restores, stats.restore_skipped, stats.restore_waits) == (1, 1, {}, 1)
+    assert r.reused_tokens == 300
+    assert r.output.usage.prompt_tokens == len(later)
+    fresh, _ = _core()
+    (again,) = fresh.new(later, greedy(4))
+    fresh.run()
+    assert again.reused_tokens <= 1
+    assert r.output.token_ids == again.output.token_ids
+
+
+def test_wait_for_a_restore_is_bounded():
+    """A running request that keeps the room longer than computing would take: the prompt
+    waits about the restorable tokens over WAIT_TICK_PROMPT_TOKENS admission steps, then is
+    computed, the skip counted."""
+    from llamabatch.generate.kv_cache import WAIT_TICK_PROMPT_TOKENS
+
+    rec, core = _core()
+    saved = _prompt(420, 1)
+    _turn(rec, saved)
+    _turn(rec, _prompt(700, 2))
+    (running,) = rec.new(_prompt(620, 3), greedy(200))
+    while not running.output_tokens:
+        rec.step()
+    (r,) = rec.new([*saved[:300], *prompt(20, 4)], greedy(1))
+    steps = 0
+    while not r.output_tokens:
+        rec.step()
+        steps += 1
+    assert not running.done
+    bound = -(-299 // WAIT_TICK_PROMPT_TOKENS)  # 299: the state's match less the BOS cached
+    assert bound <= steps <= bound + 3
+    ram = core.kv.ram
+    assert ram is not None
+    assert (ram.restores, ram.restore_waits) == (0, 1)
+    assert ram.stats().restore_skipped == {"room_held_by_running": 1}
+    rec.run()
+
+
 class _Source:
     """An engine as the metrics see it: listeners, and ``stats()``."""
 

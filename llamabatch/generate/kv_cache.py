@@ -21,12 +21,15 @@ any source is copied in, and only the rest of the prompt is computed (always at 
 last prompt token, so its logits exist). A request whose prompt shares at least
 ``MIN_WAIT_TOKENS`` not-yet-computed tokens with a prompt being prefilled right now waits
 in the queue until they are computed (``should_wait``), so requests arriving together
-with a common system prompt compute it once.
+with a common system prompt compute it once. A request whose best match is a state in the
+RAM tier that running requests keep out of the KV cache waits for them too, while waiting
+still beats computing the prompt (``restore_worth_waiting``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,13 @@ logger = logging.getLogger("llamabatch")
 
 #: shared prompt tokens still to be computed elsewhere that make a new request wait
 MIN_WAIT_TOKENS = 16
+#: prompt tokens whose computing costs about one tick of the decodes a waiting request waits
+#: through: a decode tick reads every weight once whatever it holds, as a prompt chunk of
+#: about this many tokens does on a CPU, so a request may wait this many times fewer ticks
+#: for a restore's room than the tokens the restore saves computing
+WAIT_TICK_PROMPT_TOKENS = 16
+#: prompts remembered as waiting for a restore's room (older ones are forgotten first)
+_MAX_RESTORE_WAITS = 256
 
 
 @dataclass
@@ -80,6 +90,8 @@ class KVCache:
     #: the most bytes a prefix file's state may have per token (bigger files are refused unread)
     state_bytes_per_token: int = 1 << 20
     _free_pin_seqs: list[int] = field(init=False)
+    #: prompts (their tokens' bytes) waiting for a restore's room -> the checks they waited
+    _restore_waits: dict[bytes, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reuse = self.reuse and self.copy_supported
@@ -128,6 +140,8 @@ class KVCache:
         table = self.table
         limit = len(tokens) - 1  # the last prompt token is always computed
         best_seq, best_n = self._best_source(tokens, leader_slot, limit)
+        if self._restore_waits:
+            self._restore_waits.pop(np.asarray(tokens, dtype=np.int32).tobytes(), None)
         if self.ram is not None and len(tokens) > self.ram.block:
             restored = self._restore(tokens, best_n, limit)
             if restored is not None:
@@ -164,9 +178,11 @@ class KVCache:
     def should_wait(self, tokens: list[int], admitting: list[list[int]]) -> bool:
         """True when a prompt being prefilled (or ``admitting`` in this same step) shares
         enough not-yet-computed tokens with ``tokens`` that waiting for them beats
-        computing them twice."""
+        computing them twice; or when ``restore_worth_waiting``."""
         if not self.reuse:
             return False
+        if self.ram is not None and self.restore_worth_waiting(tokens):
+            return True
         table = self.table
         prefilling = [s for s in range(table.n_parallel) if table.state(s) == SlotState.PREFILL]
         if not (prefilling or admitting):
@@ -183,6 +199,50 @@ class KVCache:
             if shared - now >= MIN_WAIT_TOKENS:
                 return True
         return False
+
+    def restore_worth_waiting(self, tokens: list[int]) -> bool:
+        """True when the best match of ``tokens`` is a state in the RAM tier whose room (unified
+        KV cache) running requests hold, even with every idle slot's cached tokens evicted,
+        and the prompt has waited fewer checks (one an admission step) than the ticks computing
+        the restorable tokens would cost (their count over :data:`WAIT_TICK_PROMPT_TOKENS`).
+
+        A ski-rental bound: the running requests end when they end, so the prompt waits at
+        most about what computing it would take, and is computed after that (the skip is then
+        counted by ``_restore``). A prompt that waits is counted once (``restore_waits``)."""
+        ram, table = self.ram, self.table
+        if ram is None or not table.kv_unified or not table.busy_slots or len(tokens) <= ram.block:
+            return False
+        limit = len(tokens) - 1
+        array = np.asarray(tokens, dtype=np.int32)
+        key = array.tobytes()
+        entry, n = ram.match(array)
+        n = min(n, limit)
+        best_n = min(table.best_prefix(tokens)[1], limit)
+        if entry is None or n < ram.block or n <= best_n or self._room_if_idle_evicted(len(entry.tokens)):
+            self._restore_waits.pop(key, None)
+            return False
+        waited = self._restore_waits.get(key, 0)
+        if waited >= math.ceil((n - best_n) / WAIT_TICK_PROMPT_TOKENS):
+            return False
+        if not waited:
+            ram.restore_waits += 1
+            while len(self._restore_waits) >= _MAX_RESTORE_WAITS:
+                del self._restore_waits[next(iter(self._restore_waits))]
+        self._restore_waits[key] = waited + 1
+        return True
+
+    def _room_if_idle_evicted(self, n_cells: int) -> bool:
+        """Whether ``n_cells`` would be free (unified KV cache) with every idle slot's cached
+        tokens evicted, less what prompts admitted but not computed yet will take (a lower
+        bound: cells idle slots share only among themselves are not counted)."""
+        table = self.table
+        free = table.cells_free
+        for slot in range(table.n_parallel):
+            if table.state(slot) == SlotState.IDLE:
+                free += table.cells_owned(slot)
+            else:
+                free -= table.n_pending(slot)
+        return free >= n_cells
 
     # -- eviction -----------------------------------------------------------------------
 

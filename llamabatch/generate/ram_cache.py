@@ -58,6 +58,9 @@ class RamCacheStats:
     shared_tokens: int = 0
     #: hits not loaded, by reason (``SKIP_*``): their prompts were computed instead
     restore_skipped: dict[str, int] = field(default_factory=dict)
+    #: prompts that waited for running requests to free a restore's room
+    #: (``KVCache.restore_worth_waiting``)
+    restore_waits: int = 0
 
 
 class RamEntry:
@@ -102,6 +105,7 @@ class RamCache:
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
         self.restore_failures = self.restored_tokens = self.shared_tokens = 0
         self.restore_skipped: dict[str, int] = {}
+        self.restore_waits = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -196,6 +200,7 @@ class RamCache:
             restored_tokens=self.restored_tokens,
             shared_tokens=self.shared_tokens,
             restore_skipped=dict(self.restore_skipped),
+            restore_waits=self.restore_waits,
         )
 
     def check(self) -> None:

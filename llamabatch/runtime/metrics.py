@@ -304,6 +304,7 @@ _TIER_GAUGES = {
     "ram_cache_restore_failures": "Host-RAM prompt states llama.cpp refused to load.",
     "ram_cache_restored_tokens": "Prompt tokens restored from the host-RAM cache instead of computed.",
     "ram_cache_shared_tokens": "Restored tokens then shared with another sequence's KV cells (no copy).",
+    "ram_cache_restore_waits": "Prompts that waited for running requests to free their restore's room.",
     "prefix_files_loaded": "Prefix files from prefix_cache_dir whose state llama.cpp loaded.",
     "prefix_files_refused": "Prefix files refused (unsafe, corrupt, over a limit, or by llama.cpp).",
 }

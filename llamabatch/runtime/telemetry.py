@@ -195,6 +195,8 @@ class GenerationStats:
     #: hits not loaded (their prompts computed), by reason: ``"room_held_by_running"`` (running
     #: requests hold the cells the state needs), ``"state_dropped"`` (it left the RAM budget)
     ram_cache_restore_skipped: dict[str, int] = field(default_factory=dict)
+    #: prompts that waited for running requests to free the room of their restore
+    ram_cache_restore_waits: int = 0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files whose state llama.cpp loaded, files written, files refused (not a
     #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)
