@@ -35,6 +35,12 @@ DEBUG = os.environ.get("LLAMABATCH_DEBUG", "") not in ("", "0")
 # A custom prefix stays where it is, so an absolute rpath to it is safe.
 extra_rpaths = [str(build.lib_dir)] if build.origin == "custom" else []
 ffi_ext = ffi_build.make_ffi(build.include_dir, build.lib_dir, extra_rpaths).distutils_extension()
+# libmtmd (images) is optional: a custom build without it still gets the text binding.
+mtmd_exts = (
+    [ffi_build.make_mtmd_ffi(build.include_dir, build.lib_dir, extra_rpaths).distutils_extension()]
+    if build.library("mtmd") is not None and (build.include_dir / "mtmd.h").exists()
+    else []
+)
 
 
 def core_extensions() -> list[Extension]:
@@ -66,6 +72,6 @@ def core_extensions() -> list[Extension]:
 
 
 setup(
-    ext_modules=[ffi_ext, *core_extensions()],
+    ext_modules=[ffi_ext, *mtmd_exts, *core_extensions()],
     package_dir={"llamabatch._vendor": "vendor"},
 )

@@ -13,6 +13,7 @@ import cffi
 
 HERE = Path(__file__).resolve().parent
 MODULE_NAME = "llamabatch._ffi._llama"
+MTMD_MODULE_NAME = "llamabatch._ffi._mtmd"
 
 # The installed extension lives in <site-packages>/llamabatch/_ffi/; the runtime copy of
 # llama-cpp-python sits beside llamabatch in the same site-packages. An rpath into the
@@ -136,5 +137,27 @@ def make_ffi(include_dir: Path, lib_dir: Path, extra_rpaths: list[str] | None = 
         extra_link_args=[f"-Wl,-rpath,{p}" for p in rpaths],
         extra_compile_args=["-O2", "-Wno-deprecated-declarations"],
         source_extension=".cpp",
+    )
+    return ffibuilder
+
+
+def mtmd_cdef_source() -> str:
+    return (HERE / "_mtmd_cdefs.h").read_text()
+
+
+def make_mtmd_ffi(include_dir: Path, lib_dir: Path, extra_rpaths: list[str] | None = None) -> cffi.FFI:
+    """The multimodal binding (``_mtmd_cdefs.h`` against the vendored ``mtmd.h``, linked to
+    ``libmtmd``): a module of its own, so a build without libmtmd loses only vision."""
+    ffibuilder = cffi.FFI()
+    ffibuilder.cdef(mtmd_cdef_source())
+    rpaths = [RUNTIME_RPATH, *(extra_rpaths or [])]
+    ffibuilder.set_source(
+        MTMD_MODULE_NAME,
+        '#include "mtmd.h"\n',
+        include_dirs=[str(include_dir)],
+        library_dirs=[str(lib_dir)],
+        libraries=["mtmd", "llama"],
+        extra_link_args=[f"-Wl,-rpath,{p}" for p in rpaths],
+        extra_compile_args=["-O2", "-Wno-deprecated-declarations"],
     )
     return ffibuilder

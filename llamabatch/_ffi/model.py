@@ -196,6 +196,11 @@ class Model:
     def _register_context(self, context: Any) -> None:
         self._contexts.add(context)
 
+    def register_dependent(self, owner: Any) -> None:
+        """Close ``owner`` (an object with ``close()`` that holds this model's pointer, such as
+        an ``MtmdContext``) before this model is freed."""
+        self._contexts.add(owner)
+
     def close(self) -> None:
         """Free the model now (and any context still using it). Idempotent."""
         if self._ptr == ffi.NULL:

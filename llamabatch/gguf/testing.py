@@ -77,6 +77,7 @@ __all__ = [
     "DraftPair",
     "ModelSpec",
     "SWASpec",
+    "VisionSpec",
     "build_vocab",
     "cache_dir",
     "draft_pair",
@@ -84,6 +85,7 @@ __all__ = [
     "loop_model",
     "loop_prompts",
     "make_swa_model",
+    "make_vision_model",
     "model_path",
     "real_model_path",
     "spec_hash",
@@ -507,3 +509,4 @@ def english_sentences(n: int) -> list[str]:
 from llamabatch.gguf.real_model import real_model_path  # noqa: E402
 from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair, loop_model, loop_prompts  # noqa: E402 (uses this module)
 from llamabatch.gguf.testing_swa import SWASpec, make_swa_model  # noqa: E402 (uses this module)
+from llamabatch.gguf.testing_vision import VisionSpec, make_vision_model  # noqa: E402 (uses this module)
