@@ -70,6 +70,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IM_END_ID",
     "IM_START_ID",
+    "LORA_TARGETS",
     "N_SPECIAL_TOKENS",
     "PAIR_PRESETS",
     "PRESETS",
@@ -84,6 +85,8 @@ __all__ = [
     "english_sentences",
     "loop_model",
     "loop_prompts",
+    "lora_ranks",
+    "make_lora",
     "make_swa_model",
     "make_vision_model",
     "model_path",
@@ -508,5 +511,6 @@ def english_sentences(n: int) -> list[str]:
 
 from llamabatch.gguf.real_model import real_model_path  # noqa: E402
 from llamabatch.gguf.testing_draft import PAIR_PRESETS, DraftPair, draft_pair, loop_model, loop_prompts  # noqa: E402 (uses this module)
+from llamabatch.gguf.testing_lora import LORA_TARGETS, lora_ranks, make_lora  # noqa: E402 (uses this module)
 from llamabatch.gguf.testing_swa import SWASpec, make_swa_model  # noqa: E402 (uses this module)
 from llamabatch.gguf.testing_vision import VisionSpec, make_vision_model  # noqa: E402 (uses this module)
