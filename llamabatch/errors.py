@@ -16,6 +16,16 @@ class ModelLoadError(LlamaBatchError):
         super().__init__(f"cannot load model {path!r}{detail}")
 
 
+class LoraLoadError(ModelLoadError):
+    """A LoRA adapter file cannot be used with the model: not an adapter, another architecture,
+    tensors that do not fit the base model, or llama.cpp refused it. Names the file."""
+
+    def __init__(self, path: str, reason: str = "") -> None:
+        ModelLoadError.__init__(self, path, reason)
+        detail = f": {reason}" if reason else ""
+        self.args = (f"cannot load LoRA adapter {path!r}{detail}",)
+
+
 class DraftModelMismatch(LlamaBatchError, ValueError):
     """A speculative-decoding draft model cannot draft for the target: its vocabulary differs
     (size, tokenizer type, special tokens or token texts)."""

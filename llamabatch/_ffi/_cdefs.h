@@ -16,6 +16,7 @@ struct llama_vocab;
 struct llama_model;
 struct llama_context;
 struct llama_sampler;
+struct llama_adapter_lora;
 typedef struct llama_memory_i * llama_memory_t;
 
 /* Enums list only the values the project uses; `...` lets the compiler supply them. */
@@ -109,6 +110,9 @@ extern "Python" void _llamabatch_log_callback(enum ggml_log_level, const char *,
 struct llama_model_params llama_model_default_params(void);
 struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 void llama_model_free(struct llama_model * model);
+struct llama_adapter_lora * llama_adapter_lora_init(struct llama_model * model, const char * path_lora);
+void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
+int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters, size_t n_adapters, float * scales);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);

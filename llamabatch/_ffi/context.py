@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import os
+from typing import Any
 
 import numpy as np
 
@@ -228,6 +229,9 @@ class Context:
         type_v: str = "f16",
     ) -> None:
         self._ptr = ffi.NULL
+        #: the LoRA adapter set on this context and its scales (``_ffi/lora.py``: ``set_adapters``)
+        self.adapters: tuple[Any, ...] = ()
+        self.adapter_scales: tuple[float, ...] = ()
         if model.vocab_only:
             raise ValueError(
                 f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with"

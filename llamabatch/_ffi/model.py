@@ -99,6 +99,8 @@ class Model:
     ) -> None:
         self._ptr = ffi.NULL
         self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: LoRA adapters loaded for this model (``_ffi/lora.py``), freed before it
+        self._adapters: weakref.WeakSet[Any] = weakref.WeakSet()
         self.path = Path(path)
         if not isinstance(load_mode, str) or load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}, got {load_mode!r}")
@@ -201,12 +203,18 @@ class Model:
         an ``MtmdContext``) before this model is freed."""
         self._contexts.add(owner)
 
+    def register_adapter(self, adapter: Any) -> None:
+        """Record a LoRA adapter loaded for this model: ``close`` frees it first."""
+        self._adapters.add(adapter)
+
     def close(self) -> None:
-        """Free the model now (and any context still using it). Idempotent."""
+        """Free the model now (and any context or LoRA adapter still using it). Idempotent."""
         if self._ptr == ffi.NULL:
             return
         for context in list(self._contexts):
             context.close()
+        for adapter in list(self._adapters):
+            adapter.close()
         ffi.release(self._ptr)
         self._ptr = ffi.NULL
         self._vocab = ffi.NULL
