@@ -47,6 +47,7 @@ from llamabatch.bench.workloads import (
     open_tokenizer,
     point_seed,
     repeat_requests,
+    retry_requests,
     warm_prompt,
 )
 
@@ -130,15 +131,17 @@ def run_batched(
     others: Mapping[str, Runner] | None = None,
     engine_name: str = ENGINE,
     repeat_prompts: bool = False,
+    retry_prompts: bool = False,
 ) -> list[RunResult]:
     """llama-batched-bench's grid (every ``npp`` x ``ntg`` x ``npl``) through ``runners``
     (names of :data:`RUNNERS`) and the ready-made runners ``others`` (warmed up here, closed
     by the caller). The engine gets ``config.n_parallel`` slots (default ``npl``) and is
     named ``engine_name``. ``progress(label)`` is called after every run. ``repeat_prompts``:
-    the ``repeat`` workload's prompts (:func:`repeat_requests`)."""
+    the ``repeat`` workload's prompts (:func:`repeat_requests`); ``retry_prompts``: the ``retry``
+    workload's (:func:`retry_requests`: each request twice)."""
     _check_runners(runners)
     vocab = open_tokenizer(config.model)
-    make = repeat_requests if repeat_prompts else batched_requests
+    make = repeat_requests if repeat_prompts else retry_requests if retry_prompts else batched_requests
     try:
         points = [(npp, ntg, npl) for npp in npps for ntg in ntgs for npl in npls]
         grid = [
@@ -251,7 +254,7 @@ def run_workload(
     n_runs = workload.n_points * (len(runners) + len(others or {})) * repeat
     advance, close = progress_bar(n_runs, command, show_progress)
     try:
-        if workload.kind in ("batched", "repeat"):
+        if workload.kind in ("batched", "repeat", "retry"):
             return run_batched(
                 config,
                 workload.npps,
@@ -264,6 +267,7 @@ def run_workload(
                 others=others,
                 engine_name=engine_name,
                 repeat_prompts=workload.kind == "repeat",
+                retry_prompts=workload.kind == "retry",
             )
         return run_mixed(
             config,

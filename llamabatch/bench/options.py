@@ -95,9 +95,10 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, npl_help: str = "paral
     """``--workload``, ``--npp``, ``--ntg``, ``--npl``, ``--requests``, ``--rate``, ``--mix``."""
     p.add_argument(
         "--workload",
-        choices=("batched", "mixed", "repeat"),
+        choices=("batched", "mixed", "repeat", "retry"),
         default="batched",
-        help="repeat: as batched, each prompt a short passage repeated (speculative decoding's case)",
+        help="repeat: as batched, each prompt a short passage repeated (speculative decoding's case); "
+        "retry: as batched, every prompt asked again after its first answer (drafts across requests)",
     )
     p.add_argument(
         "--npp",

@@ -7,6 +7,10 @@
     As ``batched``, but each prompt is a passage of 48 tokens (cut at a seeded random offset)
     repeated to ``npp`` tokens: a greedy continuation then tends to repeat it too, the case
     n-gram speculative decoding (prompt lookup) is for.
+``retry``
+    As ``batched``, each prompt asked twice: the ``npl`` requests, then the same ``npl``
+    again, queued behind them (an agent retrying a call): the second answer is the first one,
+    the case of drafts shared across requests (``speculative_config={"method": "suffix"}``).
 ``mixed``
     ``n_requests`` requests arriving as a Poisson process at ``rate`` requests/s, with prompt
     and output lengths drawn from a weighted mix (e.g. chat-like, balanced, RAG-like).
@@ -39,6 +43,7 @@ __all__ = [
     "point_seed",
     "repeat_requests",
     "resolve_model",
+    "retry_requests",
     "text_token_pool",
     "warm_prompt",
 ]
@@ -57,7 +62,8 @@ _MAX_DISTINCT_STARTS = 256
 class WorkloadSpec:
     """Which workload points to run.
 
-    ``kind`` ``"batched"`` (or ``"repeat"``, its prompts repeating a passage): every ``npp`` x
+    ``kind`` ``"batched"`` (or ``"repeat"``, its prompts repeating a passage, or ``"retry"``,
+    each prompt asked twice): every ``npp`` x
     ``ntg`` x ``npl``, ``n_requests`` requests each (default ``npl``), all at once. ``"mixed"``:
     ``n_requests`` (default 32) Poisson arrivals at every rate of ``rates``, lengths from ``mix``."""
 
@@ -72,7 +78,7 @@ class WorkloadSpec:
     @property
     def n_points(self) -> int:
         """Workload points (rows per runner)."""
-        if self.kind in ("batched", "repeat"):
+        if self.kind in ("batched", "repeat", "retry"):
             return len(self.npps) * len(self.ntgs) * len(self.npls)
         return len(self.rates)
 
@@ -178,6 +184,16 @@ def repeat_requests(
         model, [min(REPEAT_PASSAGE, npp)] * count, seed=seed * 1_000_003 + npp * 1013 + npl
     )
     return [BenchRequest(tuple((p * (npp // len(p) + 1))[:npp]), ntg, 0.0) for p in passages]
+
+
+def retry_requests(
+    model: Tokenizer, npp: int, ntg: int, npl: int, seed: int = 0, n_requests: int | None = None
+) -> list[BenchRequest]:
+    """:func:`batched_requests`, then the same requests again (the ``retry`` workload): all
+    arrive at 0, the copies queued behind the first ones (FIFO: with ``npl`` slots they start
+    as the first ones end)."""
+    first = batched_requests(model, npp, ntg, npl, seed, n_requests)
+    return first + list(first)
 
 
 def parse_mix(text: str) -> tuple[tuple[int, int, float], ...]:
