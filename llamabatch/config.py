@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llamabatch.params import check_positive_int
+from llamabatch.prompts.images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    check_image_options,
+)
 
 if TYPE_CHECKING:
     from llamabatch.strategies import Strategy
@@ -414,11 +420,39 @@ class EngineConfig(OptionsConfig):
         ),
     )
 
+    mmproj: str | None = field(
+        default=None,
+        metadata=flag("--mmproj", metavar="PATH", help="image encoder + projector GGUF (vision)"),
+    )
+    allow_remote_images: bool = field(
+        default=False,
+        metadata=flag(
+            "--allow-remote-images",
+            action=argparse.BooleanOptionalAction,
+            help="fetch http(s) image URLs (public addresses only; default: data URLs)",
+        ),
+    )
+    max_image_bytes: int = field(
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        metadata=flag("--max-image-bytes", type=positive_int, metavar="N", help="most bytes of one image"),
+    )
+    max_image_pixels: int = field(
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metadata=flag("--max-image-pixels", type=positive_int, metavar="N", help="most pixels of one image"),
+    )
+    max_images_per_request: int = field(
+        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        metadata=flag(
+            "--max-images-per-request", type=positive_int, metavar="N", help="most images of one request"
+        ),
+    )
+
     def __post_init__(self) -> None:
         from llamabatch.generate.spec_config import validate_speculative_config
         from llamabatch.strategies import get_strategy
 
         object.__setattr__(self, "speculative_config", validate_speculative_config(self.speculative_config))
+        check_image_options(self)
 
         for name in ("n_parallel", "n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))

@@ -75,3 +75,14 @@ class RequestTooLarge(LlamaBatchError, ValueError):
     """A request's estimated memory (its grammar's parser per completion, and its outputs:
     ``n`` x ``max_tokens`` tokens with their log-probabilities) exceeds the engine's
     ``max_request_memory_mb``; refused at submit."""
+
+
+class ImageError(LlamaBatchError, ValueError):
+    """An image a request carries is refused: too many bytes or pixels, too many images, not
+    an image, undecodable, or a URL that is not allowed. ``part`` names where it was (such as
+    ``messages[0].content[1]``); the server answers 400."""
+
+    def __init__(self, part: str, reason: str) -> None:
+        self.part = part
+        self.reason = reason
+        super().__init__(f"{part}: {reason}")

@@ -50,7 +50,8 @@ class EmbdBatch:
         self.pos = np.frombuffer(ffi.buffer(self._pos), dtype=np.int32)
         self.seq = np.frombuffer(ffi.buffer(self._seq_storage), dtype=np.int32)
         np.frombuffer(ffi.buffer(self._n_seq_id), dtype=np.int32)[:] = 1
-        np.frombuffer(ffi.buffer(self._logits), dtype=np.int8)[:] = 1
+        self._logits_view = np.frombuffer(ffi.buffer(self._logits), dtype=np.int8)
+        self._logits_view[:] = 1
 
     @property
     def address(self) -> int:
@@ -65,13 +66,16 @@ class EmbdBatch:
         """Empty the batch."""
         self._struct.n_tokens = 0
 
-    def add(self, vectors: np.ndarray, seq_id: int) -> None:
-        """Append one sequence: ``vectors`` ``(n, n_embd)`` at positions ``0..n-1``."""
+    def add(self, vectors: np.ndarray, seq_id: int, pos0: int = 0, outputs: bool = True) -> None:
+        """Append one sequence: ``vectors`` ``(n, n_embd)`` at positions ``pos0..pos0+n-1``;
+        ``outputs`` False: no output rows for them (an image's embeddings computed into the
+        KV cache only)."""
         n = int(vectors.shape[0])
         start = self.n_tokens
         if start + n > self.capacity:
             raise ValueError(f"batch is full (capacity {self.capacity})")
         self.embd[start : start + n] = vectors
-        self.pos[start : start + n] = np.arange(n, dtype=np.int32)
+        self.pos[start : start + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq[start : start + n] = seq_id
+        self._logits_view[start : start + n] = 1 if outputs else 0
         self._struct.n_tokens = start + n

@@ -24,6 +24,7 @@ from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
+from llamabatch.generate.vision import media_prompt, vision_for
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.inputs import check_token_ids, normalize_prompt
@@ -82,6 +83,8 @@ class EngineHost:
             self.kv_plan, config = plan_config(self.model, config)
             self.config = config
             self.context, self.core = build_engine(self.model, config, self.telemetry)
+            #: images (``--mmproj``): their prompts and positions (``generate/vision.py``)
+            self.vision = self.core.vision = vision_for(self.model, config, self.context)
         except BaseException:
             self.model.close()
             raise
@@ -210,7 +213,8 @@ class EngineHost:
         check_sampling(
             params, self.model.n_vocab, n_parallel=self.n_parallel, max_mb=self.config.max_request_memory_mb
         )
-        tokens, text = self.prompt_tokens(prompt, params)
+        media = media_prompt(self.vision, prompt, self.n_ctx_seq, params.max_tokens)
+        tokens, text = (media.tokens, media.text) if media is not None else self.prompt_tokens(prompt, params)
         requests: list[Request] = []
         for i in range(params.n):
             request = Request(
@@ -226,6 +230,7 @@ class EngineHost:
                 priority=priority,
                 client=client,
             )
+            request.media = media
             if i == 0:
                 check_sampler_builds(self.model, request, self.n_ctx_seq)
             requests.append(request)

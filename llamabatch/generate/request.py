@@ -206,6 +206,7 @@ class Request:
         "index",
         "kind",
         "leader",
+        "media",
         "n_preemptions",
         "output_tokens",
         "params",
@@ -272,6 +273,9 @@ class Request:
             else (RequestKind.FOLLOWER if leader is not None else RequestKind.COMPLETION)
         )
         self.output_tokens: list[int] = []
+        #: a prompt with images (``generate/vision.py``'s ``MediaPrompt``): its image
+        #: positions are computed from embeddings when it is admitted
+        self.media: Any = None
         self.stop_ids = frozenset(params.stop_token_ids)
         self.sampler: SamplerChain | None = None
         self.reused_tokens = 0  # prompt tokens reused from the KV cache at the first admission

@@ -1,0 +1,112 @@
+"""Images in the engine (``generate/vision.py``): prompts with ``multi_modal_data`` on the
+random-weight vision model, the prefix cache keyed by image content, and the limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamabatch import LLM, SamplingParams
+from llamabatch._ffi.mtmd import mtmd_available
+from llamabatch.config import EngineConfig
+from llamabatch.errors import ImageError
+from llamabatch.testing import make_vision_model
+
+pytestmark = pytest.mark.skipif(not mtmd_available(), reason="this llama.cpp build has no libmtmd")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def vision_files(tmp_path_factory):
+    return make_vision_model(tmp_path_factory.mktemp("vlm"))
+
+
+@pytest.fixture(scope="module")
+def llm(vision_files):
+    model, mmproj = vision_files
+    with LLM(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=4, n_threads=1) as engine:
+        yield engine
+
+
+def _image(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+
+
+def _ask(image, text: str = "<__media__>\nWhat is in the image?") -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": image}}
+
+
+def test_same_image_same_answer_other_image_other_answer(llm):
+    a, b = _image(0), _image(1)
+    first = llm.generate(_ask(a), GREEDY)[0].outputs[0].token_ids
+    other = llm.generate(_ask(b), GREEDY)[0].outputs[0].token_ids
+    again = llm.generate(_ask(a.copy()), GREEDY)[0].outputs[0]
+    assert again.token_ids == first
+    assert other != first
+    # right after, the same image again: the whole prompt but its last token from the prefix cache
+    cached = llm.generate(_ask(a), GREEDY)[0]
+    assert cached.outputs[0].usage.reused_tokens == len(cached.prompt_token_ids) - 1
+    assert cached.outputs[0].token_ids == first
+
+
+def test_answers_do_not_depend_on_the_batch(llm):
+    """An image request decoded alone and among text streams and other images: same tokens."""
+    alone = [llm.generate(_ask(_image(s)), GREEDY)[0].outputs[0].token_ids for s in (10, 11)]
+    mixed = llm.generate(
+        [_ask(_image(10)), "The quick brown fox", _ask(_image(11)), "Tell me a story about"], GREEDY, use_tqdm=False
+    )
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+
+
+def test_two_images_in_one_prompt(llm):
+    a, b = _image(20), _image(21)
+    ab = llm.generate({"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [a, b]}}, GREEDY)
+    ba = llm.generate({"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [b, a]}}, GREEDY)
+    assert ab[0].outputs[0].token_ids != ba[0].outputs[0].token_ids
+
+
+def test_images_without_markers_go_first(llm):
+    image = _image(30)
+    marked = llm.generate(_ask(image, "<__media__>\nDescribe."), GREEDY)[0].outputs[0].token_ids
+    unmarked = llm.generate(_ask(image, "Describe."), GREEDY)[0].outputs[0].token_ids
+    assert marked == unmarked
+
+
+def test_encoder_cache_counts(llm):
+    vision = llm.core.vision
+    before = dict(vision.counters.as_dict())
+    image = _image(40)
+    llm.generate(_ask(image, "<__media__>\nOne."), GREEDY)
+    llm.generate(_ask(image, "<__media__>\nTwo, another text after the same image."), GREEDY)
+    after = vision.counters.as_dict()
+    assert after["encoded"] == before["encoded"] + 1
+    assert after["cache_bytes"] > 0
+
+
+def test_refusals(llm, vision_files):
+    with pytest.raises(ValueError, match="markers"):
+        llm.generate({"prompt": "<__media__> <__media__>", "multi_modal_data": {"image": _image(0)}}, GREEDY)
+    with pytest.raises(ValueError, match="text after its last image"):
+        llm.generate({"prompt": "<__media__>", "multi_modal_data": {"image": _image(0)}}, GREEDY)
+    with pytest.raises(ImageError, match=r"multi_modal_data.image\[0\]: not a PNG"):
+        llm.generate(_ask(b"not an image"), GREEDY)
+    with pytest.raises(ImageError, match="more than the 8 allowed"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": [_image(0)] * 9}}, GREEDY)
+    with pytest.raises(ImageError, match="remote image URLs are off"):
+        llm.generate(_ask("https://example.com/cat.png"), GREEDY)
+    with pytest.raises(ValueError, match="'image'"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"audio": b""}}, GREEDY)
+
+
+def test_images_need_an_mmproj(tiny_path):
+    with LLM(tiny_path, n_ctx=256, n_parallel=1) as engine:
+        with pytest.raises(ValueError, match="no mmproj"):
+            engine.generate(_ask(_image(0)), GREEDY)
+
+
+def test_config_refuses_what_images_cannot_run_with():
+    with pytest.raises(ValueError, match="prefix_cache"):
+        EngineConfig(mmproj="x.gguf", prefix_cache=False)
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        EngineConfig(max_image_pixels=0)
