@@ -42,6 +42,69 @@ STOP_TOKEN_IDS_MAX = 1024
 LOGIT_BIAS_ENTRIES_MAX = 1 << 18
 
 
+#: LoRA adapters in one request's set, and the length of an adapter's name
+LORA_SET_MAX, LORA_NAME_MAX = 16, 256
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for one request, in vLLM's shape: its name (as loaded with
+    ``LLM(lora_adapters={name: path})`` or ``LLM.load_lora``), an id (kept for vLLM
+    compatibility; the name decides), the file (loaded on first use when the name is not
+    loaded yet) and a scale (1.0: as trained)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+    scale: float = 1.0
+
+
+def _lora_name(value: object) -> str:
+    _check(
+        isinstance(value, str) and 0 < len(value) <= LORA_NAME_MAX,
+        "lora",
+        f"names must be non-empty strings of at most {LORA_NAME_MAX} characters",
+        value,
+    )
+    return check_text("SamplingParams.lora", cast(str, value))
+
+
+def lora_set(value: object) -> tuple[tuple[str, float], ...]:
+    """``SamplingParams.lora`` normalised: ``((name, scale), ...)`` sorted by name, scales
+    finite, zero scales left out, a name at most once."""
+    if value is None or value == "":
+        return ()
+    items: list[object] = list(value.items()) if isinstance(value, Mapping) else [value]
+    if isinstance(value, (list, tuple)) and not (
+        len(value) == 2 and isinstance(value[0], str) and not isinstance(value[1], str)
+    ):
+        items = list(value)
+    pairs: dict[str, float] = {}
+    for item in items:
+        if isinstance(item, LoRARequest):
+            name, scale = item.lora_name, item.scale
+        elif isinstance(item, str):
+            name, scale = item, 1.0
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            name, scale = item[0], item[1]
+        else:
+            _check(False, "lora", "items must be a name, a LoRARequest or a (name, scale) pair", item)
+        name = _lora_name(name)
+        number = _float_field("lora", scale, -FLOAT32_MAX, FLOAT32_MAX, hint=" (an adapter's scale)")
+        _check(name not in pairs, "lora", "names an adapter twice", name)
+        pairs[name] = number
+    _check(len(pairs) <= LORA_SET_MAX, "lora", f"takes at most {LORA_SET_MAX} adapters", len(pairs))
+    return tuple(sorted((n, s) for n, s in pairs.items() if s != 0.0))
+
+
+def lora_paths(value: object) -> dict[str, str]:
+    """The files of the ``LoRARequest`` items of a ``lora`` value that name one."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return {
+        item.lora_name: item.lora_path for item in items if isinstance(item, LoRARequest) and item.lora_path
+    }
+
+
 # Iterables that are not sequences of items here (bytes iterate as ints).
 _NOT_SEQUENCES = (bytes, bytearray, memoryview, Mapping)
 
@@ -164,6 +227,10 @@ class SamplingParams:
     grammar_triggers: Sequence[str] = ()
     #: with the engine's ``speculative_config``: whether this request speculates (False: opt out)
     speculative: bool = True
+    #: the LoRA adapters this request runs with: a loaded adapter's name, a
+    #: :class:`LoRARequest`, a mapping ``{name: scale}``, or a sequence of those; stored as
+    #: ``((name, scale), ...)`` sorted by name, zero scales left out (``()``: the base model)
+    lora: Any = ()
 
     def __post_init__(self) -> None:
         put = self._put
@@ -239,6 +306,8 @@ class SamplingParams:
         put("truncate", _bool_field("truncate", self.truncate))
         put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
         put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
+        put("_lora_paths", lora_paths(self.lora))  # LoRARequest files, loaded on first use
+        put("lora", lora_set(self.lora))
         if self.json_schema is not None or self.response_format is not None:
             from llamabatch.prompts.structured import resolve_grammar
 
@@ -310,6 +379,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def lora_files(self) -> dict[str, str]:
+        """``{name: path}`` of the ``LoRARequest`` items that gave a file."""
+        return dict(getattr(self, "_lora_paths", {}))
+
+    @property
     def effective_grammar(self) -> str | None:
         """The GBNF grammar the sampler enforces: ``grammar``, or the one made from
         ``json_schema`` or ``response_format`` (None: unconstrained)."""
@@ -356,6 +430,7 @@ class SamplingParams:
 
 __all__ = [
     "INT32_MAX",
+    "LoRARequest",
     "SamplingParams",
     "as_float",
     "as_int",

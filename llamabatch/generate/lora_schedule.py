@@ -1,0 +1,404 @@
+"""LoRA adapters: which are loaded, and which adapter set each tick decodes.
+
+llama.cpp applies adapters to a whole context (``llama_set_adapters_lora``), not per sequence,
+and a change makes it plan its compute graph again on the next decode. So every tick decodes
+the slots of ONE adapter set (a request's set is ``SamplingParams.lora``: ``((name, scale),
+...)``, ``()`` for the base model):
+
+- :class:`LoraRegistry` holds the adapters by name (each file checked against the model when
+  registered, ``gguf/check_lora.py``) and loads them into llama.cpp on demand, at most
+  ``max_loras`` at once, least recently used unloaded first, never one a running request uses.
+- :class:`LoraAdmission` (an ``AdmissionPolicy`` around the engine's own) loads a request's
+  adapters when it is admitted, passes over a request whose set cannot be loaded next to the
+  running requests' sets (``max_loras``), and fits the switch cost from measured decodes.
+- :class:`AdapterSetStrategy` (a ``Strategy`` around the engine's own) groups the runnable slots
+  by set, chooses the set of this tick (:meth:`LoraScheduler.choose`), applies it to the context
+  and lets the inner strategy plan that set's slots only.
+- :class:`LoraScheduler` chooses by waiting work, age and priority, and the switch cost: a set
+  scores ``work * weight(priority) * (1 + age / horizon) / (tick + switch)``, where ``age`` is
+  how long its runnable slots have waited since it last ran, ``tick`` the expected decode time
+  and ``switch`` the measured extra time of a tick after a change (0 for the set applied now).
+  The age term grows without bound, so every set runs again: no request starves.
+
+KV computed under one set is never given to a request of another: the KV cache keys prefix
+reuse on (set, tokens) (``KVCache``'s ``tag``), and only the base model's KV enters the host-RAM
+tier and the prefix files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from llamabatch._ffi.lora import LoraAdapter, set_adapters
+from llamabatch._ffi.model import Model
+from llamabatch.errors import LoraLoadError
+from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, Verdict
+from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
+from llamabatch.generate.request import Request
+from llamabatch.gguf.check_lora import check_lora
+from llamabatch.params import LORA_NAME_MAX
+
+logger = logging.getLogger("llamabatch")
+
+__all__ = [
+    "AdapterSet",
+    "AdapterSetStrategy",
+    "LoraAdmission",
+    "LoraRegistry",
+    "LoraScheduler",
+    "SwitchCost",
+    "parse_lora_arg",
+]
+
+#: a request's adapter set, as ``SamplingParams.lora`` holds it; ``()``: the base model
+AdapterSet = tuple[tuple[str, float], ...]
+BASE: AdapterSet = ()
+
+
+def parse_lora_arg(spec: str) -> tuple[str, str]:
+    """``name=path`` (vLLM's ``--lora-modules`` form) or a bare ``path`` (llama-server's
+    ``--lora FILE``: the name is the file's stem) as ``(name, path)``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path, name = spec, Path(spec).stem
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    return name, path
+
+
+class LoraRegistry:
+    """The adapters an engine knows by name, and those loaded into llama.cpp (LRU, at most
+    ``max_loras``). ``register``/``unregister`` may run on any thread; loading runs on the
+    engine's thread."""
+
+    def __init__(self, model: Model, max_loras: int) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras!r}")
+        self.model = model
+        self.max_loras = max_loras
+        self._lock = threading.Lock()
+        self._paths: dict[str, Path] = {}
+        #: loaded adapters, least recently used first
+        self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        #: name -> running requests using it (never unloaded while above 0)
+        self.in_use: dict[str, int] = {}
+        self.loads = 0
+        self.unloads = 0
+
+    def register(self, name: str, path: str | Path) -> None:
+        """Know ``path`` as ``name`` (checked against the model first: ``LoraLoadError`` names
+        a wrong file). Registering a name again with another file replaces it for new loads."""
+        if not isinstance(name, str) or not 0 < len(name) <= LORA_NAME_MAX or "\0" in name:
+            raise ValueError(f"a LoRA adapter's name must be 1 to {LORA_NAME_MAX} characters, got {name!r}")
+        resolved = Path(path)
+        check_lora(resolved, self.model.path)
+        with self._lock:
+            self._paths[name] = resolved
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (its loaded adapter is freed when no running request uses it)."""
+        with self._lock:
+            if name not in self._paths:
+                raise KeyError(f"no LoRA adapter named {name!r}")
+            del self._paths[name]
+
+    def names(self) -> dict[str, Path]:
+        """The registered adapters: ``{name: file}``."""
+        with self._lock:
+            return dict(self._paths)
+
+    def check_set(self, lora: AdapterSet) -> None:
+        """``ValueError`` naming an adapter of ``lora`` that is not registered, or a set larger
+        than ``max_loras``."""
+        known = self.names()
+        for name, _ in lora:
+            if name not in known:
+                listed = ", ".join(sorted(known)) or "none"
+                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {listed})")
+        if len(lora) > self.max_loras:
+            raise ValueError(
+                f"{len(lora)} LoRA adapters in one request, more than max_loras={self.max_loras}"
+            )
+
+    def can_load(self, names: Iterable[str]) -> bool:
+        """Whether ``names`` fit among the loaded adapters running requests use."""
+        needed = set(names)
+        busy = {n for n, c in self.in_use.items() if c > 0}
+        return len(busy | needed) <= self.max_loras
+
+    def acquire(self, names: Sequence[str]) -> list[LoraAdapter]:
+        """The loaded adapters of ``names`` (loading them, unloading the least recently used
+        idle ones beyond ``max_loras``). Raises ``LoraLoadError`` or ``KeyError``."""
+        out: list[LoraAdapter] = []
+        for name in names:
+            adapter = self.loaded.get(name)
+            if adapter is None or adapter.closed:
+                path = self.names().get(name)
+                if path is None:
+                    raise KeyError(f"no LoRA adapter named {name!r}")
+                self._make_room(set(names))
+                adapter = LoraAdapter(self.model, path)
+                self.loaded[name] = adapter
+                self.loads += 1
+            self.loaded.move_to_end(name)
+            out.append(adapter)
+        return out
+
+    def _make_room(self, keep: set[str]) -> None:
+        for name in list(self.loaded):
+            if len(self.loaded) < self.max_loras:
+                return
+            if name in keep or self.in_use.get(name, 0) > 0:
+                continue
+            self.loaded.pop(name).close()
+            self.unloads += 1
+
+    def use(self, lora: AdapterSet, delta: int) -> None:
+        """Count a running request of ``lora`` in (``+1``) or out (``-1``)."""
+        for name, _ in lora:
+            n = self.in_use.get(name, 0) + delta
+            if n > 0:
+                self.in_use[name] = n
+            else:
+                self.in_use.pop(name, None)
+
+    def release_unregistered(self) -> None:
+        """Free loaded adapters no longer registered and unused."""
+        known = self.names()
+        for name in list(self.loaded):
+            if name not in known and self.in_use.get(name, 0) <= 0:
+                self.loaded.pop(name).close()
+                self.unloads += 1
+
+    def close(self) -> None:
+        for adapter in self.loaded.values():
+            adapter.close()
+        self.loaded.clear()
+
+
+class SwitchCost:
+    """The extra decode time of a tick right after the adapter set changed, fitted online:
+    the decodes after no change fit a cost model of the tick (``DecodeCostModel``); each decode
+    after a change adds its excess over that model's prediction to an exponential average."""
+
+    def __init__(self, smoothing: float = 0.2, prior: float = 0.002) -> None:
+        self.model = DecodeCostModel()
+        self.smoothing = smoothing
+        #: seconds; the prior until a switch was measured
+        self.seconds = prior
+        self.n_switches = 0
+        self.n_measured = 0
+
+    def observe(self, features: TickFeatures, elapsed: float, switched: bool) -> None:
+        if not math.isfinite(elapsed) or elapsed < 0:
+            return
+        if not switched:
+            self.model.observe(features, elapsed)
+            return
+        if self.model.n_observed < 4:
+            return  # no baseline yet
+        excess = max(0.0, elapsed - self.model.predict(features))
+        self.n_measured += 1
+        a = 1.0 if self.n_measured == 1 else self.smoothing
+        self.seconds += a * (excess - self.seconds)
+
+    def tick_seconds(self, n_tokens: int) -> float:
+        """The expected decode time of ``n_tokens`` tokens (one output each)."""
+        return self.model.predict(TickFeatures(n_tokens, n_tokens, 0.0))
+
+
+class LoraScheduler:
+    """The adapter set of each tick (see the module): the one applied to the context, and the
+    choice among the sets with runnable slots."""
+
+    def __init__(
+        self,
+        registry: LoraRegistry,
+        context: Any,
+        running: Callable[[], Sequence[Request | None]],
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.registry = registry
+        self.context = context
+        self.running = running
+        self.clock = clock
+        self.current: AdapterSet = BASE
+        self.switch = SwitchCost()
+        #: set -> when its runnable slots started waiting for a tick of theirs
+        self.waiting_since: dict[AdapterSet, float] = {}
+        self.switched = False  # the applied set changed since the last decode
+        self._ran: AdapterSet | None = None
+        self.n_switches = 0
+        #: how a set is put on the context (tests pass a fake)
+        self.set_on_context: Callable[[Any, list[Any], list[float]], None] = set_adapters
+
+    def key_of(self, slot: int) -> AdapterSet:
+        request = self.running()[slot]
+        return request.params.lora if request is not None else BASE
+
+    def choose(self, work: Mapping[AdapterSet, Sequence[int]]) -> AdapterSet:
+        """The set to decode next among ``work`` (set -> its runnable slots)."""
+        now = self.clock()
+        if self._ran is not None:  # the set of the last tick waits from the tick's end
+            self.waiting_since[self._ran] = now
+            self._ran = None
+        for key in list(self.waiting_since):
+            if key not in work:
+                del self.waiting_since[key]
+        best, best_score = BASE, -1.0
+        tick = max(self.switch.tick_seconds(1), 1e-4)
+        horizon = max(2.0 * self.switch.seconds, 4.0 * tick, 1e-3)
+        limit = self.starvation_limit()
+        oldest = min(work, key=lambda k: self.waiting_since.setdefault(k, now))
+        if now - self.waiting_since[oldest] > limit and oldest != self.current:
+            return oldest  # waited past the limit: it runs now, whatever the scores say
+        running = self.running()
+        for key, slots in work.items():
+            since = self.waiting_since.setdefault(key, now)
+            age = max(0.0, now - since)
+            priority = min((r.priority for r in (running[s] for s in slots) if r is not None), default=0)
+            weight = 2.0 ** max(-2, min(2, -priority))
+            cost = self.switch.tick_seconds(len(slots)) + (
+                0.0 if key == self.current else self.switch.seconds
+            )
+            score = len(slots) * weight * (1.0 + age / horizon) / max(cost, 1e-6)
+            if score > best_score or (score == best_score and key == self.current):
+                best, best_score = key, score
+        return best
+
+    def starvation_limit(self) -> float:
+        """The longest a set with runnable slots waits for a tick (seconds): 16 ticks with a
+        switch each, at least 50 ms."""
+        return max(0.05, 16.0 * (self.switch.tick_seconds(1) + self.switch.seconds))
+
+    def ran(self, key: AdapterSet) -> None:
+        """``key``'s slots are in this tick: their wait starts again when it ends."""
+        self._ran = key
+
+    def apply(self, key: AdapterSet) -> None:
+        """Make ``key`` the context's adapter set (a no-op when it is already)."""
+        if key == self.current:
+            return
+        adapters = self.registry.acquire([name for name, _ in key])
+        self.set_on_context(self.context, adapters, [scale for _, scale in key])
+        self.current = key
+        self.switched = True
+        self.n_switches += 1
+        self.switch.n_switches += 1
+
+    def observe(self, features: TickFeatures, elapsed: float) -> None:
+        self.switch.observe(features, elapsed, self.switched)
+        self.switched = False
+
+    def stats(self) -> dict[str, Any]:
+        reg = self.registry
+        return {
+            "lora_switches": self.n_switches,
+            "lora_switch_seconds": self.switch.seconds,
+            "lora_switches_measured": self.switch.n_measured,
+            "lora_loaded": list(reg.loaded),
+            "lora_loads": reg.loads,
+            "lora_unloads": reg.unloads,
+        }
+
+
+class _SubsetView:
+    """A table view showing only some runnable slots (the rest of the protocol passes through)."""
+
+    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
+        self._view = view
+        self.decode_slots = decode
+        self.prefill_slots = prefill
+        self.n_parallel = view.n_parallel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+
+class AdapterSetStrategy:
+    """``inner``'s plan over the runnable slots of one adapter set per tick (see the module)."""
+
+    def __init__(self, inner: Any, scheduler: LoraScheduler) -> None:
+        self.inner = inner
+        self.scheduler = scheduler
+        self.name = f"{getattr(inner, 'name', type(inner).__name__)}+lora"
+
+    def plan(self, view: Any, budget: int, chunk_size: int, queue_depth: int) -> Iterable[tuple[int, int]]:
+        scheduler = self.scheduler
+        groups: dict[AdapterSet, tuple[list[int], list[int]]] = {}
+        for slot in view.decode_slots:
+            groups.setdefault(scheduler.key_of(slot), ([], []))[0].append(slot)
+        for slot in view.prefill_slots:
+            groups.setdefault(scheduler.key_of(slot), ([], []))[1].append(slot)
+        if not groups:
+            return []
+        if len(groups) == 1:
+            (key,) = groups
+        else:
+            key = scheduler.choose({k: d + p for k, (d, p) in groups.items()})
+        scheduler.apply(key)
+        scheduler.ran(key)
+        if len(groups) == 1:
+            return self.inner.plan(view, budget, chunk_size, queue_depth)
+        decode, prefill = groups[key]
+        return self.inner.plan(_SubsetView(view, decode, prefill), budget, chunk_size, queue_depth)
+
+
+class LoraAdmission(DelegatingAdmission):
+    """``inner``'s policy; a request's adapters are loaded when it is admitted (a request whose
+    set does not fit ``max_loras`` next to the running sets' is passed over until it does),
+    and the switch cost is fitted from every measured decode."""
+
+    def __init__(
+        self, inner: AdmissionPolicy, scheduler: LoraScheduler, on_error: Callable[[Request], None]
+    ) -> None:
+        super().__init__(inner)
+        self.scheduler = scheduler
+        self.on_error = on_error
+
+    @property
+    def learns_costs(self) -> bool:
+        return True
+
+    def admits(self, request: Request, n_prompt: int, table: Any, busy: list[int]) -> Verdict:
+        lora = request.params.lora
+        if lora:
+            registry = self.scheduler.registry
+            names = [name for name, _ in lora]
+            if not registry.can_load(names):
+                return Verdict.PASS  # its adapters load once running requests free room
+            try:
+                registry.acquire(names)
+            except (LoraLoadError, KeyError, OSError) as exc:
+                logger.error("llamabatch: request %s: %s", request.request_id, exc)
+                self.on_error(request)
+                return Verdict.PASS
+        return self.inner.admits(request, n_prompt, table, busy)
+
+    def admitted(self, request: Request) -> None:
+        self.scheduler.registry.use(request.params.lora, +1)
+        self.inner.admitted(request)
+
+    def released(self, request: Request) -> None:
+        self.scheduler.registry.use(request.params.lora, -1)
+        self.inner.released(request)
+
+    def observe(self, features: TickFeatures, elapsed: float) -> None:
+        self.scheduler.observe(features, elapsed)
+        self.inner.observe(features, elapsed)
+
+
+def lora_key(request: Request) -> Hashable:
+    """The adapter set of ``request`` (the KV cache's tag)."""
+    return request.params.lora
