@@ -54,15 +54,21 @@ def test_answers_do_not_depend_on_the_batch(llm):
     """An image request decoded alone and among text streams and other images: same tokens."""
     alone = [llm.generate(_ask(_image(s)), GREEDY)[0].outputs[0].token_ids for s in (10, 11)]
     mixed = llm.generate(
-        [_ask(_image(10)), "The quick brown fox", _ask(_image(11)), "Tell me a story about"], GREEDY, use_tqdm=False
+        [_ask(_image(10)), "The quick brown fox", _ask(_image(11)), "Tell me a story about"],
+        GREEDY,
+        use_tqdm=False,
     )
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
 
 
 def test_two_images_in_one_prompt(llm):
     a, b = _image(20), _image(21)
-    ab = llm.generate({"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [a, b]}}, GREEDY)
-    ba = llm.generate({"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [b, a]}}, GREEDY)
+    ab = llm.generate(
+        {"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [a, b]}}, GREEDY
+    )
+    ba = llm.generate(
+        {"prompt": "<__media__> and <__media__>?", "multi_modal_data": {"image": [b, a]}}, GREEDY
+    )
     assert ab[0].outputs[0].token_ids != ba[0].outputs[0].token_ids
 
 
