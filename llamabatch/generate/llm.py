@@ -43,10 +43,14 @@ class EngineLoop:
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
-        self.core = host.core
         self.inbox: list[Request] = []
         self.cancels: list[Request] = []
         self.worker: Worker  # set by the owner, before the thread starts
+
+    @property
+    def core(self) -> EngineCore:
+        """The host's core (a new one after a layout switch)."""
+        return self.host.core
 
     def has_work(self) -> bool:
         return bool(self.inbox or self.cancels or self.core.has_unfinished())
@@ -68,6 +72,8 @@ class EngineLoop:
         if inbox or core.waiting or ended:
             with cond:
                 cond.notify_all()  # room in the queue for blocked submitters
+        if not core.has_unfinished() and not self.inbox:
+            self.host.when_quiet()
 
     def fail_pending(self, error: BaseException) -> None:
         with self.worker.cond:

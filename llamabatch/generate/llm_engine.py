@@ -21,6 +21,7 @@ from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.batch_invariant import check_weight_types
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
+from llamabatch.generate.layout_switch import LayoutFollower
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
@@ -66,7 +67,8 @@ class EngineHost:
     requests. Built from one :class:`EngineConfig`."""
 
     def __init__(self, model_path: str | os.PathLike[str], config: EngineConfig) -> None:
-        self.config = config
+        #: the config as given, before the load resolved what it left open
+        self.config_asked = self.config = config
         self.model = Model(
             model_path, n_gpu_layers=config.n_gpu_layers, load_mode=config.load_mode, validate=config.validate
         )
@@ -80,9 +82,13 @@ class EngineHost:
                 check_weight_types(self.model.path)
             self.telemetry = Telemetry()
             #: the KV cache's size, bytes and the reason for them (``generate/kv_memory.py``)
-            self.kv_plan, config = plan_config(self.model, config)
+            self.kv_plan, config = plan_config(self.model, self.config)
             self.config = config
             self.context, self.core = build_engine(self.model, config, self.telemetry)
+            #: the KV layout following the workload (``generate/layout_switch.py``)
+            self.layout = LayoutFollower(self.config_asked, self.kv_plan)
+            if self.layout.enabled:
+                self.telemetry.add_listener(self.layout.watcher)
             #: images (``--mmproj``): their prompts and positions (``generate/vision.py``)
             self.vision = self.core.vision = vision_for(self.model, config, self.context)
         except BaseException:
@@ -299,11 +305,17 @@ class EngineHost:
             kv_bytes_f16=plan.kv_bytes_f16(self.n_ctx),
             kv_budget_bytes=plan.budget_bytes,
             **core.kv.tier_stats(),
+            **self.layout.stats(),
             spec_drafts=c.spec_drafts,
             spec_draft_tokens=c.spec_draft_tokens,
             spec_accepted_per_pos=tuple(c.spec_accepted_per_pos),
             spec_accepted_tokens=c.spec_accepted_tokens,
         )
+
+    def when_quiet(self) -> bool:
+        """Called by the drivers when nothing runs or waits: the KV layout may follow the
+        workload now (``generate/layout_switch.py``); True when it switched."""
+        return self.layout.at_quiet(self)
 
     def free(self) -> None:
         """Free the core's buffers, the context and the model (after the last step)."""
@@ -480,6 +492,8 @@ class LLMEngine(HostFacts):
             if finished:
                 request.publish("", [], finish_reason)
                 self._forget_if_done(request.request_id)
+        if not self.core.has_unfinished():
+            self._host.when_quiet()
         return outputs
 
     def _forget_if_done(self, request_id: Any) -> None:

@@ -253,6 +253,7 @@ class PrometheusListener:
         yield from self._gauges(sources, GaugeMetricFamily)
         yield from _spec_counters(sources, CounterMetricFamily)
         yield from _restore_skipped(sources, CounterMetricFamily)
+        yield from _layout_switches(sources, CounterMetricFamily)
 
     def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
         def family(kind: Any, key: str, doc: str) -> Any:
@@ -305,6 +306,9 @@ _TIER_GAUGES = {
     "ram_cache_restored_tokens": "Prompt tokens restored from the host-RAM cache instead of computed.",
     "ram_cache_shared_tokens": "Restored tokens then shared with another sequence's KV cells (no copy).",
     "ram_cache_restore_waits": "Prompts that waited for running requests to free their restore's room.",
+    "layout_switch_time_s": "Seconds spent rebuilding the context for another KV layout.",
+    "layout_carried_tokens": "Cached prompt tokens carried through KV layout switches.",
+    "layout_lost_tokens": "Cached prompt tokens a KV layout switch could not carry.",
     "prefix_files_loaded": "Prefix files from prefix_cache_dir whose state llama.cpp loaded.",
     "prefix_files_refused": "Prefix files refused (unsafe, corrupt, over a limit, or by llama.cpp).",
 }
@@ -359,6 +363,23 @@ def _restore_skipped(sources: list[tuple[Any, str]], counter: Any) -> Iterator[A
         except Exception:  # a closed engine: nothing to report
             continue
         for reason, n in sorted((_get(stats, "ram_cache_restore_skipped") or {}).items()):
+            family.add_metric([name, reason], n)
+    yield family
+
+
+def _layout_switches(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any]:
+    """Context rebuilds for another KV layout, by reason (``GenerationStats.layout_switch_reasons``)."""
+    family = counter(
+        PREFIX + "layout_switches",
+        "Context rebuilds with another KV layout / flash attention, by reason.",
+        labels=["model_name", "reason"],
+    )
+    for source, name in sources:
+        try:
+            stats = source.stats()
+        except Exception:  # a closed engine: nothing to report
+            continue
+        for reason, n in sorted((_get(stats, "layout_switch_reasons") or {}).items()):
             family.add_metric([name, reason], n)
     yield family
 

@@ -197,6 +197,14 @@ class GenerationStats:
     ram_cache_restore_skipped: dict[str, int] = field(default_factory=dict)
     #: prompts that waited for running requests to free the room of their restore
     ram_cache_restore_waits: int = 0
+    # -- the KV layout following the workload (``generate/layout_switch.py``) --
+    #: context rebuilds with another layout, by reason (``"shared_prefix"``, ``"long_prompt"``,
+    #: ``"independent"``), their total time, and the cached tokens carried over or lost
+    layout_switches: int = 0
+    layout_switch_reasons: dict[str, int] = field(default_factory=dict)
+    layout_switch_time_s: float = 0.0
+    layout_carried_tokens: int = 0
+    layout_lost_tokens: int = 0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files whose state llama.cpp loaded, files written, files refused (not a
     #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)

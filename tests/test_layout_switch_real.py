@@ -1,0 +1,91 @@
+"""The KV layout switch on real llama.cpp: a sequence's state rewritten for another layout
+gives the log-probabilities of the same prefix computed there; an engine serving requests
+sharing a prefix switches to one unified buffer between workloads and loses no cached prefix
+(the same prompt after the switch reuses it and gives the same log-probabilities)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamabatch import LLMEngine, SamplingParams, testing
+from llamabatch._ffi.context import Context
+from llamabatch._ffi.model import Model
+from llamabatch.generate import layout_switch
+from llamabatch.generate.kv_state_format import convert_seq_state
+
+LAYOUTS = [(True, True), (True, False), (False, False), (False, True)]
+
+
+@pytest.mark.parametrize("src", LAYOUTS, ids=str)
+def test_a_rewritten_state_loads_in_every_layout(tiny_path, src):
+    model = Model(tiny_path)
+    try:
+        tokens = [1, *range(5, 60)]
+        source = Context(model, n_ctx=512, n_batch=256, n_seq_max=3, kv_unified=src[0], flash_attn=src[1])
+        source.decode_tokens(tokens, seq_id=2)
+        data = source.state_seq_get(2)
+        source.close()
+        for unified, flash in LAYOUTS:
+            target = Context(model, n_ctx=512, n_batch=256, n_seq_max=3, kv_unified=unified, flash_attn=flash)
+            target.decode_tokens(tokens, seq_id=0)
+            target.decode_tokens([7], pos0=len(tokens), seq_id=0)
+            computed = np.array(target.logits_rows(1)[0])
+            state = convert_seq_state(data, 1 if unified else 3, not flash, model.n_layer)
+            assert state is not None and target.state_seq_set(1, state)
+            target.decode_tokens([7], pos0=len(tokens), seq_id=1)
+            restored = np.array(target.logits_rows(1)[0])
+            target.close()
+            tolerance = 1e-4 if flash == src[1] else 0.05  # flash attention's own rounding
+            assert np.abs(restored - computed).max() <= tolerance, (unified, flash)
+    finally:
+        model.close()
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Switch at the first quiet moment the rules allow (the hysteresis is tested pure)."""
+    monkeypatch.setattr(layout_switch, "CONFIRM", 1)
+    monkeypatch.setattr(layout_switch, "MIN_REQUESTS_BETWEEN", 0)
+    monkeypatch.setattr(layout_switch, "COST_MARGIN", 0.0)
+
+
+def test_switch_between_workloads_keeps_the_cached_prefixes(tiny_path, eager):
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
+    words = " ".join(testing.english_sentences(200)).split()
+    with LLMEngine(tiny_path, n_parallel=4, n_batch=256, flash_attn=False, cache_ram=0) as engine:
+        assert not engine.stats().kv_unified  # the default here: a stream per sequence
+        system = engine.tokenize(" ".join(words[:150]))[:120]
+        prompts = [
+            system + engine.tokenize(" ".join(words[150 + 7 * i :]), add_special=False)[:10] for i in range(8)
+        ]
+        engine.add_request(prompts[0], params)  # the prefix first, then the rest reuse it
+        engine.run_until_complete()
+        for p in prompts[1:]:
+            engine.add_request(p, params)
+        before = {tuple(o.prompt_token_ids): o for o in engine.run_until_complete()}
+        stats = engine.stats()
+        assert stats.layout_switches == 1, stats
+        assert stats.layout_switch_reasons == {"shared_prefix": 1}
+        assert stats.kv_unified and stats.flash_attn is False
+        assert stats.layout_switch_time_s > 0 and stats.layout_lost_tokens == 0
+        assert stats.layout_carried_tokens >= 120
+        again = prompts[5]
+        engine.add_request(again, params)
+        (after,) = engine.run_until_complete()
+    assert after.usage.reused_tokens >= 120  # the prefix came through the switch
+    old = before[tuple(again)]
+    assert after.token_ids == old.token_ids  # same layout family (flash attention off): same tokens
+    for a, b in zip(after.logprobs, old.logprobs, strict=True):
+        for token, value in b.items():
+            assert a[token] == pytest.approx(value, abs=1e-3)
+
+
+def test_pinned_layout_never_switches(tiny_path, eager):
+    params = SamplingParams(max_tokens=2, temperature=0)
+    with LLMEngine(tiny_path, n_parallel=4, n_batch=256, kv_unified=False, flash_attn=False) as engine:
+        system = list(range(5, 130))
+        for i in range(10):
+            engine.add_request([1, *system, 200 + i], params)
+        engine.run_until_complete()
+        assert engine.stats().layout_switches == 0
