@@ -158,6 +158,7 @@ class EngineCore:
         self.spec = speculator_for(config.speculative_config, self)
         #: builds each completion's sampler chain at its admission (``request_memory.py``)
         self.samplers = SamplerBuilder(model, self.n_ctx_seq)
+        self.vision: Any = None  # computes a prompt's image positions at admission (``vision.py``)
         self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()
         self._batch_released = False
@@ -379,7 +380,8 @@ class EngineCore:
         leader_slot = self.slots.slot_of(leader) if leader is not None else -1
         placement = self.kv.place(tokens, leader_slot)
         slot = placement.slot
-        self.table.start(slot, tokens, placement.reused_tokens)
+        reused = self.vision.prefill(self, slot, request, placement.reused_tokens) if self.vision else None
+        self.table.start(slot, tokens, placement.reused_tokens if reused is None else reused)
         self.slots.assign(slot, request)
         request.transition(RequestStatus.RUNNING)
         request.admitted_order = self._n_admissions

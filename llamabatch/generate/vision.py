@@ -216,11 +216,17 @@ class Vision:
                     self.counters.cache_evictions += 1
         return embd
 
-    def prefill(self, context: Context, table: Any, slot: int, media: MediaPrompt, reused: int) -> int:
-        """Compute ``media``'s positions from ``reused`` to its last image's end into the idle
-        ``slot`` (which holds ``media.tokens[:reused]``), record them in ``table`` as cached,
-        and return the positions the slot now holds. An image that needs bidirectional
+    def prefill(self, core: Any, slot: int, request: Any, reused: int) -> int:
+        """Compute the positions of ``request``'s media prompt from ``reused`` to its last
+        image's end into the idle ``slot`` of ``core`` (the slot holds the first ``reused``),
+        record them in the slot table as cached, and return the positions the slot now holds
+        (``reused`` for a request without images). An image that needs bidirectional
         attention restarts at its first position when ``reused`` falls inside it."""
+        media: MediaPrompt | None = request.media
+        if media is None:
+            return reused
+        context: Context = core.context
+        table = core.table
         tokens = media.tokens
         start = reused
         for first, chunk in media.images:
