@@ -45,6 +45,7 @@ def test_explicit_choices_pin_the_layout():
         EngineConfig(n_gpu_layers=1),
         EngineConfig(batch_invariant=True),
         EngineConfig(type_v="q8_0"),
+        EngineConfig(mmproj="encoder.gguf"),
     ):
         assert ls.layouts_allowed(pinned, default) == {default}
     assert ls.layouts_allowed(EngineConfig(), default, pinned_prefixes=True) == {default}
