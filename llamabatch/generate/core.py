@@ -308,7 +308,7 @@ class EngineCore:
             request = waiting[i]
             tokens = request.tokens_to_compute()
             if (request.kind is RequestKind.FOLLOWER and request.follower_waits) or (
-                self.kv.should_wait(tokens, admitting)
+                self.kv.should_wait(tokens, admitting, request.params.lora)
             ):
                 i += 1
                 continue
@@ -378,7 +378,7 @@ class EngineCore:
     def _start(self, request: Request, tokens: list[int]) -> None:
         leader = request.leader
         leader_slot = self.slots.slot_of(leader) if leader is not None else -1
-        placement = self.kv.place(tokens, leader_slot)
+        placement = self.kv.place(tokens, leader_slot, request.params.lora)
         slot = placement.slot
         reused = self.vision.prefill(self, slot, request, placement.reused_tokens) if self.vision else None
         self.table.start(slot, tokens, placement.reused_tokens if reused is None else reused)

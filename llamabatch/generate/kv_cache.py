@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,11 @@ class KVCache:
         self._whole_streams = not self.table.kv_unified
         table = self.table
         self._free_pin_seqs = list(range(table.n_seq - 1, table.n_parallel - 1, -1))
+        #: the adapter set (``SamplingParams.lora``; ``()``: the base model) each sequence's
+        #: KV was computed under: prefix reuse keys on (tag, tokens), and only the base
+        #: model's KV goes to the host-RAM tier and the prefix files
+        self.tags: list[Hashable] = [()] * table.n_seq
+        self._tagged = False  # whether any sequence was ever computed under an adapter
 
     # -- the two primitives: every KV change goes through them --------------------------
 
@@ -133,21 +139,29 @@ class KVCache:
 
     # -- admission ----------------------------------------------------------------------
 
-    def place(self, tokens: list[int], leader_slot: int = -1) -> Placement:
-        """Choose an idle slot for ``tokens`` and make it hold the longest reusable prefix.
+    def place(self, tokens: list[int], leader_slot: int = -1, tag: Hashable = ()) -> Placement:
+        """Choose an idle slot for ``tokens`` (computed under the adapter set ``tag``) and make
+        it hold the longest reusable prefix computed under the same set.
 
         With reuse off, only a parallel-sampling leader's prompt is shared."""
+        placement = self._place(tokens, leader_slot, tag)
+        if tag != ():
+            self._tagged = True
+        self.tags[placement.slot] = tag
+        return placement
+
+    def _place(self, tokens: list[int], leader_slot: int, tag: Hashable) -> Placement:
         table = self.table
         limit = len(tokens) - 1  # the last prompt token is always computed
-        best_seq, best_n = self._best_source(tokens, leader_slot, limit)
+        best_seq, best_n = self._best_source(tokens, leader_slot, limit, tag)
         if self._restore_waits:
             self._restore_waits.pop(np.asarray(tokens, dtype=np.int32).tobytes(), None)
-        if self.ram is not None and len(tokens) > self.ram.block:
+        if self.ram is not None and len(tokens) > self.ram.block and tag == ():
             restored = self._restore(tokens, best_n, limit)
             if restored is not None:
                 return restored
             # not restored: the attempt may have emptied an idle slot, look again
-            best_seq, best_n = self._best_source(tokens, leader_slot, limit)
+            best_seq, best_n = self._best_source(tokens, leader_slot, limit, tag)
         if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
             slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
             if self.ram is not None and table.seq_len(slot) - best_n >= self.ram.block:
@@ -163,32 +177,50 @@ class KVCache:
         table.touch(slot)
         return Placement(slot, best_seq, best_n)
 
-    def _best_source(self, tokens: list[int], leader_slot: int, limit: int) -> tuple[int, int]:
+    def best_prefix(self, tokens: list[int] | np.ndarray, tag: Hashable = ()) -> tuple[int, int]:
+        """``SlotTable.best_prefix`` among the sequences computed under the adapter set ``tag``:
+        ``(seq, n)``, or ``(-1, 0)``; on a tie an idle slot wins, then the lowest seq."""
+        table = self.table
+        if not self._tagged:
+            return table.best_prefix(tokens) if tag == () else (-1, 0)
+        best, best_n, best_idle = -1, 0, False
+        for seq, seq_tag in enumerate(self.tags):
+            if seq_tag != tag:
+                continue
+            n = table.common_prefix(seq, tokens)
+            idle = seq < table.n_parallel and table.state(seq) == SlotState.IDLE
+            if n > best_n or (n == best_n and n > 0 and idle and not best_idle):
+                best, best_n, best_idle = seq, n, idle
+        return best, best_n
+
+    def _best_source(self, tokens: list[int], leader_slot: int, limit: int, tag: Hashable) -> tuple[int, int]:
         """``(seq, n)``: the sequence holding the longest reusable prefix of ``tokens`` (at
-        most ``limit``), or ``(-1, 0)``."""
+        most ``limit``) computed under ``tag``, or ``(-1, 0)``."""
         table = self.table
         best_seq, best_n = -1, 0
         if self.reuse:
-            best_seq, best_n = table.best_prefix(tokens)
+            best_seq, best_n = self.best_prefix(tokens, tag)
         elif self.copy_supported and leader_slot >= 0 and table.state(leader_slot) != SlotState.IDLE:
             best_seq, best_n = leader_slot, table.common_prefix(leader_slot, tokens)
         best_n = min(best_n, limit)
         return (best_seq, best_n) if best_n > 0 else (-1, 0)
 
-    def should_wait(self, tokens: list[int], admitting: list[list[int]]) -> bool:
+    def should_wait(self, tokens: list[int], admitting: list[list[int]], tag: Hashable = ()) -> bool:
         """True when a prompt being prefilled (or ``admitting`` in this same step) shares
         enough not-yet-computed tokens with ``tokens`` that waiting for them beats
         computing them twice; or when ``restore_worth_waiting``."""
         if not self.reuse:
             return False
-        if self.ram is not None and self.restore_worth_waiting(tokens):
+        if self.ram is not None and tag == () and self.restore_worth_waiting(tokens):
             return True
         table = self.table
-        prefilling = [s for s in range(table.n_parallel) if table.state(s) == SlotState.PREFILL]
+        prefilling = [
+            s for s in range(table.n_parallel) if table.state(s) == SlotState.PREFILL and self.tags[s] == tag
+        ]
         if not (prefilling or admitting):
             return False
         limit = len(tokens) - 1
-        now = table.best_prefix(tokens)[1]
+        now = self.best_prefix(tokens, tag)[1]
         for slot in prefilling:
             shared = min(table.common_history(slot, tokens), limit)
             if shared - max(now, table.n_past(slot)) >= MIN_WAIT_TOKENS:
@@ -217,7 +249,7 @@ class KVCache:
         key = array.tobytes()
         entry, n = ram.match(array)
         n = min(n, limit)
-        best_n = min(table.best_prefix(tokens)[1], limit)
+        best_n = min(self.best_prefix(tokens)[1], limit)
         if entry is None or n < ram.block or n <= best_n or self._room_if_idle_evicted(len(entry.tokens)):
             self._restore_waits.pop(key, None)
             return False
@@ -271,9 +303,9 @@ class KVCache:
 
     def save(self, seq: int) -> bool:
         """Copy the state of the idle ``seq`` (about to lose its cached tokens) to the RAM
-        tier; False when off, too short, already there or not copyable."""
+        tier; False when off, too short, already there, not copyable or computed under an adapter."""
         ram = self.ram
-        if ram is None or self.table.seq_len(seq) < ram.block:
+        if ram is None or self.table.seq_len(seq) < ram.block or self.tags[seq] != ():
             return False
         tokens = self.table.seq_tokens(seq)
         covering = ram.covers(tokens)
@@ -352,7 +384,7 @@ class KVCache:
         the prompt instead would take about as many cells, and compute them."""
         table = self.table
         pending = sum(table.n_pending(s) for s in range(table.n_parallel))
-        source, shared = table.best_prefix(tokens)
+        source, shared = self.best_prefix(tokens)
         keep = source if self.ram is not None and shared >= self.ram.block else -1
         while table.cells_free - pending < len(tokens):
             if self.evict_one(keep=keep):
@@ -371,7 +403,7 @@ class KVCache:
         table = self.table
         if not table.kv_unified:
             return
-        source, shared = table.best_prefix(tokens)
+        source, shared = self.best_prefix(tokens)  # a restored state is the base model's
         if source < 0 or shared <= 0:
             return
         self.context.seq_rm(slot, 0, shared)
@@ -410,7 +442,8 @@ class KVCache:
             return False
         self.copy(source_slot, seq, len(prefix.tokens))
         self.pinned[seq] = prefix
-        if self.store is not None:
+        self.tags[seq] = self.tags[source_slot]
+        if self.store is not None and self.tags[seq] == ():
             self.store.save(prefix.tokens, self.context.state_seq_get(seq))
         return True
 
@@ -483,6 +516,7 @@ class KVCache:
             store.refuse(store.path_for(prefix.tokens), "llama.cpp could not load its state")
             return False
         self.table.record_cached(seq, prefix.tokens)
+        self.tags[seq] = ()  # prefix files hold the base model's KV only
         self.pinned[seq] = prefix
         store.loaded += 1
         return True

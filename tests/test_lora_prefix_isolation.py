@@ -1,0 +1,96 @@
+"""KV computed under one LoRA adapter set is never given to a request of another: prefix reuse
+keys on (adapter set, tokens), and adapter KV stays out of the host-RAM tier (fake context)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llamabatch.generate.request import Request
+from llamabatch.params import SamplingParams
+from tests.fake_llama import make_core
+
+SETS = ((), "a", "b", {"a": 0.5})
+
+
+def _watch_placements(core: Any, seen: list[tuple[Any, Any, int]]) -> None:
+    """Record, for every placement that reuses KV, the adapter set of the request and the set
+    the reused KV was computed under (read before the placement changes it)."""
+    kv = core.kv
+    place = kv.place
+
+    def watched(tokens: list[int], leader_slot: int = -1, tag: Any = ()) -> Any:
+        before = list(kv.tags)
+        restores = kv.ram.restores if kv.ram is not None else 0
+        placement = place(tokens, leader_slot, tag)
+        if placement.reused_tokens:
+            if kv.ram is not None and kv.ram.restores > restores:
+                source_tag = ()  # a state from the RAM tier, which holds the base model's KV only
+            else:
+                source = placement.source_seq if placement.source_seq >= 0 else placement.slot
+                source_tag = before[source]
+            seen.append((tag, source_tag, placement.reused_tokens))
+        return placement
+
+    kv.place = watched
+
+
+prompt_parts = st.lists(st.integers(0, 2), min_size=1, max_size=3)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    jobs=st.lists(
+        st.tuples(prompt_parts, st.integers(0, len(SETS) - 1), st.integers(1, 6)), min_size=2, max_size=14
+    ),
+    cache_ram=st.sampled_from([None, 64]),
+)
+def test_prefix_cache_never_crosses_adapter_sets(
+    jobs: list[tuple[list[int], int, int]], cache_ram: Any
+) -> None:
+    core, _context, _model = make_core(n_parallel=3, prefix_cache=True, chunk_size=16, cache_ram=cache_ram)
+    seen: list[tuple[Any, Any, int]] = []
+    _watch_placements(core, seen)
+    saves: list[tuple[Any, bool]] = []
+    save = core.kv.save
+
+    def watched_save(seq: int) -> bool:
+        tag = core.kv.tags[seq]
+        saved = save(seq)
+        saves.append((tag, saved))
+        return saved
+
+    core.kv.save = watched_save
+    blocks = [list(range(4 + 16 * b, 20 + 16 * b)) for b in range(3)]  # 16-token shared blocks
+    requests = []
+    for parts, set_index, max_tokens in jobs:
+        tokens = [1] + [t for p in parts for t in blocks[p]]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=SETS[set_index])
+        requests.append(Request(tokens, params))
+    for i in range(0, len(requests), 3):  # arrivals in waves, so idle slots keep prefixes
+        core.add(requests[i : i + 3])
+        for _ in range(4):
+            core.step()
+    while core.has_unfinished():
+        core.step()
+    assert all(r.done for r in requests)
+    for tag, source_tag, _n in seen:
+        assert tag == source_tag, (tag, source_tag)
+    assert all(tag == () for tag, saved in saves if saved)  # adapter KV never goes to RAM
+
+
+def test_same_tokens_other_adapter_are_computed_again() -> None:
+    core, _context, _model = make_core(n_parallel=4, prefix_cache=True, chunk_size=16, cache_ram=None)
+    tokens = [1, *range(10, 50)]
+    first = Request(tokens, SamplingParams(max_tokens=2, temperature=0.0, lora="a"))
+    core.add([first])
+    while core.has_unfinished():
+        core.step()
+    for lora, expected in (("b", 0), ({"a": 0.5}, 0), ((), 0), ("a", len(tokens) - 1)):
+        again = Request(tokens, SamplingParams(max_tokens=2, temperature=0.0, lora=lora))
+        core.add([again])
+        while core.has_unfinished():
+            core.step()
+        assert again.reused_tokens == expected, lora
