@@ -22,6 +22,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from llamabatch.config_checks import batch_invariant_conflict, positive_int
+from llamabatch.generate.spec_config import (
+    add_spec_cli_args,
+    spec_cli_argv,
+    spec_config_from_cli,
+    validate_speculative_config,
+)
 from llamabatch.params import check_positive_int
 from llamabatch.prompts.images import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -53,17 +60,6 @@ CACHE_RAM_DEFAULT_MIB = 8192
 PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 def positive_float(text: str) -> float:
@@ -448,7 +444,6 @@ class EngineConfig(OptionsConfig):
     )
 
     def __post_init__(self) -> None:
-        from llamabatch.generate.spec_config import validate_speculative_config
         from llamabatch.strategies import get_strategy
 
         object.__setattr__(self, "speculative_config", validate_speculative_config(self.speculative_config))
@@ -473,8 +468,6 @@ class EngineConfig(OptionsConfig):
                 choices = "True, False or None (chosen at load)" if name == "kv_unified" else "True or False"
                 raise ValueError(f"{name} must be {choices}, got {flag!r}")
         if self.batch_invariant:
-            from llamabatch.generate.batch_invariant import batch_invariant_conflict
-
             conflict = batch_invariant_conflict(self)
             if conflict:
                 raise ValueError(conflict)
@@ -567,8 +560,6 @@ class EngineConfig(OptionsConfig):
                 kwargs["help"] = f"{help_text} (default: {_shown(name, kwargs['default'])})"
             parser.add_argument(*flags, dest=name, **kwargs)
         if "speculative_config" in names:
-            from llamabatch.generate.spec_config import add_spec_cli_args
-
             add_spec_cli_args(parser)
 
     @classmethod
@@ -576,8 +567,6 @@ class EngineConfig(OptionsConfig):
         """The config of parsed arguments (``--spec-type``/``--model-draft``/``--draft-max``
         make ``speculative_config``); ``options`` override them."""
         if "speculative_config" not in options and hasattr(args, "spec_model_draft"):
-            from llamabatch.generate.spec_config import spec_config_from_cli
-
             options["speculative_config"] = spec_config_from_cli(args)
         return super().from_cli_args(args, **options)
 
@@ -594,8 +583,6 @@ class EngineConfig(OptionsConfig):
             if kwargs.get("action") is argparse.BooleanOptionalAction:
                 argv.append(main if value else "--no-" + main[2:])
             elif name == "speculative_config":
-                from llamabatch.generate.spec_config import spec_cli_argv
-
                 argv += spec_cli_argv(value)
             elif name == "flash_attn":
                 argv += [main, "on" if value is True else "off" if value is False else "auto"]

@@ -4,11 +4,8 @@ per completion (vLLM's shape), the streamed ``Delta`` and ``LLMEngine.step()``'s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from llamabatch.status import RequestStatus
-
-FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+from llamabatch.status import FinishReason, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""``RequestStatus``: the named states of a generation request and their allowed edges.
+"""``RequestStatus``: the named states of a generation request and their allowed edges, and
+``FinishReason``: the names of its ends.
 
 A leaf module (``outputs.py`` and ``request.py`` both use it).
 """
@@ -6,12 +7,12 @@ A leaf module (``outputs.py`` and ``request.py`` both use it).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Literal
 
-if TYPE_CHECKING:
-    from llamabatch.outputs import FinishReason
+__all__ = ["STATUS_EDGES", "FinishReason", "InvalidTransition", "RequestStatus"]
 
-__all__ = ["STATUS_EDGES", "InvalidTransition", "RequestStatus"]
+#: why a completion ended (OpenAI's ``finish_reason``)
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 class RequestStatus(enum.Enum):

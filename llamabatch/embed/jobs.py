@@ -15,9 +15,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Job", "ProgressBar", "Seq", "as_texts", "normalize_rows", "run_jobs", "show_progress"]
+__all__ = [
+    "Job",
+    "Matrix",
+    "ProgressBar",
+    "Seq",
+    "Vector",
+    "as_texts",
+    "normalize_rows",
+    "run_jobs",
+    "show_progress",
+]
 
 logger = logging.getLogger("llamabatch")
+
+#: One text's vector, and the rows of many texts (float32).
+Vector = np.ndarray[tuple[int], np.dtype[np.float32]]
+Matrix = np.ndarray[tuple[int, int], np.dtype[np.float32]]
 
 
 def normalize_rows(x: np.ndarray, mode: str) -> np.ndarray:

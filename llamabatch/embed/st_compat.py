@@ -5,17 +5,24 @@ this module's ``encode``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 import numpy as np
 
-from llamabatch.embed.jobs import as_texts, normalize_rows, show_progress
+from llamabatch.embed.jobs import Matrix, Vector, as_texts, normalize_rows, show_progress
 from llamabatch.validate import check_positive_int
 
-if TYPE_CHECKING:
-    from llamabatch.embed.embedder import Embedder, Matrix, Vector
+__all__ = ["PRECISIONS", "Encoder", "encode", "quantize"]
 
-__all__ = ["PRECISIONS", "encode", "quantize"]
+
+class Encoder(Protocol):
+    """What :func:`encode` needs of an ``Embedder``."""
+
+    @property
+    def pooling(self) -> str: ...
+
+    def encode_rows(self, texts: list[str], batch_size: int, show: bool) -> Any: ...
+
 
 #: ``encode(precision=...)`` values, as sentence-transformers names them.
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
@@ -40,7 +47,7 @@ def quantize(x: np.ndarray, precision: str) -> np.ndarray:
 
 @overload
 def encode(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
-    self: Embedder,
+    self: Encoder,
     sentences: str,
     *,
     prompt_name: str | None = ...,
@@ -61,7 +68,7 @@ def encode(  # type: ignore[overload-overlap]  # str is also an Iterable[str]
 
 @overload
 def encode(
-    self: Embedder,
+    self: Encoder,
     sentences: Iterable[str],
     *,
     prompt_name: str | None = ...,
@@ -82,7 +89,7 @@ def encode(
 
 @overload
 def encode(
-    self: Embedder,
+    self: Encoder,
     sentences: str | Iterable[str],
     *,
     prompt_name: str | None = ...,
@@ -102,7 +109,7 @@ def encode(
 
 
 def encode(
-    self: Embedder,
+    self: Encoder,
     sentences: str | Iterable[str],
     *,
     prompt_name: str | None = None,
@@ -203,7 +210,7 @@ def encode(
     single, items = as_texts(sentences)
     if prompt:
         items = [prompt + text if isinstance(text, str) else text for text in items]
-    rows = self._finish(self._embed_rows(items, batch_size, show), self.normalize)
+    rows = self.encode_rows(items, batch_size, show)
     if output_value == "token_embeddings":  # sentence-transformers returns these unconverted
         return rows[0] if single else rows
     if truncate_dim is not None and rows.ndim == 2:

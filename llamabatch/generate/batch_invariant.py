@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llamabatch._ffi.kv_types import head_dims
+from llamabatch.config_checks import INVARIANT_KV_TYPE, batch_invariant_conflict
 from llamabatch.gguf.reader import read_header
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ __all__ = [
 
 logger = logging.getLogger("llamabatch")
 
-#: the KV cache type ``batch_invariant=True`` uses in place of the default f16
-INVARIANT_KV_TYPE = "q8_0"
 #: the KV types for which ggml's CPU flash attention picks its kernel by the batch's shape
 TILED_KV_TYPES = ("f16", "f32")
 #: matrix weight types whose products gave a token the same row whatever else its ubatch
@@ -84,36 +83,6 @@ def check_weight_types(path: str | os.PathLike[str]) -> None:
             "/".join(unchecked),
             Path(path).name,
         )
-
-
-def batch_invariant_conflict(config: EngineConfig) -> str | None:
-    """Why ``config``'s explicit settings cannot be batch-invariant (None: they can). Only
-    meaningful with ``config.batch_invariant``."""
-    if config.kv_unified is True:
-        return (
-            "batch_invariant=True needs one KV stream per sequence (kv_unified=False or None); "
-            "kv_unified=True was given: in one buffer a sequence's cells sit wherever the other "
-            "sequences left room, and llama.cpp's kernels group them by where they sit"
-        )
-    if config.flash_attn is False:
-        return (
-            "batch_invariant=True needs flash attention (flash_attn=True or None); flash_attn=False "
-            "was given: without it llama.cpp multiplies a stream's one-row attention with another "
-            "kernel than its several rows, which round differently"
-        )
-    for name in ("type_k", "type_v"):
-        if getattr(config, name) == "f32":
-            return (
-                f"batch_invariant=True needs a KV type other than f16/f32 ({name}='f32' was given): "
-                "ggml's flash attention picks its kernel by the batch's shape for those; use "
-                f"{INVARIANT_KV_TYPE} (the default here), bf16 or another quantized type"
-            )
-    if config.n_gpu_layers != 0:
-        return (
-            "batch_invariant=True is made and checked for ggml's CPU kernels only; "
-            f"n_gpu_layers={config.n_gpu_layers} was given (use n_gpu_layers=0)"
-        )
-    return None
 
 
 def invariant_config(config: EngineConfig, model: Model | None = None) -> EngineConfig:

@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from llamabatch.config import positive_int
+from llamabatch.config_checks import positive_int
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from llamabatch.errors import LlamaBatchError
+from llamabatch.gguf import testing_llama
 
 __all__ = [
     "FILE_NAME",
@@ -117,12 +118,10 @@ def real_model_path(cache: str | os.PathLike[str] | None = None, *, log: TextIO 
     path = directory / FILE_NAME
     if _has_expected_size(path):
         return path
-    from llamabatch.gguf.testing import built_once  # imported late: that module imports this one
-
     if path.exists():  # truncated or replaced since: fetch it again
         path.unlink(missing_ok=True)
     try:
-        return built_once(path, lambda tmp: _fetch(tmp, log if log is not None else sys.stderr))
+        return testing_llama.built_once(path, lambda tmp: _fetch(tmp, log if log is not None else sys.stderr))
     except OSError as exc:
         raise ModelFetchError(f"cannot write {MODEL_NAME} into the cache at {directory}: {exc}") from exc
 
@@ -168,15 +167,13 @@ def default_model_path(fallback_preset: str = "135m", *, log: TextIO | None = No
     try:
         path = real_model_path(log=out)
     except ModelFetchError as exc:
-        from llamabatch.gguf import testing
-
         print(
             f"llamabatch: cannot get the default model {MODEL_NAME}: {exc}\n"
             f"llamabatch: falling back to the project's random-weight '{fallback_preset}' test model "
             "(it writes noise: pass -m your.gguf for real text)",
             file=out,
         )
-        return testing.model_path(fallback_preset)
+        return testing_llama.model_path(fallback_preset)
     print(f"llamabatch: no -m MODEL given; using {MODEL_NAME} (Apache-2.0) from {path}", file=out)
     return path
 

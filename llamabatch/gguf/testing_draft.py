@@ -18,9 +18,10 @@ function of ``n_vocab`` alone) and the same special tokens.
 
 :func:`loop_model` is a model of a :data:`PRESETS` shape with the output projections of *every*
 layer zeroed: its next token depends on the current token alone, so greedy text walks a fixed
-cycle of tokens, and :func:`loop_prompts` returns prompts that hold a turn of it, whose greedy
-continuation repeats their own text (the case n-gram speculation is for, which a random
-model's text rarely is). It costs what the preset costs: every layer is computed.
+cycle of tokens, and ``loop_prompts`` (in ``testing.py``: it runs the model) returns prompts
+that hold a turn of it, whose greedy continuation repeats their own text (the case n-gram
+speculation is for, which a random model's text rarely is). It costs what the preset costs:
+every layer is computed.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from llamabatch.gguf.testing import PRESETS, ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
+from llamabatch.gguf.testing_llama import (
+    PRESETS,
+    ModelSpec,
+    built_once,
+    cache_dir,
+    spec_hash,
+    write_llama_gguf,
+)
 
-__all__ = ["PAIR_PRESETS", "DraftPair", "draft_pair", "loop_model", "loop_prompts"]
+__all__ = ["PAIR_PRESETS", "DraftPair", "draft_pair", "loop_model"]
 
 
 class DraftPair(NamedTuple):
@@ -106,28 +114,3 @@ def loop_model(preset: str = "tiny", cache: str | os.PathLike[str] | None = None
         raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}") from None
     directory = Path(cache) if cache is not None else cache_dir()
     return _cached(dataclasses.replace(spec, name=f"{spec.name}-loop"), 0, directory)
-
-
-def loop_prompts(path: str | os.PathLike[str], n: int, n_tokens: int) -> list[list[int]]:
-    """``n`` prompts of ``n_tokens`` tokens for the :func:`loop_model` at ``path``: each the
-    greedy walk from its own first token, kept when it closed a cycle of tokens within
-    ``n_tokens``, so that its greedy continuation repeats the prompt's own text."""
-    import numpy as np
-
-    from llamabatch._ffi.context import Context
-    from llamabatch._ffi.model import Model
-
-    out: list[list[int]] = []
-    with Model(path) as model, Context(model, n_ctx=max(256, n_tokens + 1), n_seq_max=1) as ctx:
-        start = model.n_vocab // 3
-        while len(out) < n and start < model.n_vocab:
-            walk = [start]
-            ctx.memory_clear()
-            ctx.decode_tokens([start])
-            while len(walk) < n_tokens:
-                walk.append(int(np.argmax(ctx.logits_ith(0))))
-                ctx.decode_tokens([walk[-1]], pos0=len(walk) - 1)
-            start += 1
-            if walk[-1] in walk[:-1]:  # the walk is in its cycle: what follows is in the prompt
-                out.append(walk)
-    return out

@@ -196,14 +196,14 @@ def reranker_path(dtype: str = "f32", *, head: bool = True) -> Path:
     """The test cross-encoder (seed 25, one label) as a GGUF, converted once and cached under
     ``llamabatch.gguf.testing``'s cache directory; ``head=False``: the same encoder without a head."""
     from llamabatch.gguf.convert import cached_conversion
-    from llamabatch.gguf.testing import cache_dir
+    from llamabatch.gguf.testing_llama import cache_dir
 
     return cached_conversion(cross_encoder_dir(head=head), dtype=dtype, cache_dir=cache_dir())
 
 
 def cross_encoder_dir(*, head: bool = True) -> Path:
     """The Hugging Face directory of the test cross-encoder (made once, cached)."""
-    from llamabatch.gguf.testing import cache_dir
+    from llamabatch.gguf.testing_llama import cache_dir
 
     source = cache_dir() / f"cross-encoder-src-v{_VERSION}-{'head' if head else 'nohead'}"
     if not (source / "config.json").is_file():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamabatch.gguf.testing import CHATML_TEMPLATE, built_once, cache_dir
+from llamabatch.gguf.testing_llama import CHATML_TEMPLATE, built_once, cache_dir
 from llamabatch.gguf.testing_vocab import add_test_vocab
 
 __all__ = ["SWASpec", "make_swa_model", "write_swa_gguf"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamabatch.gguf.testing import ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
+from llamabatch.gguf.testing_llama import ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
 
 __all__ = ["VLM_TEXT", "VisionSpec", "make_vision_model", "write_mmproj_gguf"]
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible ASGI app (Starlette) over an ``LLM`` and/or an ``Embedder``.
 
-This module composes the app: ``OpenAIServer`` (the engines, names, key, metrics and the
-plumbing every endpoint uses) and ``create_app`` (routes, middleware). One module per endpoint
-family holds the handlers: ``completions.py``, ``chat.py`` (tool calls: ``chat_tools.py``),
+This module composes the app: ``create_app`` (routes, middleware) over an ``OpenAIServer``
+(``state.py``: the engines, names, key, metrics and the plumbing every endpoint uses). One module per endpoint
+family holds the handlers: ``completions.py``, ``chat.py`` (over ``llamabatch.chat``),
 ``embeddings.py``, ``rerank.py``, ``tokenize.py`` and ``models.py`` (``/health``, ``/metrics``,
 ``/v1/models``); ``protocol.py`` reads requests, ``prepare.py`` does their CPU work,
 ``streaming.py`` writes responses and ``limits.py`` guards the HTTP edge.
@@ -23,10 +23,8 @@ request in the engine before its next tick.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -39,153 +37,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llamabatch import LLM, Embedder, SamplingParams
+from llamabatch import LLM, Embedder
 from llamabatch.embed.reranker import Reranker
 from llamabatch.runtime.metrics import PrometheusListener
 from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
-from llamabatch.server.limits import EdgeGuard, ServerLimits, read_json
+from llamabatch.server.limits import EdgeGuard, ServerLimits
 from llamabatch.server.offload import Offload, WorkLimits
-from llamabatch.server.protocol import (
-    APIError,
-    Body,
-    TokenText,
-    bad_request,
-    generation_error,
-    now,
-)
-from llamabatch.server.streaming import (
-    error_response,
-    json_response,
-)
+from llamabatch.server.protocol import APIError
+from llamabatch.server.state import OpenAIServer
+from llamabatch.server.streaming import json_response
 
 logger = logging.getLogger("llamabatch.server")
 
 __all__ = ["create_app"]
-
-
-class OpenAIServer:
-    """The endpoints' state: engines, names, key and metrics (see :func:`create_app`)."""
-
-    def __init__(
-        self,
-        llm: LLM | None,
-        embedder: Embedder | None,
-        *,
-        model_name: str | None,
-        embedding_model_name: str | None,
-        api_key: str | None,
-        metrics: PrometheusListener | None,
-        chat_template: str | None,
-        reranker: Reranker | None = None,
-        rerank_model_name: str | None = None,
-        offload: Offload | None = None,
-    ) -> None:
-        if llm is None and embedder is None and reranker is None:
-            raise ValueError("give an LLM, an Embedder, or both (and/or a Reranker)")
-        self.llm = llm
-        self.embedder = embedder
-        #: the worker pools of the requests' CPU-heavy steps
-        self.offload = offload if offload is not None else Offload()
-        # -- rerank (issue 25): /v1/rerank's model
-        self.reranker = reranker
-        self.rerank_model_name = rerank_model_name or (
-            reranker.model.path.stem if reranker is not None else None
-        )
-        self.model_name = model_name or (llm.model.path.stem if llm is not None else None)
-        self.embedding_model_name = embedding_model_name or (
-            embedder.model.path.stem if embedder is not None else None
-        )
-        self.api_key = api_key
-        self.chat_template = chat_template
-        self.created = now()
-        if metrics is None:
-            metrics = PrometheusListener()
-            if llm is not None:
-                metrics.attach(llm, self.model_name)
-            if embedder is not None:
-                metrics.attach(embedder, self.embedding_model_name)
-            if reranker is not None:
-                metrics.attach(reranker, self.rerank_model_name)
-        self.metrics = metrics
-        self.token_text = TokenText(llm.model) if llm is not None else None
-
-    # -- plumbing ------------------------------------------------------------------------
-
-    def endpoint(
-        self, handler: Callable[[Request], Awaitable[Any]], *, auth: bool = True
-    ) -> Callable[[Request], Awaitable[Any]]:
-        async def run(request: Request) -> Any:
-            try:
-                if auth:
-                    self._check_key(request)
-                return await handler(request)
-            except Exception as exc:  # each error's status and JSON: streaming.error_response
-                return error_response(request, exc)
-
-        return run
-
-    def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "Incorrect API key provided (send 'Authorization: Bearer <key>').",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    @staticmethod
-    async def read_body(request: Request, endpoint: str) -> Body:
-        """The request's JSON body (size and time bounded by ``EdgeGuard``), parsed strictly
-        (``limits.parse_json``: 400 for bad JSON, NaN/Infinity, deep nesting)."""
-        body = request.state.body = Body(await read_json(request), endpoint)
-        return body
-
-    def need_llm(self) -> LLM:
-        if self.llm is None:
-            raise APIError(
-                404,
-                "this server has no generation model (start it with -m MODEL.gguf)",
-                code="model_not_found",
-            )
-        return self.llm
-
-    def stream_options(self, body: Body) -> tuple[bool, bool]:
-        stream = body.get("stream", "bool", False)
-        options = body.get("stream_options", "dict")
-        if options is None:
-            return stream, False
-        if not stream:
-            raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
-        include = options.get("include_usage", False)
-        if not isinstance(include, bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options")
-        return stream, include
-
-    @staticmethod
-    async def collect(
-        llm: LLM, prompts: Sequence[Any], params: SamplingParams, priority: int = 0, client: str | None = None
-    ) -> list[Any]:
-        tasks = [
-            asyncio.ensure_future(llm.agenerate(p, params, priority=priority, client=client)) for p in prompts
-        ]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
-
-    @staticmethod
-    def raise_for_errors(outputs: Sequence[Any]) -> None:
-        for out in outputs:
-            if out.finish_reason == "error":
-                raise generation_error(out)
 
 
 def create_app(

@@ -40,7 +40,7 @@ from llamabatch.server.streaming import (
 from llamabatch.toolcalls.chat import ChatSetup
 
 if TYPE_CHECKING:
-    from llamabatch.server.app import OpenAIServer
+    from llamabatch.server.state import OpenAIServer
 
 
 async def chat_completions(server: OpenAIServer, request: Request) -> Any:

@@ -37,7 +37,7 @@ from llamabatch.server.streaming import (
 )
 
 if TYPE_CHECKING:
-    from llamabatch.server.app import OpenAIServer
+    from llamabatch.server.state import OpenAIServer
 
 
 async def completions(server: OpenAIServer, request: Request) -> Any:

@@ -26,7 +26,7 @@ from llamabatch.server.protocol import Body, bad_request
 from llamabatch.server.streaming import json_response
 
 if TYPE_CHECKING:
-    from llamabatch.server.app import OpenAIServer
+    from llamabatch.server.state import OpenAIServer
 
 __all__ = ["rerank", "rerank_endpoint"]
 

@@ -21,7 +21,7 @@ from llamabatch.server.streaming import (
 )
 
 if TYPE_CHECKING:
-    from llamabatch.server.app import OpenAIServer
+    from llamabatch.server.state import OpenAIServer
 
 
 async def tokenize(server: OpenAIServer, request: Request) -> Response:

@@ -1,0 +1,77 @@
+"""What ``EngineConfig`` (``config.py``) and its option modules share without importing it:
+the ``positive_int`` flag type, and the explicit settings ``batch_invariant=True`` refuses
+(``generate/batch_invariant.py`` decides the rest when the model is loaded)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+__all__ = [
+    "INVARIANT_KV_TYPE",
+    "InvariantSettings",
+    "batch_invariant_conflict",
+    "positive_int",
+]
+
+#: the KV cache type ``batch_invariant=True`` uses in place of the default f16
+INVARIANT_KV_TYPE = "q8_0"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+# -- batch_invariant ---------------------------------------------------------------------------
+
+
+class InvariantSettings(Protocol):
+    """The settings :func:`batch_invariant_conflict` reads (an ``EngineConfig``)."""
+
+    @property
+    def kv_unified(self) -> bool | None: ...
+    @property
+    def flash_attn(self) -> bool | str | None: ...
+    @property
+    def type_k(self) -> str: ...
+    @property
+    def type_v(self) -> str: ...
+    @property
+    def n_gpu_layers(self) -> int: ...
+
+
+def batch_invariant_conflict(config: InvariantSettings) -> str | None:
+    """Why ``config``'s explicit settings cannot be batch-invariant (None: they can). Only
+    meaningful with ``config.batch_invariant``."""
+    if config.kv_unified is True:
+        return (
+            "batch_invariant=True needs one KV stream per sequence (kv_unified=False or None); "
+            "kv_unified=True was given: in one buffer a sequence's cells sit wherever the other "
+            "sequences left room, and llama.cpp's kernels group them by where they sit"
+        )
+    if config.flash_attn is False:
+        return (
+            "batch_invariant=True needs flash attention (flash_attn=True or None); flash_attn=False "
+            "was given: without it llama.cpp multiplies a stream's one-row attention with another "
+            "kernel than its several rows, which round differently"
+        )
+    for name in ("type_k", "type_v"):
+        if getattr(config, name) == "f32":
+            return (
+                f"batch_invariant=True needs a KV type other than f16/f32 ({name}='f32' was given): "
+                "ggml's flash attention picks its kernel by the batch's shape for those; use "
+                f"{INVARIANT_KV_TYPE} (the default here), bf16 or another quantized type"
+            )
+    if config.n_gpu_layers != 0:
+        return (
+            "batch_invariant=True is made and checked for ggml's CPU kernels only; "
+            f"n_gpu_layers={config.n_gpu_layers} was given (use n_gpu_layers=0)"
+        )
+    return None
