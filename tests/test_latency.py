@@ -12,6 +12,7 @@ from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
+from llamabatch.generate.admission import LatencyAdmission
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
 from llamabatch.generate.priority import MAX_PRIORITY_PREEMPTIONS
 from llamabatch.generate.request import RequestStatus
@@ -36,9 +37,14 @@ def latency_core(target_itl_ms, *, kv_unified=False, cost=COST, prior=None, n_pa
     ctx.cost = cost
     core.clock = ctx.clock
     if prior is not None:
-        assert core.latency is not None
-        core.latency.model = DecodeCostModel(prior)
+        latency_of(core).model = DecodeCostModel(prior)
     return core, ctx, model, ticks
+
+
+def latency_of(core):
+    """The ``LatencyBudget`` of a core under ``target_itl_ms``."""
+    assert isinstance(core.admission, LatencyAdmission)
+    return core.admission.latency
 
 
 def decoding_then_long_prompt(core, ctx, model, *, n_long=600):
@@ -75,7 +81,7 @@ def test_cli_flag_round_trip():
 
 def test_no_target_keeps_the_full_budget():
     core, ctx, model, ticks = latency_core(None)
-    assert core.latency is None
+    assert not isinstance(core.admission, LatencyAdmission)
     rec, _ = decoding_then_long_prompt(core, ctx, model)
     rec.step()
     assert ticks[-1].token_budget == 512 and ticks[-1].predicted_time is None
@@ -111,7 +117,7 @@ def test_floor_keeps_prefill_moving():
     rec, long = decoding_then_long_prompt(core, ctx, model, n_long=200)
     rec.step()  # admitted: four streams decoding (10 + 4 * 3 = 22 ms) fit 25 ms
     assert ticks[-1].prefill_tokens > 0
-    core.latency.target = core.latency.aim = 0.018
+    latency_of(core).target = latency_of(core).aim = 0.018
     rec.step()
     # 3 decodes: 10 + 3 * 1 + 3 * 2 = 19 ms > 18 ms; the floor's token (no output row) adds 1 ms
     assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 1)

@@ -4,14 +4,15 @@
 thread, or ``LLM``'s engine thread) calls ``add``, ``abort`` and ``step`` from one thread.
 Each step:
 
-  1. end aborted requests, then admit waiting requests into idle slots in queue order
-     (``priority.py``), while their uncomputed prompt tokens fit the free KV cells (less a watermark
+  1. end aborted requests, then admit waiting requests into idle slots in the order and
+     under the rules of the engine's ``AdmissionPolicy`` (``admission.py``), while their
+     uncomputed prompt tokens fit the free KV cells (less a watermark
      kept for running sequences' next tokens), evicting idle cached prefixes (LRU) to make
      room, and reusing a cached prompt prefix where one matches (``kv_cache.py``);
   2. the Cython core builds the batch under the token budget (``SlotTable.fill``);
   3. decode once; if llama.cpp finds no room in the KV cache, evict cached prefixes, then
-     preempt the latest-arrived running request (its cells are freed and it goes back to
-     the front of the queue, to be recomputed with the tokens it generated appended to its
+     preempt a running request (the policy's ``room_victim``: its cells are freed and it
+     goes back to the front of the queue, to be recomputed with the tokens it generated appended to its
      prompt), then halve the batch; only a request that cannot proceed even alone fails;
   4. sample every output at its batch index with the request's own sampler chain;
   5. detokenize incrementally, check stop conditions, record deltas and finish requests.
@@ -44,13 +45,10 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
-from llamabatch.generate.cost_model import LatencyBudget
+from llamabatch.generate.admission import TickLimit, Verdict, admission_for
 from llamabatch.generate.decode_costs import fit_decode_costs
-from llamabatch.generate.kv_cache import KVCache
+from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import ubatch_cost_cells
-from llamabatch.generate.prefix_store import state_bytes_per_token, store_for
-from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim, share_victim
-from llamabatch.generate.ram_cache import ram_cache_for
 from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
@@ -133,29 +131,17 @@ class EngineCore:
         )
         if not unified:  # a long stream gets a ubatch of its own when that is cheaper
             self.table.ubatch_cost_cells = ubatch_cost_cells(model)
-        copy_supported = not (model.is_recurrent or model.is_hybrid)
-        prefix_cache = config.prefix_cache
-        if prefix_cache and not copy_supported:
-            logger.warning(
-                "llamabatch: prefix reuse switched off: %s has %s memory, its KV cannot be copied in part",
-                model.path.name,
-                "recurrent" if model.is_recurrent else "hybrid",
-            )
-        self.kv = KVCache(
-            context,
-            self.table,
-            reuse=prefix_cache,
-            copy_supported=copy_supported,
-            ram=ram_cache_for(config.cache_ram),
-        )
-        if self.kv.reuse and config.prefix_cache_dir is not None:
-            store = store_for(
-                config.prefix_cache_dir, model, context, config.flash_attn, config.prefix_cache_dir_max_mb
-            )
-            self.kv.use_store(store, state_bytes_per_token(model))
+        self.kv = kv_cache_for(model, context, self.table, config)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0
-        self.spec = speculator_for(config.speculative_config, self)
+        self.spec = speculator_for(
+            config.speculative_config,
+            model,
+            n_seq=n_parallel,
+            n_ctx=context.n_ctx,
+            n_batch=self.n_batch,
+            n_threads=config.n_threads,
+        )
         #: builds each completion's sampler chain at its admission (``request_memory.py``)
         self.samplers = SamplerBuilder(model, self.n_ctx_seq)
         self.vision: Any = None  # computes a prompt's image positions at admission (``vision.py``)
@@ -169,21 +155,16 @@ class EngineCore:
         self.counters = GenerationCounters()
         self._aborts: list[Request] = []
         self._n_admissions = 0
-        self.turns = ClientTurns()  # clients take turns at one priority (generate/priority.py)
-        #: whether any request had a priority other than 0 (else no priority preemption to check)
-        self._priorities = False
-        self._clients = False  # whether any request had a client (else no slot shares to check)
         self._events: list[CoreOutput] = []
         #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
         self.stopping = False
         #: the clock decodes are timed with (seconds; tests inject a scripted one)
         self.clock: Callable[[], float] = time.perf_counter
-        #: each tick's token budget under ``target_itl_ms`` (None: no target, the full n_batch)
-        self.latency = (
-            LatencyBudget(config.target_itl_ms / 1000.0, self.n_batch) if config.target_itl_ms else None
-        )
-        # scratch of the current tick
-        self._budget = self.n_batch
+        #: the wait order, admissions, each tick's budget and the victims of preemption
+        self.admission = admission_for(config.target_itl_ms, self.n_batch, config.priority_aging)
+        # the current tick, as its plug-ins see it (``tick_context.TickContext``)
+        self.budget = self.n_batch
+        self.tick_limit: TickLimit | None = None
         self._decode_time = 0.0
         self._tick_preemptions = 0
         self._last_fill: tuple[int, int] = (0, 0)
@@ -204,13 +185,9 @@ class EngineCore:
         for request in requests:
             if request.status is not RequestStatus.WAITING or request.arrival in self.requests:
                 raise ValueError(f"request {request.request_id!r} was queued before")
-        enqueue(self.waiting, requests, self.config.priority_aging, self._n_admissions, self.turns)
+        self.admission.enqueue(self.waiting, requests, self._n_admissions)
         for request in requests:
             self.requests[request.arrival] = request
-            if request.priority:
-                self._priorities = True
-            if request.client is not None:
-                self._clients = True
 
     @property
     def running(self) -> list[Request | None]:
@@ -257,7 +234,7 @@ class EngineCore:
         events: list[CoreOutput] = []
         self._events = events
         for slot, _ in self.slots.busy():
-            self._finish(slot, reason, error)
+            self.finish(slot, reason, error)
         while self.waiting:
             self._end(self.waiting.popleft(), reason, error)
         self._aborts.clear()
@@ -282,24 +259,25 @@ class EngineCore:
                 continue
             slot = self.slots.slot_of(request)
             if slot >= 0:
-                self._finish(slot, "cancelled")
+                self.finish(slot, "cancelled")
             elif request in self.waiting:
                 self.waiting.remove(request)
                 self._end(request, "cancelled")
 
     def _admit(self) -> None:
-        """Admit waiting requests into idle slots, by priority then arrival, while they fit;
-        a request that cannot start preempts a running one of a lower priority (see
-        ``priority.py``), then admission goes on.
+        """Admit waiting requests into idle slots, in the admission policy's order, while they
+        fit and the policy admits them; a request that cannot start may preempt a running
+        one (the policy's ``blocked_victim``), then admission goes on.
 
         A parallel-sampling follower waits until its leader's prompt is computed, and a
         request sharing a prefix with a prompt being computed waits for that part (both
         are passed over, not blocking the queue); a request whose prompt does not fit the
         free cells blocks the queue until running requests free some, and so does one that
-        would make the decoding streams' ticks overshoot ``target_itl_ms``
-        (``LatencyBudget.admits``)."""
+        the policy stops at (``Verdict.STOP``)."""
         table = self.table
         waiting = self.waiting
+        policy = self.admission
+        policy.reorder(waiting, time.perf_counter())
         n_idle = self.n_parallel - table.busy_slots
         admitting: list[list[int]] = []
         i = 0
@@ -315,15 +293,17 @@ class EngineCore:
             if not self._make_room(tokens):
                 blocked = request
                 break
-            if self.latency is not None and not self.latency.admits(
-                table, [s for s, _ in self.slots.busy()], len(tokens)
-            ):
-                break  # one more stream would push every tick over target_itl_ms
+            verdict = policy.admits(request, len(tokens), table, [s for s, _ in self.slots.busy()])
+            if verdict is not Verdict.ADMIT:
+                if verdict is Verdict.STOP:
+                    break
+                i += 1
+                continue
             del waiting[i]
             if self._launch(request, tokens):
                 admitting.append(tokens)
                 n_idle -= 1
-        if not (self._priorities or self._clients):
+        if not policy.preempts_for_waiting:
             return
         while blocked is None and not n_idle and i < len(waiting):
             request = waiting[i]
@@ -333,16 +313,14 @@ class EngineCore:
             blocked = request
         if blocked is None:
             return
-        slot = priority_victim(self.slots.busy(), blocked, self.config.priority_aging)
-        if slot >= 0:  # one preemption, then admission again (it ends: see priority.py)
-            self._preempt(slot)
-            self._tick_preemptions += 1
-            self._admit()
+        slot, takes_it = policy.blocked_victim(list(self.slots.busy()), blocked)
+        if slot < 0:
             return
-        slot = share_victim(self.slots.busy(), blocked) if self._clients else -1
-        if slot >= 0:  # the blocked request takes the freed slot itself (see priority.py)
-            self._preempt(slot)
-            self._tick_preemptions += 1
+        self._preempt(slot)
+        self._tick_preemptions += 1
+        if not takes_it:  # admission again (it ends: see priority.py)
+            self._admit()
+        else:  # the blocked request takes the freed slot itself
             tokens = blocked.tokens_to_compute()
             if self._make_room(tokens):
                 waiting.remove(blocked)
@@ -384,6 +362,7 @@ class EngineCore:
         self.table.start(slot, tokens, placement.reused_tokens if reused is None else reused)
         self.slots.assign(slot, request)
         request.transition(RequestStatus.RUNNING)
+        self.admission.admitted(request)
         request.admitted_order = self._n_admissions
         self._n_admissions += 1
         if request.n_preemptions:
@@ -419,11 +398,9 @@ class EngineCore:
         self._last_fill = (0, 0)
         retries = 0
         decoded = False
-        latency = self.latency
-        budget = self.n_batch
-        if latency is not None:
-            budget = latency.budget(self.table, [s for s, _ in self.slots.busy()])
-        self._budget = budget
+        policy = self.admission
+        budget = self.budget = policy.tick_budget(self.table, [s for s, _ in self.slots.busy()], self.n_batch)
+        self.tick_limit = policy.tick_limit()
         if self.spec is not None:
             self.spec.prepare(self)
         while True:
@@ -441,7 +418,7 @@ class EngineCore:
             # Alone and still no room, or a decode error: fail the requests of that batch,
             # free their KV, keep serving the others.
             for slot in self._failed_slots:
-                self._finish(slot, "error", error=error)
+                self.finish(slot, "error", error=error)
             retries += 1
             if not self.table.busy_slots:
                 break
@@ -482,8 +459,8 @@ class EngineCore:
                     preemptions=self._tick_preemptions,
                     kv_cells_used=table.cells_used,
                     kv_cells_total=table.cells_total,
-                    token_budget=self._budget,
-                    predicted_time=self.latency.predicted if self.latency is not None else None,
+                    token_budget=self.budget,
+                    predicted_time=self.admission.predicted(),
                 )
             )
 
@@ -499,7 +476,7 @@ class EngineCore:
         elapsed = clock() - t0
         self._decode_time += elapsed
         if code == 0:
-            fit_decode_costs(self, elapsed)  # the latency budget's and the speculator's models
+            fit_decode_costs(self.table, self.slots, (self.admission, self.spec), elapsed)
             self._last_fill = self.table.last_fill_stats
             self.table.commit()
             return 0, n_tokens
@@ -511,7 +488,7 @@ class EngineCore:
 
     def _relieve(self) -> bool:
         """Free KV cells after a decode found no room: cached prefixes go first, then the
-        latest-arrived running request is preempted (recomputed later)."""
+        admission policy's ``room_victim`` is preempted (recomputed later)."""
         if self.kv.evict_one():
             self.counters.evictions += 1
             return True
@@ -525,12 +502,11 @@ class EngineCore:
         return [s for s, _ in self.slots.busy() if table.tokens_in_batch(s)]
 
     def _preempt_one(self) -> bool:
-        """Free the cells of the running request that arrived last (never the only one), and
-        put it back at the front of the queue; False when fewer than two run."""
-        busy = [(r.arrival, s) for s, r in self.slots.busy()]
-        if len(busy) < 2:
+        """Preempt the admission policy's ``room_victim``; False when it names none."""
+        slot = self.admission.room_victim(list(self.slots.busy()))
+        if slot < 0:
             return False
-        self._preempt(max(busy)[1])
+        self._preempt(slot)
         return True
 
     def _preempt(self, slot: int) -> None:
@@ -540,12 +516,13 @@ class EngineCore:
         self.kv.release(slot, keep=False)
         request = self.slots.release(slot)
         assert request is not None
+        self.admission.released(request)
         if self.spec is not None:
             self.spec.release(request, done=False)
         request.transition(RequestStatus.PREEMPTED)
         request.n_preemptions += 1
         self.counters.preemptions += 1
-        enqueue(self.waiting, [request], self.config.priority_aging)
+        self.admission.enqueue(self.waiting, [request], self._n_admissions)
         logger.debug(
             "preempted request %s (%d tokens generated)", request.request_id, len(request.output_tokens)
         )
@@ -573,21 +550,21 @@ class EngineCore:
             request = running[slot]
             if request.kind is pin_kind:  # a prefix to pin: computed, nothing to sample
                 self.kv.pin(request.pin, slot)
-                self._finish(slot, "stop")
+                self.finish(slot, "stop")
                 continue
             if request.fast_greedy:
                 token = greedy[row]
                 logprobs = request.state.logprobs
                 if logprobs is not None:
-                    logprobs.append(self._logprobs(idx, token, request.params.logprobs))
+                    logprobs.append(self.logprobs(idx, token, request.params.logprobs))
             else:
-                sampled = self._sample_row(slot, request, idx, None, row)
+                sampled = self.sample_row(slot, request, idx, None, row)
                 if sampled is None:
                     continue
                 token = sampled
-            self._on_token(slot, request, token, now)
+            self.emit_token(slot, request, token, now)
 
-    def _sample_row(
+    def sample_row(
         self, slot: int, request: Request, idx: int, logits: Any, row: int, n_before: int = -1
     ) -> int | None:
         """The token sampled at batch index ``idx`` (output ``row``; ``logits``: the tick's
@@ -609,14 +586,14 @@ class EngineCore:
             except SamplingError as exc:  # a grammar at a dead end: end this request only
                 if n_before >= 0:
                     raise  # (speculation emits the tokens sampled before it first)
-                self._finish(slot, "error", error=exc)
+                self.finish(slot, "error", error=exc)
                 return None
         logprobs = request.state.logprobs
         if logprobs is not None and n_before < 0:
-            logprobs.append(self._logprobs(idx, token, request.params.logprobs or 0))
+            logprobs.append(self.logprobs(idx, token, request.params.logprobs or 0))
         return token
 
-    def _on_token(
+    def emit_token(
         self, slot: int, request: Request, token: int, now: float, n_past: int = -1, last: bool = True
     ) -> bool:
         """Emit ``token``; whether the request goes on (``n_past``/``last``: speculation's
@@ -628,18 +605,18 @@ class EngineCore:
         request.output_tokens.append(token)
         if (self._eog[token] and not params.ignore_eos) or token in request.stop_ids:
             self._emit(request, "", token)
-            self._finish(slot, "stop", stop_reason=token)
+            self.finish(slot, "stop", stop_reason=token)
             return False
         text, matched = request.state.feed(self._piece(token, not params.skip_special_tokens))
         if matched is not None:
             self._emit(request, text, token)
-            self._finish(slot, "stop", stop_reason=matched)
+            self.finish(slot, "stop", stop_reason=matched)
             return False
         self._emit(request, text, token)
         if n_past < 0:
             n_past = self.table.n_past(slot)
         if len(request.output_tokens) >= params.max_tokens or n_past + 1 >= self.n_ctx_seq:
-            self._finish(slot, "length")
+            self.finish(slot, "length")
             return False
         if last:
             self.table.accept(slot, token)
@@ -659,17 +636,18 @@ class EngineCore:
             piece = cache[token] = self.model.token_to_piece(token, special=special)
         return piece
 
-    def _logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
+    def logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
         return row_logprobs(self.context, idx, token, n, self._n_vocab)
 
     # -- the end of a request -------------------------------------------------------------
 
-    def _finish(
+    def finish(
         self, slot: int, reason: FinishReason, error: str | Exception | None = None, stop_reason: Any = None
     ) -> None:
         request = self.slots.release(slot)
         if request is None:
             return
+        self.admission.released(request)
         # Keep what the KV cache validly holds for reuse, unless the request failed.
         self.kv.release(slot, keep=reason != "error")
         self._end(request, reason, error, stop_reason)

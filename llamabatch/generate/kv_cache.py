@@ -38,8 +38,15 @@ import numpy as np
 
 from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
-from llamabatch.generate.prefix_store import PrefixStore, file_size
-from llamabatch.generate.ram_cache import SKIP_ROOM_HELD_BY_RUNNING, SKIP_STATE_DROPPED, RamCache
+from llamabatch._ffi.model import Model
+from llamabatch.config import EngineConfig
+from llamabatch.generate.prefix_store import PrefixStore, file_size, state_bytes_per_token, store_for
+from llamabatch.generate.ram_cache import (
+    SKIP_ROOM_HELD_BY_RUNNING,
+    SKIP_STATE_DROPPED,
+    RamCache,
+    ram_cache_for,
+)
 
 logger = logging.getLogger("llamabatch")
 
@@ -545,6 +552,32 @@ class KVCache:
         if seq_id not in self.pinned and seq_id not in self._free_pin_seqs:
             self.trim(seq_id, 0)
             self._free_pin_seqs.append(seq_id)
+
+
+def kv_cache_for(model: Model, context: Context, table: SlotTable, config: EngineConfig) -> KVCache:
+    """The ``KVCache`` of an engine: prefix reuse as ``config`` asks where the model's memory
+    can be copied in part (not recurrent or hybrid: then off, with a warning), its RAM tier
+    (``cache_ram``) and its files (``prefix_cache_dir``)."""
+    copy_supported = not (model.is_recurrent or model.is_hybrid)
+    if config.prefix_cache and not copy_supported:
+        logger.warning(
+            "llamabatch: prefix reuse switched off: %s has %s memory, its KV cannot be copied in part",
+            model.path.name,
+            "recurrent" if model.is_recurrent else "hybrid",
+        )
+    kv = KVCache(
+        context,
+        table,
+        reuse=config.prefix_cache,
+        copy_supported=copy_supported,
+        ram=ram_cache_for(config.cache_ram),
+    )
+    if kv.reuse and config.prefix_cache_dir is not None:
+        store = store_for(
+            config.prefix_cache_dir, model, context, config.flash_attn, config.prefix_cache_dir_max_mb
+        )
+        kv.use_store(store, state_bytes_per_token(model))
+    return kv
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

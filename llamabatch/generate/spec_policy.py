@@ -39,7 +39,7 @@ from llamabatch._core.slots import SlotState
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 
 if TYPE_CHECKING:
-    from llamabatch.generate.core import EngineCore
+    from llamabatch.generate.tick_context import TickContext
 
 __all__ = [
     "AcceptanceModel",
@@ -265,7 +265,7 @@ def decode_cost_model() -> DecodeCostModel:
 
 
 def tick_cost(
-    core: EngineCore, n_decode: int, model: DecodeCostModel | SpecCostModel
+    core: TickContext, n_decode: int, model: DecodeCostModel | SpecCostModel
 ) -> Callable[[int], float]:
     """The predicted decode time (seconds) of this tick's batch with ``d`` draft tokens: its
     decode tokens, the prompt tokens its budget lets the plan take and the drafts, each draft
@@ -273,7 +273,7 @@ def tick_cost(
     table = core.table
     busy = [s for s, _ in core.slots.busy()]
     pending = sum(table.n_pending(s) for s in busy)
-    prefill = max(0, min(core._budget - n_decode, pending))
+    prefill = max(0, min(core.budget - n_decode, pending))
     decode_past = sum(table.n_past(s) + 1 for s in busy if table.state(s) == SlotState.DECODE)
     used = table.cells_used
     unified = table.kv_unified

@@ -60,8 +60,9 @@ from llamabatch.generate.spec_policy import (
 )
 
 if TYPE_CHECKING:
-    from llamabatch.generate.core import EngineCore
+    from llamabatch._ffi.model import Model
     from llamabatch.generate.request import Request
+    from llamabatch.generate.tick_context import TickContext
     from llamabatch.params import SamplingParams
 
 logger = logging.getLogger("llamabatch")
@@ -246,9 +247,22 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
 
+    #: ``observe`` fits a cost model on the engine's measured decodes
+    learns_costs = True
+
     @classmethod
-    def from_config(cls, config: dict[str, Any], core: EngineCore) -> Speculator:
-        """The speculator of a validated ``speculative_config`` for ``core``."""
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        model: Model,
+        *,
+        n_seq: int,
+        n_ctx: int,
+        n_batch: int,
+        n_threads: int | None,
+    ) -> Speculator:
+        """The speculator of a validated ``speculative_config`` for an engine over ``model``
+        (``n_seq`` slots, a context of ``n_ctx`` cells, batches of ``n_batch`` tokens)."""
         drafter: Drafter
         if config["method"] == "ngram":
             drafter = NgramDrafter(config["prompt_lookup_min"], config["prompt_lookup_max"])
@@ -256,12 +270,7 @@ class Speculator:
             from llamabatch.generate.draft_model import DraftModelDrafter
 
             drafter = DraftModelDrafter.from_config(
-                config,
-                core.model,
-                n_seq=core.n_parallel,
-                n_ctx=core.context.n_ctx,
-                n_batch=core.n_batch,
-                n_threads=core.config.n_threads,
+                config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
             )
         return cls(config, drafter)
 
@@ -284,7 +293,7 @@ class Speculator:
 
     # -- before the fill ------------------------------------------------------------------
 
-    def prepare(self, core: EngineCore) -> None:
+    def prepare(self, core: TickContext) -> None:
         """Set this tick's drafts on the DECODE slots that speculate (see ``spec_policy``)."""
         self._tick += 1
         table = core.table
@@ -300,7 +309,7 @@ class Speculator:
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         if table.kv_unified:
             room = min(room, table.cells_free - core.watermark - n_decode)
-        if room > 0 and core.latency is not None:
+        if room > 0 and core.tick_limit is not None:
             room = latency_room(core, n_decode, room)
         if room <= 0:
             return
@@ -421,7 +430,7 @@ class Speculator:
 
     # -- after the decode -----------------------------------------------------------------
 
-    def sample_tick(self, core: EngineCore) -> None:
+    def sample_tick(self, core: TickContext) -> None:
         """Sample every output of a tick that verified drafts: other slots as the core does,
         speculating slots row by row (see the module docstring)."""
         start = core.clock()  # (the engine's clock: scripted in the fake context's tests)
@@ -439,7 +448,7 @@ class Speculator:
                 self.row_cost = per_row if not old else old + 0.2 * (per_row - old)
 
     def _sample_rows(
-        self, core: EngineCore, outputs: list[tuple[int, int]], running: list[Any], logits: Any, now: float
+        self, core: TickContext, outputs: list[tuple[int, int]], running: list[Any], logits: Any, now: float
     ) -> None:
         table = core.table
         row = 0
@@ -451,15 +460,15 @@ class Speculator:
             rows = list(range(row, row + 1 + d))
             row += 1 + d
             if d == 0:
-                token = core._sample_row(slot, request, idx, logits, rows[0])
+                token = core.sample_row(slot, request, idx, logits, rows[0])
                 if token is not None:
-                    core._on_token(slot, request, token, now)
+                    core.emit_token(slot, request, token, now)
                 continue
             self._verify(core, slot, request, [outputs[r][1] for r in rows], logits, rows, now)
 
     def _verify(
         self,
-        core: EngineCore,
+        core: TickContext,
         slot: int,
         request: Request,
         idxs: list[int],
@@ -482,7 +491,7 @@ class Speculator:
         else:
             for i in range(d + 1):
                 try:
-                    token = core._sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
+                    token = core.sample_row(slot, request, idxs[i], logits, rows[i], n_before=len(tokens))
                 except SamplingError as exc:  # a grammar at a dead end: what came before is emitted
                     error = exc
                     break
@@ -511,7 +520,7 @@ class Speculator:
         kept = 0  # accepted drafts emitted so far (a stop or limit inside the run cuts it)
         for i, token in enumerate(tokens):
             if logprobs is not None:  # from the row the token was sampled at
-                logprobs.append(core._logprobs(idxs[i], token, request.params.logprobs or 0))
+                logprobs.append(core.logprobs(idxs[i], token, request.params.logprobs or 0))
             last = i == len(tokens) - 1
             # emitting token i keeps draft i - 1 (and, after an error, the token is a draft too)
             while kept < min(n_acc, i + (1 if last and error is not None else 0)):
@@ -521,10 +530,10 @@ class Speculator:
                 counters.decode_tokens += 1
                 counters.spec_accepted_tokens += 1
             n_past = base + 1 + i
-            if not core._on_token(slot, request, token, now, n_past=n_past, last=last and error is None):
+            if not core.emit_token(slot, request, token, now, n_past=n_past, last=last and error is None):
                 return
         if error is not None:
-            core._finish(slot, "error", error=error)
+            core.finish(slot, "error", error=error)
 
     def _account(self, st: _SpecState, d: int, n_acc: int) -> None:
         st.drafted += d
@@ -555,13 +564,20 @@ class Speculator:
         self.drafter.close()
 
 
-def speculator_for(config: dict[str, Any] | None, core: EngineCore) -> Speculator | None:
-    """The engine's ``Speculator`` of a checked ``speculative_config`` (None: off). Recurrent and
-    hybrid models cannot speculate (their memory cannot drop rejected positions): off, with a
-    warning, as prefix reuse."""
+def speculator_for(
+    config: dict[str, Any] | None,
+    model: Model,
+    *,
+    n_seq: int,
+    n_ctx: int,
+    n_batch: int,
+    n_threads: int | None = None,
+) -> Speculator | None:
+    """The engine's ``Speculator`` of a checked ``speculative_config`` (None: off; the sizes:
+    ``Speculator.from_config``). Recurrent and hybrid models cannot speculate (their memory
+    cannot drop rejected positions): off, with a warning, as prefix reuse."""
     if not config:
         return None
-    model = core.model
     if model.is_recurrent or model.is_hybrid:
         logger.warning(
             "llamabatch: speculative decoding switched off: %s has %s memory (rejected drafts "
@@ -570,16 +586,19 @@ def speculator_for(config: dict[str, Any] | None, core: EngineCore) -> Speculato
             "recurrent" if model.is_recurrent else "hybrid",
         )
         return None
-    return Speculator.from_config(config, core)
+    return Speculator.from_config(
+        config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
+    )
 
 
-def latency_room(core: EngineCore, n_decode: int, room: int) -> int:
+def latency_room(core: TickContext, n_decode: int, room: int) -> int:
     """The most draft tokens (up to ``room``) that keep the tick's predicted decode time
-    under ``target_itl_ms`` (what the ``LatencyBudget``'s plans aim at: the target over the
-    model's recent error), as its cost model predicts it (``spec_policy.tick_cost``)."""
-    latency = core.latency
-    assert latency is not None
-    return most_within(tick_cost(core, n_decode, latency.model), latency.aim, room)
+    under its limit (``TickContext.tick_limit``: under ``target_itl_ms``, what the
+    ``LatencyBudget``'s plans aim at, the target over the model's recent error), as the
+    limit's cost model predicts it (``spec_policy.tick_cost``)."""
+    limit = core.tick_limit
+    assert limit is not None
+    return most_within(tick_cost(core, n_decode, limit.model), limit.seconds, room)
 
 
 def _draft_of(tokens: list[int], st: _SpecState) -> Draft:
