@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from llamabatch import LLM, SamplingParams, testing
+from llamabatch.chat import prepare_chat
 from llamabatch.prompts.chat_template import normalize_messages, render_jinja, tool_call_arguments
 from llamabatch.toolcalls import FORMATS, check_tool_call_parser, detect_format, get_format
-from llamabatch.toolcalls.chat import prepare_chat
 from llamabatch.toolcalls.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from llamabatch.toolcalls.stream import ChatOutputParser
 
@@ -560,6 +560,7 @@ def test_auto_mode_lazy_grammar_constrains_a_call_after_its_marker(llm):
     """``tool_choice="auto"`` end to end with a marker the model does write: free text up to the
     marker, then the lazy grammar forces a valid call, the parser reads it and the answer ends
     in ``tool_calls``. The marker is taken from the model's own greedy answer (at a token end)."""
+    from llamabatch.chat import ChatSetup
     from llamabatch.toolcalls.base import (
         Section,
         call_from_object,
@@ -569,7 +570,6 @@ def test_auto_mode_lazy_grammar_constrains_a_call_after_its_marker(llm):
         load_json,
         normalize_tools,
     )
-    from llamabatch.toolcalls.chat import ChatSetup
     from llamabatch.toolcalls.hermes import HermesFormat
 
     greedy = SamplingParams(max_tokens=24, temperature=0)

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from llamabatch.chat import ChatOptions, prepare
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.generate.core import EngineCore, check_queue_room
@@ -30,7 +31,6 @@ from llamabatch.prompts.chat_template import render_chat
 from llamabatch.prompts.inputs import as_prompt_list
 from llamabatch.runtime.telemetry import GenerationStats, Listener
 from llamabatch.runtime.worker import Worker
-from llamabatch.toolcalls.host import ChatOptions, chat_request
 
 Params = SamplingParams | Mapping[str, Any] | None
 T = TypeVar("T")
@@ -442,12 +442,11 @@ class LLM(HostFacts):
         )
         with self._worker.using_resources():
             prepared = [
-                chat_request(
-                    self._host,
-                    self._chat_options,
+                prepare(
+                    self,
                     conversation,  # type: ignore[arg-type]
                     params,
-                    tools=tools,
+                    tools,
                     tool_choice=tool_choice,
                     parallel_tool_calls=parallel_tool_calls,
                     chat_template=chat_template,

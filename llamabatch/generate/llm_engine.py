@@ -16,6 +16,7 @@ from typing import Any
 from typing_extensions import Unpack
 
 from llamabatch._ffi.model import Model
+from llamabatch.chat import ChatOptions, ChatRequestOptions, EngineChat, is_conversation, prepare
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.batch_invariant import check_weight_types
@@ -30,13 +31,6 @@ from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.inputs import check_token_ids, normalize_prompt
 from llamabatch.runtime.telemetry import GenerationStats, Listener, Telemetry
-from llamabatch.toolcalls.host import (
-    ChatOptions,
-    ChatRequestOptions,
-    EngineChat,
-    chat_request,
-    is_conversation,
-)
 
 logger = logging.getLogger("llamabatch")
 
@@ -447,7 +441,7 @@ class LLMEngine(HostFacts):
             raise ValueError(f"request id {request_id!r} is already in use")
         setup = None
         if is_conversation(prompt):
-            prompt, setup = chat_request(self._host, self.chat_options, prompt, params, **chat)  # type: ignore[arg-type]
+            prompt, setup = prepare(self, prompt, params, **chat)  # type: ignore[arg-type]
             params = setup.params
         elif chat:
             raise ValueError(f"{', '.join(chat)}: only for a conversation (a list of chat messages)")

@@ -1,8 +1,12 @@
-"""``/v1/chat/completions``: chat completions (with tool calls, ``chat_tools.py``), whole or
+"""``/v1/chat/completions``: chat completions (with tool calls and reasoning), whole or
 streamed.
 
-The handlers take the ``OpenAIServer`` of ``app.py`` (the engines, names, key, metrics) and
-the request."""
+The request goes through the chat pipeline of ``LLM.chat`` (``llamabatch.chat``): rendered and
+tokenized, then its ``ChatSetup`` (tool grammars, the answer's reader); answers are split by
+``ChatSetup.finish_output`` and ``ChatSetup.stream``. This module keeps the HTTP: reading the
+body's fields, the worker pools, errors as 400s, the JSON and SSE framing.
+
+The handlers take the ``OpenAIServer`` (the engines, names, key, metrics) and the request."""
 
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch import SamplingParams
+from llamabatch.chat import ChatRequest, ChatSetup, ChatStream, assistant_message
 from llamabatch.server import client_policy, prepare
-from llamabatch.server.chat_tools import ChatStream, chat_message, read_tool_request, setup_chat
 from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
+    Body,
     bad_request,
     chat_messages,
     finish_reason,
@@ -37,7 +42,6 @@ from llamabatch.server.streaming import (
     sse_event,
     until_disconnect,
 )
-from llamabatch.toolcalls.chat import ChatSetup
 
 if TYPE_CHECKING:
     from llamabatch.server.state import OpenAIServer
@@ -46,25 +50,10 @@ if TYPE_CHECKING:
 async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     body = await server.read_body(request, "/v1/chat/completions")
     llm = server.need_llm()
-    messages = chat_messages(body)
-    tool_request = read_tool_request(body)  # tools, tool_choice: server/chat_tools.py
-    add_generation_prompt = body.get("add_generation_prompt", "bool", True)
-    template_kwargs = body.get("chat_template_kwargs", "dict")
-
-    def render() -> tuple[list[int], str]:  # in a worker thread: Jinja and the tokenizer are CPU work
-        try:
-            text = llm.apply_chat_template(
-                messages,
-                tools=tool_request.template_tools,
-                chat_template=server.chat_template,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=template_kwargs,
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc), param=getattr(exc, "param", "messages")) from None
-        return prepare.chat_tokens(llm, text), text
-
-    tokens, prompt_text = await run_step(request, PREPARE, render)
+    chat = read_chat_request(body, server.chat_template)
+    # in worker threads: Jinja and the tokenizer, then grammar building, are CPU work
+    rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
+    tokens = rendered.tokens
     want_logprobs = body.get("logprobs", "bool", False)
     top = body.get("top_logprobs", "int", minimum=0, maximum=20)
     if top is not None and not want_logprobs:
@@ -79,17 +68,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
         n_ctx_seq=llm.n_ctx_seq,
         logprobs=(top or 0) if want_logprobs else None,
     )
-    template = server.chat_template if server.chat_template is not None else llm.model.chat_template
-    setup = await run_step(  # tool-call grammars and the answer's parser
-        request,
-        prepare.params_pool(body),
-        setup_chat,
-        params,
-        tool_request,
-        llm.chat_options,
-        template,
-        prompt_text,
-    )
+    setup = await run_step(request, prepare.params_pool(body), prepare.chat_setup, rendered, params)
     params = setup.params
     prepare.check_queue_room(llm, 1, params.n)
     stream, include_usage = server.stream_options(body)
@@ -115,7 +94,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
             choices.append(
                 {
                     "index": out.index,
-                    "message": chat_message(out),
+                    "message": assistant_message(out),
                     "logprobs": lp,
                     "finish_reason": finish_reason(out.finish_reason),
                 }
@@ -146,7 +125,7 @@ async def chat_events(
 ) -> AsyncIterator[bytes]:
     rid, created = new_id("chatcmpl"), now()
     started: set[int] = set()
-    streams: dict[int, ChatStream] = {}  # per choice: reasoning / content / tool calls
+    streams: dict[int, ChatStream] = {}  # per choice: its answer's reader
     n_prompt = n_completion = cached = 0
 
     def chunk(choice: dict[str, Any]) -> bytes:
@@ -164,15 +143,15 @@ async def chat_events(
                     "finish_reason": None,
                 }
             )
-        if index not in streams:
-            streams[index] = ChatStream(setup)
-        split = streams[index]
-        pieces = split.feed(delta.text) if delta.text else []
-        if delta.output is not None and delta.output.finish_reason != "error":
-            pieces += split.finish()
-        for piece in pieces:
-            yield chunk({"index": index, "delta": piece, "logprobs": None, "finish_reason": None})
+        answer = streams.get(index)
+        if answer is None:
+            answer = streams[index] = setup.stream()
+        pieces = answer.feed(delta.text)
         out = delta.output
+        if out is not None:
+            pieces += answer.finish(out.finish_reason)
+        for piece in pieces:
+            yield chunk({"index": index, "delta": piece.to_dict(), "logprobs": None, "finish_reason": None})
         if out is None:
             continue
         if out.finish_reason == "error":
@@ -196,7 +175,7 @@ async def chat_events(
                 "index": index,
                 "delta": {},
                 "logprobs": lp,
-                "finish_reason": finish_reason(split.finish_reason(out.finish_reason)),
+                "finish_reason": finish_reason(answer.finish_reason),
             }
         )
         n_completion += out.usage.completion_tokens
@@ -214,3 +193,23 @@ async def chat_events(
             }
         )
     yield DONE_EVENT
+
+
+def read_chat_request(body: Body, chat_template: str | None) -> ChatRequest:
+    """The body's chat fields (types only: the pipeline checks the rest); ``chat_template``
+    is the server's (``--chat-template``)."""
+    messages = chat_messages(body)
+    tools = body.get("tools", "list")
+    tool_choice = body.data.get("tool_choice")
+    body.read.add("tool_choice")
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise bad_request("'tool_choice' must be a string or an object", param="tool_choice")
+    return ChatRequest(
+        messages,
+        tools,
+        tool_choice,
+        parallel_tool_calls=body.get("parallel_tool_calls", "bool", True),
+        chat_template=chat_template,
+        add_generation_prompt=body.get("add_generation_prompt", "bool", True),
+        chat_template_kwargs=body.get("chat_template_kwargs", "dict"),
+    )

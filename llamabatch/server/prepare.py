@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from llamabatch import LLM, Embedder, PromptTooLong
+from llamabatch.chat import ChatRequest, ChatRequestError, ChatSetup, RenderedChat, render
 from llamabatch.generate.llm_engine import prompt_bytes_bound
-from llamabatch.prompts.chat_template import special_token_text
+from llamabatch.params import SamplingParams
+from llamabatch.prompts.chat_template import chat_prompt_tokens
 from llamabatch.prompts.inputs import check_token_ids
 from llamabatch.server.offload import GRAMMAR, PREPARE
 from llamabatch.server.protocol import Body, bad_request, encode_embedding
@@ -22,12 +24,14 @@ from llamabatch.server.streaming import dumps_json
 
 __all__ = [
     "MAX_EMBEDDING_INPUTS",
+    "chat_setup",
     "chat_tokens",
     "check_queue_room",
     "count_embedding_tokens",
     "embedding_response",
     "params_pool",
     "prompt_fits",
+    "render_chat_request",
     "tokenize_prompts",
 ]
 
@@ -88,11 +92,32 @@ def tokenize_prompts(llm: LLM, prompts: Sequence[Any]) -> list[list[int]]:
 
 
 def chat_tokens(llm: LLM, text: str) -> list[int]:
-    """A rendered chat prompt's token ids, as ``chat_prompt_tokens`` makes them (special
-    tokens parsed, no doubled BOS), through ``LLM.tokenize`` (which keeps the model alive)."""
+    """A rendered chat prompt's token ids, as the chat pipeline makes them
+    (``chat_prompt_tokens``: special tokens parsed, no doubled BOS)."""
     prompt_fits(llm, text, "messages")
-    bos = special_token_text(llm.model, llm.model.bos)
-    return llm.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+    with llm.worker.using_resources():
+        return chat_prompt_tokens(llm.model, text)
+
+
+def render_chat_request(llm: LLM, chat: ChatRequest) -> RenderedChat:
+    """``chat`` rendered and tokenized by the chat pipeline (``llamabatch.chat.render``); a bad
+    field is a 400 naming it, a prompt that cannot fit a 400 ``context_length_exceeded``."""
+    try:
+        with llm.worker.using_resources():
+            return render(llm, chat)
+    except ChatRequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    except PromptTooLong as exc:
+        raise bad_request(str(exc), param="messages", code="context_length_exceeded") from None
+
+
+def chat_setup(rendered: RenderedChat, params: SamplingParams) -> ChatSetup:
+    """The request's ``ChatSetup`` (tool grammars: call it off the event loop); a bad tool,
+    ``tool_choice`` or ``parallel_tool_calls`` is a 400 naming it."""
+    try:
+        return rendered.setup(params)
+    except ChatRequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 _EMBEDDING_BOUNDS: weakref.WeakKeyDictionary[Embedder, int | None] = weakref.WeakKeyDictionary()

@@ -5,8 +5,8 @@ Each family (``hermes``, ``llama3``, ``mistral``, ``deepseek``, ``generic``) is 
 the grammar of a section built from the tools' parameter schemas. :func:`detect_format` picks
 one from the chat template's source; ``--tool-call-parser NAME`` / ``LLM(tool_call_parser=...)``
 overrides it. :class:`~llamabatch.toolcalls.stream.ChatOutputParser` splits an answer (whole or
-streamed) into reasoning, content and calls; :func:`~llamabatch.toolcalls.chat.prepare_chat`
-turns ``tools`` and ``tool_choice`` into sampling parameters (grammars) and a parser.
+streamed) into reasoning, content and calls. The chat pipeline (:mod:`llamabatch.chat`) joins
+them to a request: ``tools`` and ``tool_choice`` as grammars, the answers read.
 
 Adding a family: a module with a ``ToolFormat`` subclass, one line in ``FORMATS`` (and, if
 its template has a telling marker, in ``_DETECTION_ORDER``), and its tests.
