@@ -87,8 +87,8 @@ def test_aging_protects_an_aged_request_from_preemption():
 @pytest.mark.parametrize("clients", [False, True])
 def test_clients_take_turns(clients):
     """One client queues ten requests, then another one: with clients named, the second
-    client's request runs after at most one of the first's queued ones (turns); without,
-    first come, first served."""
+    client's request, its client holding no slot, runs next (``ClientSlots.newcomer_first``);
+    without, first come, first served."""
     core, ctx, _ = make_core(n_parallel=1, n_ctx=256)
     flood = [Request(prompt(4, i), greedy(2), client="a" if clients else None) for i in range(10)]
     core.add(flood[:1])
@@ -104,7 +104,7 @@ def test_clients_take_turns(clients):
             order.append(running)
     check_core(core, ctx)
     assert order[0] is flood[0]
-    assert order.index(other) == (2 if clients else 10)
+    assert order.index(other) == (1 if clients else 10)
 
 
 def test_config_checks_priority_aging():

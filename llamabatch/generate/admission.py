@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from llamabatch._core.slots import SlotTable
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
-from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim, share_victim
+from llamabatch.generate.priority import ClientSlots, ClientTurns, enqueue, priority_victim, share_victim
 from llamabatch.generate.request import Request
 
 __all__ = [
@@ -134,7 +134,7 @@ class AdmissionPolicy:
 class PriorityAdmission(AdmissionPolicy):
     """First come, first served, with priorities, aging, client turns and slot shares (see
     ``priority.py``): a request of a better priority preempts one of a worse, and a client
-    that holds no slot takes one from a client holding several."""
+    that holds no slot goes first and takes one from the client holding the most."""
 
     def __init__(self, aging: int = 0) -> None:
         self.aging = aging
@@ -143,6 +143,8 @@ class PriorityAdmission(AdmissionPolicy):
         self.priorities = False
         #: whether any request had a client (else no slot shares to check)
         self.clients = False
+        #: the slots each client holds
+        self.slots = ClientSlots()
 
     @property
     def preempts_for_waiting(self) -> bool:
@@ -156,6 +158,16 @@ class PriorityAdmission(AdmissionPolicy):
                 self.priorities = True
             if request.client is not None:
                 self.clients = True
+
+    def reorder(self, waiting: deque[Request], now: float) -> None:
+        if self.clients:
+            self.slots.newcomer_first(waiting)
+
+    def admitted(self, request: Request) -> None:
+        self.slots.admitted(request)
+
+    def released(self, request: Request) -> None:
+        self.slots.released(request)
 
     def blocked_victim(self, running: Sequence[tuple[int, Request]], blocked: Request) -> tuple[int, bool]:
         slot = priority_victim(running, blocked, self.aging)

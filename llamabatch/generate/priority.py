@@ -36,10 +36,23 @@ priority whose aged priority is lower too (:func:`priority_victim`), so a reques
 aged its way in is not pushed out by the stream it waited behind.
 
 Slot shares: turns order the queue, but a client whose requests hold every slot (one
-request with ``n`` 16, say) would still keep another client waiting until one of them
-ends. A waiting request of a client that holds no slot therefore preempts, once, the most
-recently admitted request of the client holding the most slots (two or more), of no better
-priority (:func:`share_victim`), and starts in its place.
+request with ``n`` 16, say, or a few clients with long requests) would still keep another
+client waiting until one of them ends. So a client that holds no slot goes first:
+
+- its first waiting request that was never admitted goes to the head of the queue before
+  each admission pass (:meth:`ClientSlots.newcomer_first`; such requests of several clients
+  keep their order), ahead of preempted requests and of other clients' turns, at no better
+  priority than the head's;
+- when every slot is busy, that request preempts one running request and starts in its
+  place (:func:`share_victim`): one of the client holding the most slots, the one with the
+  most tokens left to generate, and only if that is more than the newcomer may generate in
+  all; never one of a better priority, a pin, or one preempted
+  ``MAX_PRIORITY_PREEMPTIONS`` times already.
+
+So a short request of a client with nothing running starts within one step, however many
+long requests other clients keep queued or running; the request it displaced keeps its
+tokens and resumes at the next free slot (its prompt and tokens are recomputed), and is
+displaced at most twice. Requests without a client take no part.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from llamabatch.status import RequestStatus
 
 __all__ = [
     "MAX_PRIORITY_PREEMPTIONS",
+    "ClientSlots",
     "ClientTurns",
     "aged_priority",
     "check_priority",
@@ -61,6 +75,7 @@ __all__ = [
     "priority_victim",
     "share_victim",
     "wait_key",
+    "work_left",
 ]
 
 #: how often one request may be preempted (for any reason) and still be preempted for priority
@@ -155,11 +170,17 @@ def priority_victim(running: Iterable[tuple[int, Request]], blocked: Request, ag
     return best_slot
 
 
+def work_left(request: Request) -> int:
+    """The tokens ``request`` may still generate (``max_tokens`` less those it has)."""
+    return request.params.max_tokens - len(request.output_tokens)
+
+
 def share_victim(running: Iterable[tuple[int, Request]], blocked: Request) -> int:
-    """The slot of the most recently admitted request of the client holding the most slots
-    (two or more) that ``blocked`` may take, or -1: only for a ``blocked`` of a client that
-    holds no slot, and only a request of no better priority, preempted fewer than
-    ``MAX_PRIORITY_PREEMPTIONS`` times, not a pin (see the module)."""
+    """The slot that ``blocked``, a waiting request of a client holding no slot, takes, or
+    -1 (see the module): a request of the client holding the most slots with more tokens
+    left than ``blocked`` may generate in all (the one with the most; the most recently
+    admitted of equals), of no better priority, preempted fewer than
+    ``MAX_PRIORITY_PREEMPTIONS`` times, not a pin."""
     client = blocked.client
     if client is None:
         return -1
@@ -169,18 +190,73 @@ def share_victim(running: Iterable[tuple[int, Request]], blocked: Request) -> in
             return -1  # it has a slot already: it waits its turn
         if request.client is not None:
             held.setdefault(request.client, []).append((slot, request))
-    if not held:
-        return -1
-    hog = max(held.values(), key=len)
-    if len(hog) < 2:
-        return -1
-    best_slot, best_order = -1, -1
-    for slot, request in hog:
-        if (
-            request.priority >= blocked.priority
-            and request.n_preemptions < MAX_PRIORITY_PREEMPTIONS
-            and request.kind is not RequestKind.PIN
-            and request.admitted_order > best_order
-        ):
-            best_slot, best_order = slot, request.admitted_order
+    need = work_left(blocked)
+    best_slot, best_key = -1, (0, 0, -1)
+    for requests in held.values():
+        for slot, request in requests:
+            left = work_left(request)
+            key = (len(requests), left, request.admitted_order)
+            if (
+                left > need
+                and key > best_key
+                and request.priority >= blocked.priority
+                and request.n_preemptions < MAX_PRIORITY_PREEMPTIONS
+                and request.kind is not RequestKind.PIN
+            ):
+                best_slot, best_key = slot, key
     return best_slot
+
+
+class ClientSlots:
+    """How many slots each client holds (the admission policy reports each admission and
+    release), and which waiting request goes first because its client holds none."""
+
+    def __init__(self) -> None:
+        self.held: dict[Hashable, int] = {}
+
+    def admitted(self, request: Request) -> None:
+        """``request`` took a slot."""
+        if request.client is not None:
+            self.held[request.client] = self.held.get(request.client, 0) + 1
+
+    def released(self, request: Request) -> None:
+        """``request`` left its slot (it ended, or was preempted)."""
+        client = request.client
+        if client is None:
+            return
+        n = self.held.get(client, 0) - 1
+        if n > 0:
+            self.held[client] = n
+        else:
+            self.held.pop(client, None)
+
+    def newcomer_first(self, waiting: deque[Request]) -> None:
+        """Move to the head of ``waiting``, in their order, the first request of each client
+        that holds no slot, never admitted before, of no worse priority than the head's (see
+        the module)."""
+        if len(waiting) < 2:
+            return
+        head_priority = waiting[0].priority
+        seen: set[Hashable] = set()
+        first: list[Request] = []
+        rest: list[Request] = []
+        for request in waiting:
+            if request.priority <= head_priority and request.client not in seen and self.is_newcomer(request):
+                seen.add(request.client)
+                first.append(request)
+            else:
+                rest.append(request)
+        if first and any(a is not b for a, b in zip(first, waiting, strict=False)):
+            waiting.clear()
+            waiting.extend(first)
+            waiting.extend(rest)
+
+    def is_newcomer(self, request: Request) -> bool:
+        """Whether ``request`` is a client's, never admitted, its client holding no slot, and
+        ready to start (not a follower waiting for its leader)."""
+        return (
+            request.client is not None
+            and request.n_preemptions == 0
+            and request.client not in self.held
+            and not (request.kind is RequestKind.FOLLOWER and request.follower_waits)
+        )
