@@ -358,6 +358,114 @@ def test_no_import_cycle(imports: list[Import]) -> None:
         pytest.xfail("the engine core <-> speculation cycle: " + describe_cycle(known[0]))
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reads(module: str, source: str, modules: Iterable[str], is_package: bool) -> list[str]:
+    """Where ``module`` reads another module's private name: ``from x import _name``,
+    ``x._name`` with ``x`` an imported ``llamabatch`` module (``_ffi`` and ``_core``, folders
+    of the package, are not names read), and ``obj._name`` (``obj`` not ``self`` or ``cls``)
+    where no code of this module defines ``_name``: an object of another module's class."""
+    known = set(modules)
+    tree = ast.parse(source)
+    here = module if is_package else module.rpartition(".")[0]
+    aliases: dict[str, str] = {}  # local name -> the llamabatch module it is bound to
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "llamabatch" and alias.name in known:
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.split(".")[0] != "llamabatch" or base == module:
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in known:
+                    aliases[alias.asname or alias.name] = full
+                elif _is_private(alias.name):
+                    out.append((node.lineno, f"{module}:{node.lineno} imports {full}"))
+    own = _names_defined(tree)
+    foreign = _foreign_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = ast.unparse(node.value)
+            target = aliases.get(owner, owner if owner in known else None)
+            if target is not None:
+                if target != module:
+                    out.append((node.lineno, f"{module}:{node.lineno} reads {target}.{node.attr}"))
+            elif owner not in ("self", "cls") and owner.split(".")[0] not in foreign and node.attr not in own:
+                text = f"{module}:{node.lineno} reads {owner}.{node.attr}, defined in no code of its own"
+                out.append((node.lineno, text))
+    return [text for _, text in sorted(out)]
+
+
+def _names_defined(tree: ast.AST) -> set[str]:
+    """Every name this module's code defines or assigns (functions, classes, attributes,
+    variables, parameters, and strings, which name ``__slots__`` and ``getattr`` targets)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return names
+
+
+def _foreign_names(tree: ast.AST) -> set[str]:
+    """Names bound to what is not llamabatch's (the standard library's ``os._exit``), and
+    cffi's ``ffi`` / ``lib``, whose attributes are C names."""
+    names = {"ffi", "lib", "llama_ffi", "llama_lib"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] != "llamabatch"
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] != "llamabatch"
+        ):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def test_no_private_name_read_across_modules() -> None:
+    files = package_files()
+    found = []
+    for module, paths in files.items():
+        for path in paths:
+            if path.suffix == ".py":
+                source = path.read_text(encoding="utf-8")
+                found += private_reads(module, source, files, path.name == "__init__.py")
+    assert not found, "private names read across modules:\n" + "\n".join(sorted(found))
+
+
+#: the most lines a Python module may hold (split one by concern before it grows past)
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_over_the_line_limit() -> None:
+    """Python modules only; the Cython sources (``_core/*.pyx``) are not held to it here."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 # -- the checks above must be able to fail -------------------------------------------------
 
 
@@ -428,3 +536,30 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     assert len(cycles) == 1
     assert describe_cycle(cycles[0]) == "a:1 -> b:2 -> c:3 (TYPE_CHECKING) -> a"
     assert import_cycles(imports[:2] + imports[3:]) == []
+
+
+def test_the_private_name_check_sees_reads() -> None:
+    source = (
+        "import llamabatch.generate.core as core\n"
+        "from llamabatch.generate import request\n"
+        "from llamabatch.params import _check, SamplingParams\n"
+        "from llamabatch import _ffi\n"
+        "import os\n"
+        "def f(x):\n"
+        "    core._budget\n"
+        "    request._private(x)\n"
+        "    x._mine\n"
+        "    x._theirs\n"
+        "    request.__name__\n"
+        "    os._exit(1)\n"
+        "class A:\n"
+        "    _mine = 1\n"
+    )
+    modules = ["llamabatch", "llamabatch._ffi", "llamabatch.generate", "llamabatch.generate.core"]
+    modules += ["llamabatch.generate.request", "llamabatch.params"]
+    assert private_reads("llamabatch.here", source, modules, is_package=False) == [
+        "llamabatch.here:3 imports llamabatch.params._check",
+        "llamabatch.here:7 reads llamabatch.generate.core._budget",
+        "llamabatch.here:8 reads llamabatch.generate.request._private",
+        "llamabatch.here:10 reads x._theirs, defined in no code of its own",
+    ]

@@ -281,7 +281,7 @@ class Context:
             )
         self.model = model
         self._ptr = ffi.gc(ptr, lib.llama_free)
-        model._register_context(self)
+        model.register_dependent(self)
         self._memory = lib.llama_get_memory(ptr)
         # False for models llama.cpp runs without KV memory (BERT-like encoders): a whole
         # batch must then fit in one ubatch, or llama.cpp aborts the process.

@@ -195,12 +195,9 @@ class Model:
     def closed(self) -> bool:
         return self._ptr == ffi.NULL
 
-    def _register_context(self, context: Any) -> None:
-        self._contexts.add(context)
-
     def register_dependent(self, owner: Any) -> None:
-        """Close ``owner`` (an object with ``close()`` that holds this model's pointer, such as
-        an ``MtmdContext``) before this model is freed."""
+        """Close ``owner`` (an object with ``close()`` that holds this model's pointer: a
+        ``Context``, an ``MtmdContext``) before this model is freed."""
         self._contexts.add(owner)
 
     def register_adapter(self, adapter: Any) -> None:

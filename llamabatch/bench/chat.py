@@ -1,4 +1,4 @@
-"""``llamabatch bench-chat``: multi-turn chat with more conversations than slots (issue 23).
+"""``llamabatch bench-chat``: multi-turn chat with more conversations than slots.
 
 ``C`` conversations run at once, each ``T`` turns; they share a system prompt of about
 ``--system-tokens`` tokens. Every turn's prompt is the whole conversation so far (the system

@@ -1,4 +1,4 @@
-"""``llamabatch bench-layouts``: the KV layouts (and the defaults) on the workloads of issue 23.
+"""``llamabatch bench-layouts``: the KV layouts (and the defaults) on the workloads below.
 
 Each workload runs once per layout, in-process, with the same requests:
 

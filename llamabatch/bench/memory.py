@@ -1,8 +1,8 @@
 """Memory over many requests: the engine must not grow with the number of requests served.
 
 :func:`rss_after_requests` serves short requests through one :class:`llamabatch.LLM` and
-records the resident set size after given request counts (issue: RSS after 2,000 requests
-within 5% of RSS after 100). Used by ``tests/test_bench.py`` and the asv suite.
+records the resident set size after given request counts (the target: RSS after 2,000
+requests within 5% of RSS after 100). Used by ``tests/test_bench.py`` and the asv suite.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llamabatch.errors import RequestCancelled
 from llamabatch.generate.detok import IncrementalDetokenizer, StopMatcher
 from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage
 from llamabatch.params import SamplingParams
@@ -457,13 +456,6 @@ class RequestHandle:
                 ends += 1
                 continue
             yield item
-
-    def raise_for_status(self) -> RequestOutput:
-        """The result, raising ``RequestCancelled`` if a completion was cancelled."""
-        out = self.result()
-        if any(o.finish_reason == "cancelled" for o in out.outputs):
-            raise RequestCancelled(f"request {out.request_id} was cancelled")
-        return out
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Per-token helpers moved out of ``core.py``: the log-probabilities of a logits row,
+"""Per-token helpers of the engine core: the log-probabilities of a logits row,
 sampling with some tokens masked out (``min_tokens``), and a finished request's telemetry event."""
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class TensorChecks(CheckerBase):
                 p + "layer_output_norm.weight": ((n_embd,), True),
                 p + "layer_output_norm.bias": ((n_embd,), True),
             }
-        # -- a reranker's classification head (issue 25): llama.cpp's rank pooling asserts that
+        # -- a reranker's classification head: llama.cpp's rank pooling asserts that
         # the pooler (cls) is there when any head is; the classifier (cls.output) is optional.
         if any(name.startswith("cls.") for name in self.tensor_map):
             labels = self.kv.get(self.k("{arch}.classifier.output_labels"))

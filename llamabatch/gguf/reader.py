@@ -136,10 +136,6 @@ class Header:
     data_offset: int
 
 
-class _Truncated(Exception):
-    pass
-
-
 class _Parser:
     """A bounds-checked cursor over the mapped file."""
 

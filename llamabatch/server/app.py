@@ -127,7 +127,7 @@ def create_app(
             Route(f"{prefix}/completions", ep(handler(completions.completions)), methods=["POST"]),
             Route(f"{prefix}/chat/completions", ep(handler(chat.chat_completions)), methods=["POST"]),
             Route(f"{prefix}/embeddings", ep(handler(embeddings.embeddings)), methods=["POST"]),
-            Route(f"{prefix}/rerank", ep(handler(rerank.rerank)), methods=["POST"]),  # issue 25
+            Route(f"{prefix}/rerank", ep(handler(rerank.rerank)), methods=["POST"]),
         ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--embedding-model", metavar="EMB.gguf", help="a GGUF embedding model for /v1/embeddings"
     )
-    parser.add_argument(  # issue 25
+    parser.add_argument(
         "--rerank-model", metavar="RERANKER.gguf", help="a GGUF cross-encoder (reranker) for /v1/rerank"
     )
     parser.add_argument("--rerank-model-name", help="the reranker's id (default: the file's stem)")
@@ -240,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
                 n_threads=args.embedding_threads or args.n_threads,
                 n_gpu_layers=args.n_gpu_layers,
             )
-        if args.rerank_model:  # issue 25
+        if args.rerank_model:
             from llamabatch.embed.reranker import Reranker
 
             reranker = Reranker(

@@ -118,7 +118,7 @@ async def rerank_endpoint(
 
 
 async def rerank(server: OpenAIServer, request: Request) -> Response:
-    """``/v1/rerank`` and ``/rerank`` (issue 25): the handler ``create_app`` routes."""
+    """``/v1/rerank`` and ``/rerank``: the handler ``create_app`` routes."""
     body = await server.read_body(request, "/v1/rerank")
     answer = await rerank_endpoint(server.reranker, server.rerank_model_name, body, request.receive, request)
     return json_response(answer)

@@ -182,11 +182,6 @@ def load_json(text: str) -> Any:
 _INVALID = object()
 
 
-def is_invalid(value: Any) -> bool:
-    """Whether ``value`` is :func:`load_json`'s result for invalid JSON."""
-    return value is _INVALID
-
-
 def arguments_json(arguments: Any) -> str | None:
     """Arguments as OpenAI's JSON string: an object is dumped, a string holding a JSON object is
     normalised; anything else is None (not valid arguments)."""
