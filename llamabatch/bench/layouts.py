@@ -20,6 +20,10 @@ Workloads:
 - ``long_among_short``: one ``--long-tokens`` prompt among 16 short ones (64-token prompts),
   submitted together: a request over a stream's size is refused (counted in ``failures``);
 - ``chat``: :mod:`llamabatch.bench.chat`'s multi-turn chat, in-process.
+
+``--rounds N`` runs the workload N times in the same ``LLM`` (a quiet moment between rounds,
+where the defaults' layout may switch to follow the workload: ``generate/layout_switch.py``);
+the row reports the last round, every round's time, and the switches made.
 """
 
 from __future__ import annotations
@@ -189,7 +193,17 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
         llm.add_listener(
             lambda event: cells.append(event.kv_cells_used) if isinstance(event, TickEvent) else None
         )
-        row = WORKLOADS[workload](llm, args)
+        rounds = [WORKLOADS[workload](llm, args) for _ in range(args.rounds)]
+        row = rounds[-1]
+        if args.rounds > 1:
+            row["t_rounds_s"] = [round(r["t_total_s"], 3) for r in rounds]
+        stats = llm.stats()
+        row.update(
+            layout_switches=stats.layout_switches,
+            layout_switch_reasons=stats.layout_switch_reasons,
+            layout_switch_time_s=round(stats.layout_switch_time_s, 3),
+            final_layout=("unified" if stats.kv_unified else "per-stream") + f", fa={stats.flash_attn}",
+        )
         # KV cells in use per decode tick (shared cells once): what each tick's attention reads
         row["kv_cells_per_tick"] = round(statistics.mean(cells)) if cells else 0
         kv = f"{args.type_k}/{args.type_v}"
@@ -230,6 +244,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-tokens", type=options.positive_int, default=6000)
     p.add_argument("--conversations", type=options.positive_int, default=12)
     p.add_argument("--turns", type=options.positive_int, default=4)
+    p.add_argument(
+        "--rounds", type=options.positive_int, default=1, help="runs of the workload in one LLM (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     EngineConfig.add_cli_args(p, only=("type_k", "type_v", "flash_attn"))
 
