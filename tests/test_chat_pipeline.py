@@ -166,9 +166,14 @@ def test_deltas_and_message_in_openai_shapes():
 
 
 def test_the_finish_reason_rule_and_errors():
-    """``stop`` after calls is ``tool_calls``; ``length`` stays; an error's text is not split;
-    without a format or reasoning nothing is split or held back."""
+    """``stop`` after calls is ``tool_calls``; ``length`` stays; a cancelled answer is split
+    (as its stream was), an error's text is not; without a format or reasoning nothing is split
+    or held back."""
     assert _setup().finish_output(_output(THINK_CONTENT_CALLS, "length")).finish_reason == "length"
+    cancelled = _setup().finish_output(_output(THINK_CONTENT_CALLS, "cancelled"))
+    assert (
+        cancelled.finish_reason == "cancelled" and cancelled.text == "Let me check." and cancelled.tool_calls
+    )
     failed = _output(THINK_CONTENT_CALLS, "error")
     assert _setup().finish_output(failed) == failed
     stream = _setup().stream()
@@ -189,18 +194,20 @@ CONVERSATION = [
     {"role": "assistant", "content": "<think>The user greets me.</think>Hello! How can I help you?"},
     {"role": "user", "content": "What is the weather like in Paris today?"},
 ]
-#: an answer holding all three parts, forced by a grammar (tool_choice "auto" then reads it)
+#: an answer holding all three parts, forced by a grammar (tool_choice "auto" then reads it);
+#: ``max_tokens`` cuts it inside its second call, which the end of the stream must resolve
 FORCED_ANSWER = (
     "<think>The user wants the weather in Paris.</think>Let me check. "
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
 )
 CASES = {
     # SmolLM2's template names no tool-call format: the generic one (a JSON answer) is detected
     "required": {"tool_choice": "required", "max_tokens": 96, "parser": "auto"},
-    # Hermes' markers let a call follow content
-    "think-content-call": {
+    # Hermes' markers let a call follow content; the whole answer is 130 tokens
+    "think-content-call-cut": {
         "tool_choice": "auto",
-        "max_tokens": 200,
+        "max_tokens": 100,
         "grammar": f"root ::= {json.dumps(FORCED_ANSWER)}",
         "parser": "hermes",
     },
@@ -317,10 +324,10 @@ def test_the_same_answer_from_llm_chat_llm_engine_and_the_server(smollm2_path, c
     for name, answer in answers.items():
         assert answer == expected, (name, answer, expected)
     content, reasoning, calls, finish = expected
-    assert finish == "tool_calls"
     ((function, arguments),) = calls
     assert function == "get_weather" and "Paris" in json.loads(arguments)["city"]
-    if case == "think-content-call":
-        assert (reasoning, content) == ("The user wants the weather in Paris.", "Let me check.")
-    else:
-        assert (reasoning, content) == ("", "")
+    if case == "required":
+        assert (reasoning, content, finish) == ("", "", "tool_calls")
+    else:  # the call cut by max_tokens stays content, resolved when the answer ends
+        assert reasoning == "The user wants the weather in Paris." and finish == "length"
+        assert content.startswith('Let me check.<tool_call>\n{"name": "get_weather"'), content
