@@ -230,3 +230,50 @@ def test_an_app_served_twice_gets_new_pools() -> None:
         for _ in range(2):
             with TestClient(app) as client:
                 assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+def test_shorten_gil_waits_sets_a_short_switch_interval_and_never_lengthens_it() -> None:
+    """The engine threads take the GIL back from Python-running pool threads within 0.5 ms
+    (``llamabatch serve`` calls it), not CPython's 5 ms; a shorter interval stays."""
+    from llamabatch.server.offload import SWITCH_INTERVAL_S, shorten_gil_waits
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        shorten_gil_waits()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S <= 0.001
+        sys.setswitchinterval(0.0001)
+        shorten_gil_waits()
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_chat_logprobs_written_directly_are_the_bytes_json_dumps_writes() -> None:
+    """``chat_logprobs_json`` writes the JSON text itself (no dicts, each token encoded once):
+    byte for byte what ``dumps_json`` makes of ``chat_logprobs``, with ties (kept in their
+    order), ``-inf``, numpy floats, and token texts needing escapes."""
+    import math
+    import random
+
+    import numpy as np
+
+    from llamabatch.server.protocol import chat_logprobs
+    from llamabatch.server.streaming import chat_logprobs_json, dumps_json
+
+    texts = ['a"b', "c\\d", "\n\t\x00", "é€😀", " ", ""]
+
+    def token_text(token: int) -> tuple[str, list[int]]:
+        text = texts[token % len(texts)] + str(token)
+        return text, list(text.encode("utf-8", "strict"))
+
+    rng = random.Random(1)
+    ids = [rng.randrange(40) for _ in range(90)]
+    logprobs = []
+    for i, t in enumerate(ids):
+        dist: dict = {rng.randrange(40): -float(rng.choice([0.5, 1.25, rng.random() * 9])) for _ in range(8)}
+        dist[t] = np.float64(-0.5) if i % 3 else -math.inf
+        logprobs.append(dist)
+    for top_n in (0, 1, 3, 20):
+        whole = dumps_json({"content": chat_logprobs(token_text, ids, logprobs, top_n)})
+        assert chat_logprobs_json(token_text, ids, logprobs, top_n).data == whole  # type: ignore[arg-type]

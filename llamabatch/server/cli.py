@@ -210,6 +210,7 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from llamabatch.server.app import create_app
+        from llamabatch.server.offload import shorten_gil_waits
     except ImportError as exc:
         print(
             f"llamabatch serve: error: {exc.name or exc} is missing; pip install 'llamabatch[server]'",
@@ -273,6 +274,7 @@ def main(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it: exit through this handler
     # (not the default one, which would kill the process before the engines close).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    shorten_gil_waits()  # the engine threads take the GIL back from the pools within 0.5 ms
     try:
         _serve(
             uvicorn,

@@ -15,6 +15,12 @@ first). The pool starts a replacement thread for one that has not stopped yet (u
 as the pool has workers), so abandoned work does not take a pool's capacity.
 
 The threads are daemon threads, never joined at exit: a stuck one cannot hold up shutdown.
+
+The engine threads share the GIL with these pools: every C call (a decode, a sampler, a
+logits row) gives it up and takes it back, dozens of times per tick. While a pool thread runs
+Python, taking it back waits for the interpreter's switch interval, 5 ms by default: a tick of
+a millisecond took tens. ``llamabatch serve`` shortens the interval
+(:func:`shorten_gil_waits`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import collections
 import ctypes
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -43,6 +50,7 @@ __all__ = [
     "WorkAbandoned",
     "WorkLimits",
     "run_step",
+    "shorten_gil_waits",
 ]
 
 T = TypeVar("T")
@@ -59,6 +67,16 @@ POOLS = (PREPARE, GRAMMAR, RERANK, ENCODE)
 
 #: the status of a request whose steps ran past their budget (see ``work_timeout_error``)
 WORK_TIMEOUT_STATUS = 503
+#: the interpreter's switch interval in the server (seconds; CPython's default is 0.005)
+SWITCH_INTERVAL_S = 0.0005
+
+
+def shorten_gil_waits(interval_s: float = SWITCH_INTERVAL_S) -> None:
+    """Set the interpreter's switch interval to ``interval_s`` unless it is shorter already:
+    a thread back from a C call gets the GIL from a thread running Python within it (see the
+    module). Process-wide: ``llamabatch serve`` calls it, an embedding application may."""
+    if sys.getswitchinterval() > interval_s:
+        sys.setswitchinterval(interval_s)
 
 
 @dataclass(frozen=True)
