@@ -221,7 +221,7 @@ def test_the_document_segment_needs_its_token_type(gguf_path: Path) -> None:
     """What llama-server computes (every token of type 0) is not the model's score: the
     reference needs the document's type row, which the Reranker feeds as input vectors."""
     with Reranker(gguf_path, activation_fn="identity") as r:
-        r._engine.table._delta[:] = 0  # as if llama.cpp's graph alone added the type rows
+        r._pairs.table._delta[:] = 0  # as if llama.cpp's graph alone added the type rows
         naive = r.predict(PAIRS[:8])
     assert np.abs(naive - LOGITS[:8]).max() > 20 * TOLERANCE
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,10 @@ from llamabatch._core.batch import BatchPool
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
 from llamabatch.embed.config import POOLINGS, EmbedderConfig, round_up
-from llamabatch.embed.jobs import Seq
+from llamabatch.embed.jobs import Job, ProgressBar, Seq
 from llamabatch.errors import DecodeError, KVCacheFull
-from llamabatch.runtime.telemetry import EmbedderCounters, EmbedPackEvent, Telemetry
-from llamabatch.runtime.worker import RetryOutcome, halve_and_retry
+from llamabatch.runtime.telemetry import EmbedderCounters, EmbedderStats, EmbedPackEvent, Telemetry
+from llamabatch.runtime.worker import RetryOutcome, Worker, halve_and_retry
 
 __all__ = ["WHOLE_UBATCH_POOLINGS", "EmbedCore", "pack_budget"]
 
@@ -214,6 +215,69 @@ class EmbedCore:
         self.n_calls += new_call
         self.n_texts += n_texts
         self.cond.notify()
+
+    def submit(
+        self,
+        worker: Worker,
+        tokens_of: Callable[[int, Any], np.ndarray],
+        items: list[Any],
+        offset: int,
+        out: Any,
+        bar: ProgressBar | None,
+        new_call: bool,
+    ) -> Job:
+        """Tokenize and check ``items`` (a call's items from ``offset``) on the caller's thread
+        with ``tokens_of(index, item)``, then enqueue them as one job filling ``out[offset:]``."""
+        with worker.using_resources():  # EngineClosed once closing; close() waits for it
+            tokens = [tokens_of(offset + i, item) for i, item in enumerate(items)]
+        seqs: list[Seq] = []
+        job = Job(out, 0, bar)
+        for i, t in enumerate(tokens):
+            if t.shape[0]:
+                seqs.append(Seq(job, offset + i, t))
+            else:  # no token at all: the zero row stands
+                job.n_done += 1
+        job.remaining = len(seqs)
+        if not seqs:
+            job.deliver()
+            return job
+        with worker.cond:
+            worker.raise_if_closed()
+            self.enqueue(seqs, len(items), new_call)
+        return job
+
+    def stats(self, worker: Worker) -> EmbedderStats:
+        """Running totals and what is queued (``Embedder.stats``); ``EngineClosed`` once closed."""
+        with worker.cond:
+            worker.raise_if_closed()
+            c = replace(self.counters)
+            calls, texts = self.n_calls, self.n_texts
+            pending_tokens, queue_depth = self.pending_tokens, len(self.queue)
+        packs, sequences, tokens = c.packs, c.sequences, c.tokens
+        return EmbedderStats(
+            pooling=self.pooling,
+            capacity=self.capacity,
+            n_seq_max=self.n_seq_max,
+            calls=calls,
+            texts=texts,
+            packs=packs,
+            decodes=c.decodes,
+            sequences=sequences,
+            failed_sequences=c.failed_sequences,
+            tokens=tokens,
+            decode_retries=c.decode_retries,
+            tokens_per_pack=tokens / packs if packs else 0.0,
+            sequences_per_pack=sequences / packs if packs else 0.0,
+            utilisation=tokens / (packs * self.capacity) if packs else 0.0,
+            queue_wait_mean_s=c.queue_wait / sequences if sequences else 0.0,
+            queue_wait_max_s=c.queue_wait_max,
+            decode_time_s=c.decode_time,
+            pack_time_s=c.pack_time,
+            texts_per_s=(sequences - c.failed_sequences) / c.pack_time if c.pack_time else 0.0,
+            tokens_per_s=tokens / c.pack_time if c.pack_time else 0.0,
+            pending_tokens=pending_tokens,
+            queue_depth=queue_depth,
+        )
 
     def limit_reason(self) -> str:
         """What sets ``max_tokens``, and how to raise it."""

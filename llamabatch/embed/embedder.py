@@ -42,11 +42,9 @@ Limits that keep llama.cpp from aborting the process (not only from failing):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Iterable
 from typing import Any, overload
 
 import numpy as np
@@ -66,7 +64,6 @@ from llamabatch.embed.jobs import (
     Job,
     Matrix,
     ProgressBar,
-    Seq,
     Vector,
     as_texts,
     cancel_submitted,
@@ -76,15 +73,15 @@ from llamabatch.embed.jobs import (
 )
 from llamabatch.embed.st_compat import PRECISIONS
 from llamabatch.errors import EngineClosed, PromptTooLong
+from llamabatch.runtime.facade import ThreadedFacade
 from llamabatch.runtime.telemetry import EmbedderStats, Listener, Telemetry
-from llamabatch.runtime.worker import Worker
 
 __all__ = ["NORMALIZATIONS", "POOLINGS", "PRECISIONS", "Embedder", "EmbedderConfig", "pack_budget"]
 
 logger = logging.getLogger("llamabatch")
 
 
-class Embedder:
+class Embedder(ThreadedFacade):
     """Embeddings from one GGUF model, packing the texts of all callers into shared decodes.
 
     ``Embedder(path, config=EmbedderConfig(...))`` and ``Embedder(path, n_batch=...)`` are the
@@ -134,11 +131,6 @@ class Embedder:
         ContextError: llama.cpp could not create the context.
     """
 
-    #: what the embedder is called in messages ("the embedder is closed")
-    _kind = "embedder"
-    #: the worker side it drives (the reranker's decodes input vectors)
-    _core_type: type[EmbedCore] = EmbedCore
-
     @with_config_signature
     def __init__(
         self, model_path: str | os.PathLike[str], *, config: EmbedderConfig | None = None, **options: Any
@@ -146,8 +138,8 @@ class Embedder:
         self.config = EmbedderConfig.from_options(config, **options)
         self.normalize: str = str(self.config.normalize)
         self.truncate: bool = self.config.truncate
-        self._core = core = self._core_type(model_path, self.config)
-        self._worker = worker = Worker("llamabatch-embedder", core, kind=self._kind)
+        self._core = core = EmbedCore(model_path, self.config)
+        worker = self.attach("llamabatch-embedder", core, kind="embedder")
         core.bind(worker.cond, lambda: worker.closed)
         self.model: Model = core.model
         self.context: Context = core.context
@@ -161,31 +153,11 @@ class Embedder:
         self.n_embd: int = core.n_embd
         self.n_out: int = core.n_out
         self.telemetry: Telemetry = core.telemetry
-        self._worker.start()
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` was called or the worker crashed: no more work is accepted."""
-        return self._worker.closed
-
-    @property
-    def on_worker_thread(self) -> bool:
-        """Whether the current thread is the worker thread (listeners run there)."""
-        return self._worker.on_worker_thread
-
-    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
-        """Run ``fn()`` on the worker thread (the context's only user); return its result."""
-        return self._worker.call(fn, timeout)
-
-    @contextlib.contextmanager
-    def using_resources(self) -> Iterator[None]:
-        """Keep the model alive while the current thread uses it (``EngineClosed`` once closing)."""
-        with self._worker.using_resources():
-            yield
+        self.start()
 
     def tokenize(self, text: str) -> list[int]:
         """The tokens ``embed`` computes for ``text`` (with the model's special tokens)."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self.model.tokenize(text)
 
     @overload
@@ -303,59 +275,7 @@ class Embedder:
         Raises:
             EngineClosed: the embedder is closed.
         """
-        core = self._core
-        with self._worker.cond:
-            self._worker.raise_if_closed()
-            c = replace(core.counters)
-            calls, texts = core.n_calls, core.n_texts
-            pending_tokens, queue_depth = core.pending_tokens, len(core.queue)
-        packs, sequences, tokens = c.packs, c.sequences, c.tokens
-        return EmbedderStats(
-            pooling=self.pooling,
-            capacity=self.capacity,
-            n_seq_max=self.n_seq_max,
-            calls=calls,
-            texts=texts,
-            packs=packs,
-            decodes=c.decodes,
-            sequences=sequences,
-            failed_sequences=c.failed_sequences,
-            tokens=tokens,
-            decode_retries=c.decode_retries,
-            tokens_per_pack=tokens / packs if packs else 0.0,
-            sequences_per_pack=sequences / packs if packs else 0.0,
-            utilisation=tokens / (packs * self.capacity) if packs else 0.0,
-            queue_wait_mean_s=c.queue_wait / sequences if sequences else 0.0,
-            queue_wait_max_s=c.queue_wait_max,
-            decode_time_s=c.decode_time,
-            pack_time_s=c.pack_time,
-            texts_per_s=(sequences - c.failed_sequences) / c.pack_time if c.pack_time else 0.0,
-            tokens_per_s=tokens / c.pack_time if c.pack_time else 0.0,
-            pending_tokens=pending_tokens,
-            queue_depth=queue_depth,
-        )
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the worker and free the model; calls still queued or in a pack end with
-        ``EngineClosed``. Idempotent. From a listener (the worker thread) it takes effect
-        when the current pack ends."""
-        worker = getattr(self, "_worker", None)
-        if worker is not None:
-            worker.close(timeout)
-
-    def __enter__(self) -> Embedder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            worker = getattr(self, "_worker", None)
-            if worker is not None and not worker.closed:
-                self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
+        return self._core.stats(self.worker)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"pooling={self.pooling} capacity={self.capacity}"
@@ -371,7 +291,7 @@ class Embedder:
         """Queue ``texts`` in jobs of ``chunk`` texts, wait for them all; the raw rows."""
         if self.on_worker_thread:
             raise RuntimeError("an Embedder cannot be called from its own worker thread (a listener)")
-        if self._worker.closed:
+        if self.worker.closed:
             raise EngineClosed("the embedder is closed")
         return run_jobs(self._submit, texts, chunk, self._new_rows(len(texts)), show)
 
@@ -380,23 +300,7 @@ class Embedder:
     ) -> Job:
         """Tokenize and check ``texts`` (the call's texts from ``offset``) on the caller's
         thread, then enqueue them as one job filling ``out[offset:]``."""
-        with self._worker.using_resources():  # EngineClosed once closing; close() waits for it
-            tokens = [self._tokens_of(offset + i, text) for i, text in enumerate(texts)]
-        seqs: list[Seq] = []
-        job = Job(out, 0, bar)
-        for i, t in enumerate(tokens):
-            if t.shape[0]:
-                seqs.append(Seq(job, offset + i, t))
-            else:  # no token at all: the zero row stands
-                job.n_done += 1
-        job.remaining = len(seqs)
-        if not seqs:
-            job.deliver()
-            return job
-        with self._worker.cond:
-            self._worker.raise_if_closed()
-            self._core.enqueue(seqs, len(texts), new_call)
-        return job
+        return self._core.submit(self.worker, self._tokens_of, texts, offset, out, bar, new_call)
 
     def _tokens_of(self, index: int, text: str) -> np.ndarray:
         if not isinstance(text, str):

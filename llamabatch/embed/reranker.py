@@ -2,8 +2,9 @@
 
 The pairs of all callers are packed into shared ``llama_encode`` calls exactly as
 :class:`~llamabatch.Embedder` packs texts (one FIFO, token-budget packs, halving on memory
-exhaustion, one worker thread owning the context): ``Reranker`` drives a private ``Embedder``
-with rank pooling whose inputs are pairs. Two things differ from an embedding:
+exhaustion, one worker thread owning the context): ``Reranker`` drives the embedding core
+(``EmbedCore``, with rank pooling) on its own worker thread, and its inputs are pairs. Two
+things differ from an embedding:
 
 - each pair is built as the model's own tokenizer builds it (``[CLS] q [SEP] d [SEP]`` for
   BERT), with Hugging Face's ``longest_first`` truncation (:mod:`llamabatch.embed.reranker_inputs`);
@@ -28,12 +29,12 @@ import numpy as np
 from llamabatch._ffi.embd_batch import EmbdBatch
 from llamabatch.embed.config import EmbedderConfig
 from llamabatch.embed.core import EmbedCore
-from llamabatch.embed.embedder import Embedder
-from llamabatch.embed.jobs import run_jobs, show_progress
+from llamabatch.embed.jobs import Job, ProgressBar, run_jobs, show_progress
 from llamabatch.embed.reranker_inputs import InputTable, truncate_pair
 from llamabatch.errors import EngineClosed, PromptTooLong
 from llamabatch.gguf.convert_head import ACTIVATION_KEY
 from llamabatch.gguf.reader import tensor_names
+from llamabatch.runtime.facade import ThreadedFacade
 from llamabatch.runtime.telemetry import EmbedderStats, Listener
 from llamabatch.validate import check_positive_int
 
@@ -91,28 +92,17 @@ class _PairCore(EmbedCore):
         return self.forward(batch.address)
 
 
-class _PairEncoder(Embedder):
-    """An ``Embedder`` with rank pooling whose inputs are (query, document) pairs, decoded from
-    input vectors. Its "tokens" are ``(n, 2)`` int32 arrays: token id, token type."""
+class _PairTokens:
+    """(query, document) pairs as the model's tokenizer builds them: ``(n, 2)`` int32 arrays of
+    token id and token type, at most ``max_length`` rows (truncated when ``truncate_pairs``)."""
 
-    _kind = "reranker"
-    _core_type = _PairCore
-
-    def __init__(self, model_path: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, core: _PairCore) -> None:
+        self.model = core.model
+        #: the token-embedding and token-type rows the pairs are decoded from
+        self.table = core.table
         self.truncate_pairs = True
-        self.max_length = 0
-        Embedder.__init__(self, model_path, pooling="rank", normalize="none", truncate=False, **kwargs)
-        try:
-            self._prefix, self._mid, self._suffix_ids = self._pair_layout()
-        except BaseException:
-            self.close()
-            raise
-        self.max_length = self.max_tokens
-
-    @property
-    def table(self) -> InputTable:
-        """The token-embedding and token-type rows the pairs are decoded from."""
-        return self._core.table  # type: ignore[attr-defined,no-any-return]
+        self.max_length = core.max_tokens
+        self._prefix, self._mid, self._suffix_ids = self._pair_layout()
 
     def _pair_layout(self) -> tuple[list[int], list[int], list[int]]:
         """The special tokens around and between the two segments, as the tokenizer puts them."""
@@ -199,11 +189,8 @@ class _PairEncoder(Embedder):
             out[len(first) :, 1] = 1
         return out
 
-    def _tokens_of(self, index: int, text: Any) -> np.ndarray:
-        return self.pair_tokens(index, text)
 
-
-class Reranker:
+class Reranker(ThreadedFacade):
     """A cross-encoder reranker from one GGUF (e.g. made by ``llamabatch convert`` from a
     ``BertForSequenceClassification`` / sentence-transformers ``CrossEncoder`` directory).
 
@@ -256,8 +243,10 @@ class Reranker:
                 f"(tensors cls and cls.output), and its head is {head}; convert a cross-encoder "
                 "(BertForSequenceClassification) with `llamabatch convert`, or use Embedder for embeddings"
             )
-        self._engine = _PairEncoder(
-            model_path,
+        config = EmbedderConfig.from_options(
+            pooling="rank",
+            normalize="none",
+            truncate=False,
             n_batch=n_batch,
             n_seq_max=n_seq_max,
             n_threads=n_threads,
@@ -266,20 +255,26 @@ class Reranker:
             load_mode=load_mode,
             validate=validate,
         )
-        engine = self._engine
-        if max_length is not None:
-            if max_length > engine.max_tokens:
-                engine.close()
+        self._core = core = _PairCore(model_path, config)
+        worker = self.attach("llamabatch-embedder", core, kind="reranker")
+        core.bind(worker.cond, lambda: worker.closed)
+        try:
+            self._pairs = pairs = _PairTokens(core)
+            if max_length is not None and max_length > core.max_tokens:
                 raise ValueError(
-                    f"max_length ({max_length}) exceeds the {engine.max_tokens} tokens one pair may have "
-                    f"here (the model's n_ctx_train {engine.model.n_ctx_train}, n_batch {n_batch})"
+                    f"max_length ({max_length}) exceeds the {core.max_tokens} tokens one pair may have "
+                    f"here (the model's n_ctx_train {core.model.n_ctx_train}, n_batch {n_batch})"
                 )
-            engine.max_length = max_length
-        engine.truncate_pairs = truncate
-        self.model = engine.model
+        except BaseException:
+            self.close()
+            raise
+        if max_length is not None:
+            pairs.max_length = max_length
+        pairs.truncate_pairs = truncate
+        self.model = core.model
         #: outputs of the head (CrossEncoder's ``num_labels``)
-        self.num_labels: int = engine.n_out
-        self.max_length: int = engine.max_length
+        self.num_labels: int = core.n_out
+        self.max_length: int = pairs.max_length
         self.truncate = truncate
         recorded = self.model.meta(ACTIVATION_KEY)
         default = recorded if recorded in ACTIVATIONS else ("sigmoid" if self.num_labels == 1 else "identity")
@@ -287,6 +282,7 @@ class Reranker:
         self.activation_fn: str | Callable[[np.ndarray], np.ndarray] = (
             activation_fn if activation_fn is not None else default
         )
+        self.start()
 
     @staticmethod
     def _check_activation(activation_fn: Activation) -> None:
@@ -330,13 +326,19 @@ class Reranker:
 
     def _logits(self, pairs: list[Any], chunk: int, show: bool) -> np.ndarray:
         """Queue ``pairs`` in jobs of ``chunk``, wait for them all: ``(n, num_labels)`` logits."""
-        engine = self._engine
-        if engine.on_worker_thread:
+        if self.on_worker_thread:
             raise RuntimeError("a Reranker cannot be called from its own worker thread (a listener)")
-        if engine.closed:
+        if self.closed:
             raise EngineClosed("the reranker is closed")
         out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
-        return run_jobs(engine._submit, pairs, chunk, out, show, desc="Reranking", unit="pair")
+        return run_jobs(self._submit, pairs, chunk, out, show, desc="Reranking", unit="pair")
+
+    def _submit(
+        self, pairs: list[Any], offset: int, out: Any, bar: ProgressBar | None, new_call: bool
+    ) -> Job:
+        """Tokenize and check ``pairs`` (a call's pairs from ``offset``) on the caller's thread,
+        then enqueue them as one job filling ``out[offset:]``."""
+        return self._core.submit(self.worker, self._pairs.pair_tokens, pairs, offset, out, bar, new_call)
 
     def _shape(self, logits: np.ndarray, single: bool, activation_fn: Activation, apply_softmax: bool) -> Any:
         scores = self._activate(logits, activation_fn, apply_softmax)
@@ -400,7 +402,7 @@ class Reranker:
         and join the shared packs. Cancelling the awaiting task drops the pairs not packed yet."""
         single, pairs = self._as_pairs(sentences)
         out = np.zeros((len(pairs), self.num_labels), dtype=np.float32)
-        submit = asyncio.ensure_future(asyncio.to_thread(self._engine._submit, pairs, 0, out, None, True))
+        submit = asyncio.ensure_future(asyncio.to_thread(self._submit, pairs, 0, out, None, True))
         try:
             job = await asyncio.shield(submit)
         except asyncio.CancelledError:  # the pairs are still being tokenized: drop them once queued
@@ -490,9 +492,9 @@ class Reranker:
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
         check_positive_int("max_query_tokens", max_query_tokens, allow_none=True)
-        engine = self._engine
-        with engine.using_resources():
-            q = engine.segment_tokens(query)
+        tokens = self._pairs
+        with self.using_resources():
+            q = tokens.segment_tokens(query)
             if max_query_tokens is not None and len(q) > max_query_tokens:
                 error = PromptTooLong(
                     f"the query has {len(q)} tokens, more than the {max_query_tokens} it may have"
@@ -503,46 +505,32 @@ class Reranker:
             for i, document in enumerate(documents):
                 if not isinstance(document, str):
                     raise TypeError(f"documents[{i}] must be a str, got {type(document).__name__}")
-                pairs.append(engine.join_pair(i, q, document))
+                pairs.append(tokens.join_pair(i, q, document))
             return pairs
 
     def tokenize(self, query: str, document: str) -> tuple[list[int], list[int]]:
         """The token ids and token types of the pair, as ``predict`` computes it (truncated
         or refused as the Reranker is set)."""
-        with self._engine.using_resources():
-            tokens = self._engine.pair_tokens(0, (query, document))
+        with self.using_resources():
+            tokens = self._pairs.pair_tokens(0, (query, document))
         return tokens[:, 0].tolist(), tokens[:, 1].tolist()
 
     def stats(self) -> EmbedderStats:
         """Running totals (packs, pairs as ``sequences``, tokens, ...), as ``Embedder.stats``."""
-        return self._engine.stats()
+        return self._core.stats(self.worker)
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(EmbedPackEvent)`` after every pack (on the worker thread)."""
-        self._engine.add_listener(listener)
+        self._core.telemetry.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling ``listener``."""
-        self._engine.remove_listener(listener)
-
-    @property
-    def closed(self) -> bool:
-        return self._engine.closed
+        self._core.telemetry.remove_listener(listener)
 
     @property
     def max_tokens(self) -> int:
         """The most tokens of one pair (``max_length``)."""
         return self.max_length
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the worker and free the model; pending calls end with ``EngineClosed``. Idempotent."""
-        self._engine.close(timeout)
-
-    def __enter__(self) -> Reranker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"labels={self.num_labels} max_length={self.max_length}"

@@ -29,6 +29,7 @@ from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.chat_template import render_chat
 from llamabatch.prompts.inputs import as_prompt_list
+from llamabatch.runtime.facade import ThreadedFacade
 from llamabatch.runtime.telemetry import GenerationStats, Listener
 from llamabatch.runtime.worker import Worker
 
@@ -101,7 +102,7 @@ class EngineLoop:
         return len(self.inbox) + self.core.n_queued
 
 
-class LLM(HostFacts):
+class LLM(HostFacts, ThreadedFacade):
     """Many concurrent generations from one GGUF model, batched into one forward pass per tick.
 
     Options: ``config=EngineConfig(...)`` and/or the config's fields as keywords (``n_ctx``,
@@ -123,8 +124,8 @@ class LLM(HostFacts):
         self._chat_options = ChatOptions(tool_call_parser, reasoning_format)
         self._host = EngineHost(model_path, engine_config(config, options))
         self._loop = EngineLoop(self._host)
-        self._worker = self._loop.worker = Worker("llamabatch-engine", self._loop, kind="LLM")
-        self._worker.start()
+        self._loop.worker = self.attach("llamabatch-engine", self._loop, kind="LLM")
+        self.start()
 
     @property
     def chat_options(self) -> ChatOptions:
@@ -132,30 +133,14 @@ class LLM(HostFacts):
         return self._chat_options
 
     @property
-    def worker(self) -> Worker:
-        """The engine's thread (``worker.call(fn)`` runs ``fn`` on it between steps: for
-        tests, benchmarks and diagnostics)."""
-        return self._worker
-
-    @property
     def core(self) -> EngineCore:
         """The engine core (touch it only on the engine thread: ``worker.call``)."""
         return self._host.core
 
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` was called or the engine thread crashed."""
-        return self._worker.closed
-
-    @property
-    def on_worker_thread(self) -> bool:
-        """Whether the current thread is the engine's (listeners and strategies run there)."""
-        return self._worker.on_worker_thread
-
     def call_on_engine_thread(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn()`` on the engine thread between steps and return its result (see
         ``Worker.call``)."""
-        return self._worker.call(fn, timeout)
+        return self.worker.call(fn, timeout)
 
     # -- telemetry --------------------------------------------------------------------------
 
@@ -176,32 +161,32 @@ class LLM(HostFacts):
     # -- the model on callers' threads ----------------------------------------------------
 
     def _make_requests(self, *args: Any, **kwargs: Any) -> list[Request]:
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self._host.make_requests(*args, **kwargs)
 
     def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> tuple[list[int], str | None]:
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self._host.prompt_tokens(prompt, params)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text`` under the model's vocabulary."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self._host.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens``."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self._host.detokenize(tokens)
 
     def tokenize_prompt(self, text: str) -> list[int]:
         """A text prompt's token ids exactly as ``submit`` makes them (BOS added, special
         tokens parsed)."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return self._host.tokenize_prompt(text)
 
     def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None:
         """``PromptTooLong`` when ``text`` cannot fit the context, before tokenizing it."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             self._host.check_prompt_bytes(text, max_tokens)
 
     # -- requests (any thread) ------------------------------------------------------------
@@ -209,7 +194,7 @@ class LLM(HostFacts):
     def _enqueue(self, requests: list[Request], block: bool = False, timeout: float | None = None) -> None:
         """Queue requests (all or none). ``QueueFull`` beyond ``max_queue``, unless
         ``block``, which waits for room (not on the engine thread: it would wait forever)."""
-        worker, loop = self._worker, self._loop
+        worker, loop = self.worker, self._loop
         if block and worker.on_worker_thread:
             block = False
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -230,7 +215,7 @@ class LLM(HostFacts):
             worker.cond.notify_all()
 
     def _cancel(self, request: Request) -> None:
-        worker = self._worker
+        worker = self.worker
         with worker.cond:
             if not worker.closed:
                 self._loop.cancels.append(request)
@@ -253,8 +238,8 @@ class LLM(HostFacts):
 
         Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
         prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""
-        with self._worker.cond:
-            self._worker.raise_if_closed()
+        with self.worker.cond:
+            self.worker.raise_if_closed()
         requests = self._make_requests(prompt, params, channel=Channel(), priority=priority, client=client)
         self._enqueue(requests)
         return RequestHandle(requests, self._cancel)
@@ -371,8 +356,8 @@ class LLM(HostFacts):
         """Submit a prompt whose deltas go to an asyncio queue of the running loop. The
         prompt is tokenized and its samplers (grammars) built in a worker thread, so a heavy
         prompt or grammar does not stall the event loop."""
-        with self._worker.cond:
-            self._worker.raise_if_closed()
+        with self.worker.cond:
+            self.worker.raise_if_closed()
         channel = Channel()
         aqueue: asyncio.Queue[Any] = asyncio.Queue()
         channel.listen_from(asyncio.get_running_loop(), aqueue)
@@ -440,7 +425,7 @@ class LLM(HostFacts):
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             prepared = [
                 prepare(
                     self,
@@ -475,7 +460,7 @@ class LLM(HostFacts):
     ) -> str:
         """The prompt text for ``messages`` under the model's chat template (the GGUF's
         Jinja ``tokenizer.chat_template``, rendered as HF transformers does)."""
-        with self._worker.using_resources():
+        with self.worker.using_resources():
             return render_chat(
                 self.model,
                 messages,
@@ -499,9 +484,9 @@ class LLM(HostFacts):
         if len(tokens) < 2:
             raise ValueError("a prefix must be at least 2 tokens long to be worth pinning")
         kv = self._kv
-        seq_id = self._worker.call(kv.new_pin_seq, timeout)
+        seq_id = self.worker.call(kv.new_pin_seq, timeout)
         pinned = PinnedPrefix(seq_id, tokens, text)
-        if self._worker.call(lambda: kv.load_pin(pinned), timeout):  # from prefix_cache_dir
+        if self.worker.call(lambda: kv.load_pin(pinned), timeout):  # from prefix_cache_dir
             return PrefixHandle(self, pinned)
         # Computed like a prompt in a slot, then copied into its own sequence.
         request = Request(tokens, params, streaming=False, pin=pinned)
@@ -516,14 +501,14 @@ class LLM(HostFacts):
                     kv.drop_pin_seq(seq_id)
 
             self._cancel(request)
-            self._worker.call(give_back)
+            self.worker.call(give_back)
             reason = request.error or request.finish_reason or f"not computed within {timeout} s"
             raise RuntimeError(f"could not compute the prefix: {reason}")
         return PrefixHandle(self, pinned)
 
     def clear_prefix_cache(self) -> None:
         """Drop the prompt tokens idle slots keep for reuse (pinned prefixes stay)."""
-        self._worker.call(self._kv.clear)
+        self.worker.call(self._kv.clear)
 
     @property
     def _kv(self) -> Any:
@@ -538,21 +523,7 @@ class LLM(HostFacts):
 
         From a listener or strategy (the engine's thread) it takes effect when the current
         tick ends."""
-        self._worker.close(timeout)
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            worker = self.__dict__.get("_worker")
-            if worker is not None and not worker.closed:
-                worker.close(timeout=5)
-        except Exception:
-            pass
+        super().close(timeout)
 
 
 class PrefixHandle:
