@@ -62,6 +62,44 @@ PREFIX_CACHE_DIR_MAX_MB = 4096
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
+def parse_lora_arg(spec: str) -> tuple[str, str]:
+    """``name=path`` (vLLM's form) or a bare ``path`` (llama-server's ``--lora FILE``: named by
+    the file's stem) as ``(name, path)``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path, name = spec, os.path.splitext(os.path.basename(spec))[0]
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    return name, path
+
+
+def lora_adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """``lora_adapters`` normalised: ``((name, path), ...)`` from a mapping ``{name: path}`` or
+    a sequence of ``--lora`` strings; a name at most once."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    if isinstance(value, Mapping):
+        items = [(k, os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [tuple(v) if isinstance(v, (list, tuple)) else parse_lora_arg(os.fspath(v)) for v in value]
+    else:
+        raise ValueError(f"lora_adapters must be a mapping {{name: path}}, got {type(value).__name__}")
+    out: dict[str, str] = {}
+    for item in items:
+        if len(item) != 2 or not all(isinstance(x, str) and x and "\0" not in x for x in item):
+            raise ValueError(f"lora_adapters: each adapter is a (name, path) pair of strings, got {item!r}")
+        name, path = item
+        if name in out:
+            raise ValueError(f"lora_adapters names {name!r} twice")
+        out[name] = path
+    return tuple(out.items())
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite float > 0."""
     try:
@@ -239,6 +277,14 @@ class EngineConfig(OptionsConfig):
             (``generate/batch_invariant.py``); ``kv_unified=True``, ``flash_attn=False``, an
             ``f32`` cache or ``n_gpu_layers != 0`` with it are refused, and so, at load, is a
             model whose matrices are F32/F16/BF16. Default ``False``.
+
+        lora_adapters: LoRA adapters by name, ``{name: path}`` (or ``name=path`` / ``path``
+            strings, as ``--lora``); a request picks them with ``SamplingParams(lora=...)``.
+            Each file is checked against the model at load (``gguf/check_lora.py``).
+        max_loras: the most adapters loaded in llama.cpp at once (least recently used ones
+            are unloaded; never one a running request uses). Default: as many as
+            ``lora_adapters`` names, 0 (LoRA off) when none; give it to load adapters at run
+            time (``LLM.load_lora``) without any at start.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
@@ -443,11 +489,39 @@ class EngineConfig(OptionsConfig):
         ),
     )
 
+    lora_adapters: Any = field(
+        default=(),
+        hash=False,
+        metadata=flag(
+            "--lora",
+            action="append",
+            metavar="NAME=FILE",
+            help="a LoRA adapter: name=file (vLLM), or a file (llama-server; named by its stem); repeatable",
+        ),
+    )
+    max_loras: int | None = field(
+        default=None,
+        metadata=flag(
+            "--max-loras",
+            type=int,
+            metavar="N",
+            help="the most LoRA adapters loaded at once (default: as many as --lora names)",
+        ),
+    )
+
     def __post_init__(self) -> None:
         from llamabatch.strategies import get_strategy
 
         object.__setattr__(self, "speculative_config", validate_speculative_config(self.speculative_config))
         check_image_options(self)
+        object.__setattr__(self, "lora_adapters", lora_adapter_pairs(self.lora_adapters))
+        max_loras = self.max_loras
+        if max_loras is not None and (
+            not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 0
+        ):
+            raise ValueError(f"max_loras must be an int >= 0 or None, got {max_loras!r}")
+        if max_loras == 0 and self.lora_adapters:
+            raise ValueError("max_loras=0 switches LoRA off, but lora_adapters names adapters")
 
         for name in ("n_parallel", "n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))
@@ -515,6 +589,11 @@ class EngineConfig(OptionsConfig):
         if self.max_prefixes is not None:
             return self.max_prefixes
         return 4 if self.kv_unified is not False and self.prefix_cache else 0
+
+    @property
+    def n_loras(self) -> int:
+        """``max_loras`` resolved: as many as ``lora_adapters`` names when not given (0: off)."""
+        return self.max_loras if self.max_loras is not None else len(self.lora_adapters)
 
     @property
     def n_seq_max(self) -> int:

@@ -60,7 +60,8 @@ def _scheduler(
     requests: list[Any], clock: Clock | None = None
 ) -> tuple[LoraScheduler, list[tuple[Any, ...]]]:
     applied: list[tuple[Any, ...]] = []
-    scheduler = LoraScheduler(FakeRegistry(), object(), lambda: requests, clock=clock or Clock())  # type: ignore[arg-type]
+    context = object()
+    scheduler = LoraScheduler(FakeRegistry(), lambda: context, lambda: requests, clock=clock or Clock())  # type: ignore[arg-type]
     scheduler.set_on_context = lambda ctx, adapters, scales: applied.append(
         tuple(zip(adapters, scales, strict=True))
     )

@@ -49,6 +49,7 @@ from llamabatch.generate.admission import TickLimit, Verdict, admission_for
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import ubatch_cost_cells
+from llamabatch.generate.lora_schedule import install_lora
 from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
@@ -162,6 +163,7 @@ class EngineCore:
         self.clock: Callable[[], float] = time.perf_counter
         #: the wait order, admissions, each tick's budget and the victims of preemption
         self.admission = admission_for(config.target_itl_ms, self.n_batch, config.priority_aging)
+        self.lora = install_lora(self)  # one LoRA adapter set per tick (``lora_schedule.py``)
         # the current tick, as its plug-ins see it (``tick_context.TickContext``)
         self.budget = self.n_batch
         self.tick_limit: TickLimit | None = None

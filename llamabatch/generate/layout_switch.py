@@ -30,8 +30,8 @@ over the time served since then must exceed the measured cost of a switch
 
 ``kv_unified`` or ``flash_attn`` given explicitly pin that choice; nothing switches with
 layers on a GPU, ``batch_invariant``, speculative decoding (its draft context), an image
-encoder (``mmproj``: bound to its context), pinned prefixes (their own sequences) or
-``prefix_cache_dir`` (files are written per layout).
+encoder (``mmproj``: bound to its context), LoRA adapters (set on the context), pinned
+prefixes (their own sequences) or ``prefix_cache_dir`` (files are written per layout).
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def layouts_allowed(asked: EngineConfig, default: Layout, pinned_prefixes: bool 
         or asked.speculative_config
         or asked.prefix_cache_dir is not None
         or asked.mmproj is not None
+        or asked.n_loras
         or not asked.prefix_cache
         or pinned_prefixes
         or asked.type_v not in ("f16", "bf16", "f32")

@@ -23,6 +23,7 @@ from llamabatch.generate.batch_invariant import check_weight_types
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.layout_switch import LayoutFollower
+from llamabatch.generate.lora_schedule import lora_params
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
@@ -213,6 +214,8 @@ class EngineHost:
         check_sampling(
             params, self.model.n_vocab, n_parallel=self.n_parallel, max_mb=self.config.max_request_memory_mb
         )
+        spec = self.config.speculative_config
+        params = lora_params(self.core.lora, params, spec.get("method") if spec else None)
         media = media_prompt(self.vision, prompt, self.n_ctx_seq, params.max_tokens)
         tokens, text = (media.tokens, media.text) if media is not None else self.prompt_tokens(prompt, params)
         requests: list[Request] = []

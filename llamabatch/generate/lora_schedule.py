@@ -27,23 +27,25 @@ tier and the prefix files.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from llamabatch._ffi.lora import LoraAdapter, set_adapters
 from llamabatch._ffi.model import Model
+from llamabatch.config import parse_lora_arg
 from llamabatch.errors import LoraLoadError
 from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, Verdict
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 from llamabatch.generate.request import Request
 from llamabatch.gguf.check_lora import check_lora
-from llamabatch.params import LORA_NAME_MAX
+from llamabatch.params import LORA_NAME_MAX, SamplingParams
 
 logger = logging.getLogger("llamabatch")
 
@@ -54,26 +56,14 @@ __all__ = [
     "LoraRegistry",
     "LoraScheduler",
     "SwitchCost",
+    "install_lora",
+    "lora_params",
     "parse_lora_arg",
 ]
 
 #: a request's adapter set, as ``SamplingParams.lora`` holds it; ``()``: the base model
 AdapterSet = tuple[tuple[str, float], ...]
 BASE: AdapterSet = ()
-
-
-def parse_lora_arg(spec: str) -> tuple[str, str]:
-    """``name=path`` (vLLM's ``--lora-modules`` form) or a bare ``path`` (llama-server's
-    ``--lora FILE``: the name is the file's stem) as ``(name, path)``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
-    name, sep, path = spec.partition("=")
-    if not sep:
-        path, name = spec, Path(spec).stem
-    name, path = name.strip(), path.strip()
-    if not name or not path:
-        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
-    return name, path
 
 
 class LoraRegistry:
@@ -224,13 +214,15 @@ class LoraScheduler:
     def __init__(
         self,
         registry: LoraRegistry,
-        context: Any,
+        context: Callable[[], Any],
         running: Callable[[], Sequence[Request | None]],
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.registry = registry
+        #: the engine's context now (a rebuilt context starts with no adapters)
         self.context = context
+        self._applied_to: Any = None
         self.running = running
         self.clock = clock
         self.current: AdapterSet = BASE
@@ -288,10 +280,13 @@ class LoraScheduler:
 
     def apply(self, key: AdapterSet) -> None:
         """Make ``key`` the context's adapter set (a no-op when it is already)."""
+        context = self.context()
+        if context is not self._applied_to:  # a new context holds no adapters
+            self._applied_to, self.current = context, BASE
         if key == self.current:
             return
         adapters = self.registry.acquire([name for name, _ in key])
-        self.set_on_context(self.context, adapters, [scale for _, scale in key])
+        self.set_on_context(context, adapters, [scale for _, scale in key])
         self.current = key
         self.switched = True
         self.n_switches += 1
@@ -352,7 +347,14 @@ class AdapterSetStrategy:
         if len(groups) == 1:
             return self.inner.plan(view, budget, chunk_size, queue_depth)
         decode, prefill = groups[key]
-        return self.inner.plan(_SubsetView(view, decode, prefill), budget, chunk_size, queue_depth)
+        plan = list(self.inner.plan(_SubsetView(view, decode, prefill), budget, chunk_size, queue_depth))
+        if not plan:  # never empty: the engine's fallback would mix the sets
+            plan = (
+                [(decode[0], 1)]
+                if decode
+                else [(prefill[0], min(view.n_pending(prefill[0]), chunk_size, budget))]
+            )
+        return plan
 
 
 class LoraAdmission(DelegatingAdmission):
@@ -399,6 +401,41 @@ class LoraAdmission(DelegatingAdmission):
         self.inner.observe(features, elapsed)
 
 
-def lora_key(request: Request) -> Hashable:
-    """The adapter set of ``request`` (the KV cache's tag)."""
-    return request.params.lora
+def install_lora(core: Any) -> LoraScheduler | None:
+    """Put LoRA scheduling around ``core``'s strategy and admission policy when its config
+    allows adapters (``n_loras`` > 0; each of ``lora_adapters`` checked here); None when off."""
+    config = core.config
+    if not config.n_loras:
+        return None
+    registry = LoraRegistry(core.model, config.n_loras)
+    for name, path in config.lora_adapters:
+        registry.register(name, path)
+    scheduler = LoraScheduler(registry, lambda: core.context, lambda: core.running)
+    core.strategy = AdapterSetStrategy(core.strategy, scheduler)
+    core.admission = LoraAdmission(core.admission, scheduler, core.abort)
+    return scheduler
+
+
+def lora_params(
+    scheduler: LoraScheduler | None, params: SamplingParams, speculative_method: str | None
+) -> SamplingParams:
+    """``params`` checked for the engine's adapters, on the caller's thread: a
+    ``LoRARequest``'s file not loaded yet is registered (checked first); an unknown name, or
+    adapters on an engine without LoRA, is a ``ValueError``. A draft model has none of the
+    target's adapters, so a request with adapters does not speculate with one."""
+    if not params.lora and not params.lora_files:
+        return params
+    if scheduler is None:
+        raise ValueError(
+            "SamplingParams.lora: this engine has no LoRA adapters "
+            "(start it with lora_adapters= or max_loras=)"
+        )
+    registry = scheduler.registry
+    known = registry.names()
+    for name, path in params.lora_files.items():
+        if name not in known:
+            registry.register(name, path)
+    registry.check_set(params.lora)
+    if params.lora and params.speculative and speculative_method == "draft_model":
+        params = dataclasses.replace(params, speculative=False)
+    return params
