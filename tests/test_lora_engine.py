@@ -173,3 +173,23 @@ def test_smollm2_greedy_with_adapter_equals_llama_server(
             for scale in (1.0, 0.0):
                 out = llm.generate([prompt], _greedy({"x": scale}, 16), use_tqdm=False)[0]
                 assert out.outputs[0].text == ref[(prompt, scale)], (prompt, scale)
+
+
+def test_load_and_unload_at_run_time(tiny: Path, adapters: dict[str, Path]) -> None:
+    with LLM(tiny, max_loras=1, n_ctx=512) as llm:
+        assert llm.lora_adapters() == {}
+        llm.load_lora("a", adapters["a"])
+        assert llm.lora_adapters() == {"a": str(adapters["a"])}
+        first = llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)[0].outputs[0].token_ids
+        llm.unload_lora("a")
+        assert llm.core.lora.stats()["lora_loaded"] == []
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+            llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)
+        with pytest.raises(KeyError):
+            llm.unload_lora("a")
+        with pytest.raises(LoraLoadError):
+            llm.load_lora("bad", tiny)
+        llm.load_lora("a", adapters["a"])
+        assert llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)[0].outputs[0].token_ids == first
+    with LLM(tiny, n_ctx=256) as llm, pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.load_lora("a", adapters["a"])

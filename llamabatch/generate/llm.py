@@ -24,6 +24,7 @@ from llamabatch.errors import EngineClosed, QueueFull
 from llamabatch.generate.core import EngineCore, check_queue_room
 from llamabatch.generate.kv_cache import PinnedPrefix
 from llamabatch.generate.llm_engine import EngineHost, HostFacts, Prompt, engine_config
+from llamabatch.generate.lora_schedule import unload_adapter
 from llamabatch.generate.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
@@ -509,6 +510,27 @@ class LLM(HostFacts, ThreadedFacade):
     def clear_prefix_cache(self) -> None:
         """Drop the prompt tokens idle slots keep for reuse (pinned prefixes stay)."""
         self.worker.call(self._kv.clear)
+
+    # -- LoRA adapters (``generate/lora_schedule.py``) ---------------------------------
+
+    def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Make the LoRA adapter file ``path`` usable as ``SamplingParams(lora=name)`` (checked
+        against the model first: ``LoraLoadError`` names a wrong file). It is loaded into
+        llama.cpp when a request uses it, at most ``max_loras`` at once. Needs an engine made
+        with ``lora_adapters`` or ``max_loras``."""
+        lora = self._host.core.lora
+        if lora is None:
+            raise ValueError("this LLM has no LoRA adapters: make it with lora_adapters= or max_loras=")
+        lora.registry.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget the adapter ``name`` and free it; ``ValueError`` while a request uses it."""
+        self.worker.call(lambda: unload_adapter(self._host.core, name))
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters requests may name: ``{name: file}``."""
+        lora = self._host.core.lora
+        return {name: str(path) for name, path in lora.registry.names().items()} if lora is not None else {}
 
     @property
     def _kv(self) -> Any:

@@ -59,6 +59,7 @@ __all__ = [
     "install_lora",
     "lora_params",
     "parse_lora_arg",
+    "unload_adapter",
 ]
 
 #: a request's adapter set, as ``SamplingParams.lora`` holds it; ``()``: the base model
@@ -439,3 +440,18 @@ def lora_params(
     if params.lora and params.speculative and speculative_method == "draft_model":
         params = dataclasses.replace(params, speculative=False)
     return params
+
+
+def unload_adapter(core: Any, name: str) -> None:
+    """Forget the adapter ``name`` of ``core`` and free it (on the engine thread, between steps).
+    ``ValueError`` while an unfinished request uses it; ``KeyError`` for an unknown name."""
+    scheduler: LoraScheduler | None = core.lora
+    if scheduler is None:
+        raise ValueError("this engine has no LoRA adapters")
+    users = sum(1 for r in core.requests.values() if any(n == name for n, _ in r.params.lora))
+    if users:
+        raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+    scheduler.registry.unregister(name)
+    if any(n == name for n, _ in scheduler.current):
+        scheduler.apply(BASE)
+    scheduler.registry.release_unregistered()
