@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -86,7 +87,7 @@ class LoraRegistry:
         self.loads = 0
         self.unloads = 0
 
-    def register(self, name: str, path: str | Path) -> None:
+    def register(self, name: str, path: str | os.PathLike[str]) -> None:
         """Know ``path`` as ``name`` (checked against the model first: ``LoraLoadError`` names
         a wrong file). Registering a name again with another file replaces it for new loads."""
         if not isinstance(name, str) or not 0 < len(name) <= LORA_NAME_MAX or "\0" in name:
