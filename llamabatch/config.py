@@ -53,7 +53,7 @@ __all__ = [
 #: the built-in batching strategies, by name
 STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
 #: ``--spec-type`` values (llama-server's names), see ``generate/spec_config.py``
-SPEC_TYPES = ("ngram", "draft")
+SPEC_TYPES = ("ngram", "suffix", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
 #: the prefix directory's default size cap in MiB (``prefix_cache_dir_max_mb``)
@@ -265,11 +265,12 @@ class EngineConfig(OptionsConfig):
             it, so none waits forever behind a stream of better priorities, and one that
             aged its way in is not preempted by them (``generate/priority.py``).
         speculative_config: speculative decoding (default ``None``: off), vLLM's keys:
-            ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-            "prompt_lookup_max": b}`` (drafts looked up in the request's own text) or
-            ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": k}``;
+            ``{"method": "ngram"}`` (drafts from the longest match in the request's own text,
+            as long as they pay, up to ``num_speculative_tokens``, default 64),
+            ``{"method": "suffix"}`` (the same, and from recent requests' prompts and outputs)
+            or ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": k}``;
             checked by ``generate/spec_config.py``, run by ``generate/speculative.py``. CLI:
-            ``--spec-type ngram|draft``, ``--model-draft FILE``, ``--draft-max N``.
+            ``--spec-type ngram|suffix|draft``, ``--model-draft FILE``, ``--draft-max N``.
         batch_invariant: ``True``: a request's tokens and log-probs are bit-identical
             whatever else runs (alone or with others, any arrival order, chunked prefill,
             prefix reuse, preemption, speculation). It decides one KV stream per sequence,
@@ -457,8 +458,8 @@ class EngineConfig(OptionsConfig):
         metadata=flag(
             "--spec-type",
             choices=SPEC_TYPES,
-            help="speculative decoding: ngram (prompt lookup) or draft (a draft model: --model-draft); "
-            "--draft-max N drafts per step",
+            help="speculative decoding: ngram (prompt lookup), suffix (ngram and recent requests' text) "
+            "or draft (a draft model: --model-draft); --draft-max N drafts per step at most",
         ),
     )
 

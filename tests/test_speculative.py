@@ -63,6 +63,10 @@ def _completions(llm, prompts, params):
         ({"method": "ngram", "model": "x.gguf"}, "model"),
         ({"method": "draft_model"}, "model"),
         ({"method": "draft_model", "model": "d.gguf", "prompt_lookup_min": 2}, "prompt_lookup_min"),
+        ({"method": "suffix", "prompt_lookup_max": 4}, "prompt_lookup_max"),
+        ({"method": "suffix", "suffix_cache_tokens": 10}, "suffix_cache_tokens"),
+        ({"method": "suffix", "suffix_cache_tokens": 1.5}, "suffix_cache_tokens"),
+        ({"method": "ngram", "suffix_cache_tokens": 1000}, "suffix_cache_tokens"),
         ("ngram", "dict"),
     ],
 )
@@ -73,11 +77,18 @@ def test_bad_speculative_config_is_a_value_error_naming_it(config, match):
 
 def test_speculative_config_is_completed_with_defaults():
     assert MAX_SPECULATIVE_TOKENS == MAX_DRAFT
+    # n-gram lengths are the policy's: the default is only the cap; the match is unbounded
     assert validate_speculative_config({"method": "ngram"}) == {
         "method": "ngram",
-        "num_speculative_tokens": 5,
+        "num_speculative_tokens": 64,
         "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5,
+        "prompt_lookup_max": None,
+    }
+    assert validate_speculative_config({"method": "suffix", "num_speculative_tokens": 16}) == {
+        "method": "suffix",
+        "num_speculative_tokens": 16,
+        "prompt_lookup_min": 2,
+        "suffix_cache_tokens": 65536,
     }
     assert EngineConfig().speculative_config is None
     config = EngineConfig(speculative_config={"method": "draft_model", "model": "d.gguf"})
@@ -97,10 +108,14 @@ def test_cli_flags_make_the_speculative_config():
         "method": "ngram",
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5,
+        "prompt_lookup_max": None,
     }
     again = EngineConfig.from_cli_args(parser.parse_args(config.to_cli_args()))
     assert again.speculative_config == config.speculative_config
+    suffix = EngineConfig.from_cli_args(parser.parse_args(["--spec-type", "suffix"]))
+    assert suffix.speculative_config is not None and suffix.speculative_config["method"] == "suffix"
+    again = EngineConfig.from_cli_args(parser.parse_args(suffix.to_cli_args()))
+    assert again.speculative_config == suffix.speculative_config
     args = parser.parse_args(["--model-draft", "d.gguf", "--draft-max", "4"])
     assert EngineConfig.from_cli_args(args).speculative_config == {
         "method": "draft_model",

@@ -7,6 +7,18 @@
 - ``DraftModelPair``: the ``draft_pair("135m")`` (a 30-layer target with exactly its 4-layer
   draft's logits), 128 prompt and 128 new tokens, where every greedy draft is accepted.
 
+The defaults (``{"method": "ngram"}`` alone, ``{"method": "suffix"}`` alone):
+
+- ``NgramDefaultsOnLoopingText``: the 135M random-weight model on an English sentence repeated
+  40 times, 256 new tokens (its greedy text loops).
+- ``NgramOnQuotingChat``: SmolLM2-135M-Instruct (the real model), three chat requests that
+  quote their input (repeat a function, add a docstring to it, copy a paragraph), 200 tokens.
+- ``DraftsThatFail``: the 135M random model on a repeated passage, sampled at temperature 1
+  (seeded): drafts are found and almost all rejected; the target is >= 0.98.
+- ``RetrySameAnswer``: ``suffix``: the same prompt asked a second time; the speed-up of the
+  second request's decode (its drafts come from the first answer).
+- ``EightStreams``: 8 concurrent streams of the 135M random model; the target is >= 0.97.
+
 Each ``track_speedup`` is generation tokens/s (after the first token) with speculation over
 without, in one process, on the same prompts. Threads: ``$LLAMABATCH_BENCH_THREADS``.
 """
@@ -20,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from llamabatch import LLM, SamplingParams
-from llamabatch.testing import draft_pair, loop_model, loop_prompts
+from llamabatch.testing import draft_pair, english_sentences, loop_model, loop_prompts, model_path
 
 
 def _threads() -> int:
@@ -77,5 +89,149 @@ class DraftModelPair:
         spec = {"method": "draft_model", "model": self.draft, "num_speculative_tokens": k}
         plain = _tokens_per_second(self.target, self.prompts, 128, None)
         return _tokens_per_second(self.target, self.prompts, 128, spec) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+def _decode_rate(
+    model: str,
+    prompts: list[Any],
+    params: SamplingParams,
+    spec: dict[str, Any] | None,
+    *,
+    n_parallel: int = 1,
+    last_only: bool = False,
+) -> float:
+    """Generation tokens/s after the first token: one request at a time (``n_parallel`` 1) from
+    each output's timings (``last_only``: the last request's alone), else all at once, over
+    the call's wall time."""
+    with LLM(model, n_parallel=n_parallel, n_threads=_threads(), speculative_config=spec) as llm:
+        llm.generate(["warm-up"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        if n_parallel > 1:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+            seconds = time.perf_counter() - start
+            return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+        tokens, seconds = 0, 0.0
+        for i, prompt in enumerate(prompts):
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            if last_only and i < len(prompts) - 1:
+                continue
+            ttft = out.timings.time_to_first_token
+            assert ttft is not None
+            tokens += len(out.token_ids) - 1
+            seconds += out.timings.total - ttft
+        return tokens / seconds
+
+
+_GREEDY = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+_NGRAM = {"method": "ngram"}
+
+
+class NgramDefaultsOnLoopingText:
+    timeout = 300
+
+    def setup(self) -> None:
+        self.model = str(model_path("135m"))
+        self.prompts = [" ".join([english_sentences(3)[i]] * 40) for i in range(3)]
+
+    def track_speedup(self) -> float:
+        plain = _decode_rate(self.model, self.prompts, _GREEDY, None)
+        return _decode_rate(self.model, self.prompts, _GREEDY, _NGRAM) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+_FUNCTION = """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+"""
+_PARAGRAPH = (
+    "The river rose slowly through the night, and by morning the lower fields were under a "
+    "sheet of brown water. The farmers moved their animals to the hill behind the church, "
+    "where the old stone wall kept the wind off, and waited for the rain to stop."
+)
+QUOTING_CHATS = [
+    f"Repeat this function exactly, without changes:\n\n{_FUNCTION}",
+    f"Add a docstring to this function and return the whole function:\n\n{_FUNCTION}",
+    f"Copy this paragraph word for word:\n\n{_PARAGRAPH}",
+]
+
+
+def chatml(user: str) -> str:
+    """SmolLM2-Instruct's chat template around one user message."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class NgramOnQuotingChat:
+    timeout = 300
+
+    def setup(self) -> None:
+        from llamabatch.testing import real_model_path
+
+        self.model = str(real_model_path())
+        self.prompts = [chatml(c) for c in QUOTING_CHATS]
+
+    def track_speedup(self) -> float:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        plain = _decode_rate(self.model, self.prompts, params, None)
+        return _decode_rate(self.model, self.prompts, params, _NGRAM) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+class DraftsThatFail:
+    timeout = 300
+
+    def setup(self) -> None:
+        self.model = str(model_path("135m"))
+        self.prompts = [" ".join(english_sentences(4)[i : i + 2] * 10) for i in range(2)]
+
+    def track_speedup(self) -> float:
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
+        plain = _decode_rate(self.model, self.prompts, params, None)
+        return _decode_rate(self.model, self.prompts, params, _NGRAM) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+class RetrySameAnswer:
+    timeout = 300
+
+    def setup(self) -> None:
+        self.model = str(model_path("135m"))
+        text = " ".join(english_sentences(8))
+        self.prompts = [text, text]
+
+    def track_speedup(self) -> float:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        suffix = {"method": "suffix"}
+        plain = _decode_rate(self.model, self.prompts, params, None, last_only=True)
+        return _decode_rate(self.model, self.prompts, params, suffix, last_only=True) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+class EightStreams:
+    timeout = 300
+
+    def setup(self) -> None:
+        self.model = str(model_path("135m"))
+        sentences = english_sentences(16)
+        self.prompts = [" ".join(sentences[i : i + 6]) for i in range(8)]
+
+    def track_speedup(self) -> float:
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        plain = _decode_rate(self.model, self.prompts, params, None, n_parallel=8)
+        return _decode_rate(self.model, self.prompts, params, _NGRAM, n_parallel=8) / plain
 
     track_speedup.unit = "x"  # type: ignore[attr-defined]

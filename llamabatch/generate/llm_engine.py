@@ -27,6 +27,7 @@ from llamabatch.generate.lora_schedule import lora_params
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
+from llamabatch.generate.speculative import history_stats
 from llamabatch.generate.vision import media_prompt, vision_for
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
@@ -307,6 +308,7 @@ class EngineHost:
             spec_draft_tokens=c.spec_draft_tokens,
             spec_accepted_per_pos=tuple(c.spec_accepted_per_pos),
             spec_accepted_tokens=c.spec_accepted_tokens,
+            **history_stats(core.spec),
         )
 
     def when_quiet(self) -> bool:

@@ -23,17 +23,33 @@ __all__ = [
 MAX_SPECULATIVE_TOKENS = 64
 
 
-_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"})
-_METHODS = ("ngram", "draft_model")
+_KEYS = frozenset(
+    {
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "model",
+        "suffix_cache_tokens",
+    }
+)
+_METHODS = ("ngram", "suffix", "draft_model")
+#: the suffix method's shared history: its default and largest bound, in tokens (~200 bytes each)
+SUFFIX_CACHE_TOKENS = 1 << 16
+_MAX_SUFFIX_CACHE_TOKENS = 1 << 24
 
 
 def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The checked, completed ``speculative_config`` (None: speculation off).
 
-    Keys (vLLM's): ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (k,
-    1..64, default 5), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram: the shortest
-    and longest suffix n-gram looked up, defaults 2 and 5, 1 <= min <= max <= 32), ``model``
-    (draft_model: the draft GGUF path). Anything else raises ``ValueError`` naming it.
+    Keys (vLLM's): ``method`` ("ngram", "suffix" or "draft_model"), ``num_speculative_tokens``
+    (the most drafts per step, 1..64; default 64 for ngram and suffix, whose lengths the policy
+    chooses, 5 for draft_model), ``prompt_lookup_min`` (ngram, suffix: the shortest match that
+    drafts, 1..32, default 2), ``prompt_lookup_max`` (ngram: None, the default, looks up the
+    longest match over the whole history; an int (min..32) bounds the suffix looked up),
+    ``suffix_cache_tokens`` (suffix: the shared history's bound in tokens, 64..2**24, default
+    65536), ``model`` (draft_model: the draft GGUF path). Anything else raises ``ValueError``
+    naming it.
     """
     if config is None:
         return None
@@ -46,24 +62,46 @@ def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, A
     if method not in _METHODS:
         raise ValueError(f"speculative_config['method'] must be one of {list(_METHODS)}, got {method!r}")
     out: dict[str, Any] = {"method": method}
-    k = config.get("num_speculative_tokens", 5)
+    k = config.get("num_speculative_tokens", 5 if method == "draft_model" else MAX_SPECULATIVE_TOKENS)
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(
             "speculative_config['num_speculative_tokens'] must be an int in "
             f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
         )
     out["num_speculative_tokens"] = k
-    if method == "ngram":
+    if method != "suffix" and "suffix_cache_tokens" in config:
+        raise ValueError(f"speculative_config['suffix_cache_tokens'] is for method 'suffix', not {method!r}")
+    if method in ("ngram", "suffix"):
         if "model" in config:
-            raise ValueError("speculative_config['model'] is for method 'draft_model', not 'ngram'")
+            raise ValueError(f"speculative_config['model'] is for method 'draft_model', not {method!r}")
+        if method == "suffix" and "prompt_lookup_max" in config:
+            raise ValueError(
+                "speculative_config['prompt_lookup_max'] is for method 'ngram' (suffix matches are unbounded)"
+            )
         lo = config.get("prompt_lookup_min", 2)
-        hi = config.get("prompt_lookup_max", max(5, lo) if isinstance(lo, int) else 5)
+        hi = config.get("prompt_lookup_max")
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if name == "prompt_lookup_max" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 32:
                 raise ValueError(f"speculative_config[{name!r}] must be an int in 1..32, got {v!r}")
-        if lo > hi:
+        if hi is not None and lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
-        out["prompt_lookup_min"], out["prompt_lookup_max"] = lo, hi
+        out["prompt_lookup_min"] = lo
+        if method == "ngram":
+            out["prompt_lookup_max"] = hi
+        else:
+            size = config.get("suffix_cache_tokens", SUFFIX_CACHE_TOKENS)
+            if (
+                not isinstance(size, int)
+                or isinstance(size, bool)
+                or not 64 <= size <= _MAX_SUFFIX_CACHE_TOKENS
+            ):
+                raise ValueError(
+                    "speculative_config['suffix_cache_tokens'] must be an int in "
+                    f"64..{_MAX_SUFFIX_CACHE_TOKENS}, got {size!r}"
+                )
+            out["suffix_cache_tokens"] = size
     else:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if name in config:
@@ -97,7 +135,8 @@ def add_spec_cli_args(parser: argparse.ArgumentParser | Any) -> None:
         type=positive_int,
         metavar="N",
         default=None,
-        help="the most draft tokens per step (num_speculative_tokens; default 5)",
+        help="the most draft tokens per step (num_speculative_tokens; default 64 for ngram and "
+        "suffix, whose lengths are chosen by what pays, 5 for draft)",
     )
 
 
@@ -110,16 +149,16 @@ def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
         if model is not None:
             kind = "draft"  # as llama-server: a draft model turns draft speculation on
         elif k is not None:
-            raise ValueError("--draft-max needs --spec-type ngram|draft")
+            raise ValueError("--draft-max needs --spec-type ngram|suffix|draft")
         else:
             return None
-    config: dict[str, Any] = {"method": "draft_model" if kind == "draft" else "ngram"}
+    config: dict[str, Any] = {"method": {"draft": "draft_model", "suffix": "suffix"}.get(kind, "ngram")}
     if kind == "draft":
         if model is None:
             raise ValueError("--spec-type draft needs --model-draft FILE")
         config["model"] = model
     elif model is not None:
-        raise ValueError("--model-draft is for --spec-type draft, not ngram")
+        raise ValueError(f"--model-draft is for --spec-type draft, not {kind}")
     if k is not None:
         config["num_speculative_tokens"] = k
     return validate_speculative_config(config)
@@ -128,7 +167,7 @@ def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
 def spec_cli_argv(config: Mapping[str, Any]) -> list[str]:
     """The flags that :func:`spec_config_from_cli` reads back as ``config`` (the ngram
     lookup bounds have no flag: their defaults)."""
-    argv = ["--spec-type", "draft" if config["method"] == "draft_model" else "ngram"]
+    argv = ["--spec-type", {"draft_model": "draft", "suffix": "suffix"}.get(config["method"], "ngram")]
     if config["method"] == "draft_model":
         argv += ["--model-draft", str(config["model"])]
     return [*argv, "--draft-max", str(config["num_speculative_tokens"])]

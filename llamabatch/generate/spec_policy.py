@@ -125,9 +125,12 @@ class AcceptanceModel:
     position engine-wide counts were tried first: one early rejection at position 8 kept every
     later request's drafts at 8 tokens, as nothing drafts there again to correct it.)"""
 
-    def __init__(self, n: int, policy: SpecPolicy) -> None:
+    def __init__(self, n: int, policy: SpecPolicy, priors: dict[int, float] | None = None) -> None:
         self.n = n
         self.policy = policy
+        #: a prior per draft class, where the drafter knows better than ``policy.prior`` (the
+        #: longest-match drafter: a long match goes on far more often than a short one)
+        self.priors = priors or {}
         #: the engine's drafts per class, over all positions: [hits, tries] (exponentially weighted)
         self._global: dict[int, list[float]] = {}
 
@@ -142,7 +145,8 @@ class AcceptanceModel:
         pulled toward the engine's rate of the class (itself pulled toward the prior)."""
         p = self.policy
         hits, tries = self._engine(cls)
-        engine = (hits + p.prior_weight * p.prior) / (tries + p.prior_weight)
+        prior = self.priors.get(cls, p.prior)
+        engine = (hits + p.prior_weight * prior) / (tries + p.prior_weight)
         m = p.request_prior_weight
         return (sum(req.hits) + m * engine) / (sum(req.tries) + m)
 

@@ -32,10 +32,16 @@ if TYPE_CHECKING:
 
     from llamabatch.params import SamplingParams
 
-__all__ = ["SHARED_CLASS", "SuffixDrafter", "match_class"]
+__all__ = ["CLASS_PRIORS", "SHARED_CLASS", "SuffixDrafter", "match_class"]
 
 #: added to a shared draft's class (its acceptance is estimated apart from own drafts)
 SHARED_CLASS = 64
+
+#: each class's acceptance rate before any of its drafts was verified: a longer match goes on
+#: more often. A prior that makes long drafts look worth trying on a CPU (where one stream's
+#: second token costs as much as its first) is what lets them be tried at all; where they
+#: fail, a few rejections pull the class's rate down
+CLASS_PRIORS = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.7, 5: 0.8, 8: 0.9}
 
 
 def match_class(length: int) -> int:
@@ -57,6 +63,8 @@ class SuffixDrafter:
         self._own: dict[Hashable, SuffixAutomaton] = {}
         #: each request's last draft class (see ``match_class``; shared drafts + SHARED_CLASS)
         self.last_match: dict[Hashable, int] = {}
+        #: the acceptance priors by draft class (``AcceptanceModel``)
+        self.class_priors = {**CLASS_PRIORS, **{SHARED_CLASS + c: p for c, p in CLASS_PRIORS.items()}}
         #: drafts made from the request's own history and from the shared one
         self.own_drafts = 0
         self.shared_drafts = 0

@@ -49,6 +49,7 @@ from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_accept import acceptance_rule
 from llamabatch.generate.spec_config import validate_speculative_config
+from llamabatch.generate.spec_ledger import SpecLedger
 from llamabatch.generate.spec_policy import (
     AcceptanceModel,
     DraftTimer,
@@ -58,6 +59,8 @@ from llamabatch.generate.spec_policy import (
     choose_draft_lengths,
     tick_cost,
 )
+from llamabatch.generate.spec_suffix import SuffixDrafter
+from llamabatch.generate.suffix_index import SharedHistory
 
 if TYPE_CHECKING:
     from llamabatch._ffi.model import Model
@@ -230,7 +233,7 @@ class Speculator:
         self.policy = policy or SpecPolicy()
         #: the decode cost model, fitted on every decode of the engine (``observe``)
         self.cost = SpecCostModel()
-        self.acceptance = AcceptanceModel(self.k, self.policy)
+        self.acceptance = AcceptanceModel(self.k, self.policy, getattr(drafter, "class_priors", None))
         #: whether drafting itself costs (a draft model: lengths are chosen before drafting,
         #: its time per step is measured); n-gram lookups are free and made first
         self.draft_costs = config.get("method") == "draft_model"
@@ -242,6 +245,9 @@ class Speculator:
         self._draft_ticks = 0  # ticks given drafts so far
         self._evidence = 0.0  # ticks given drafts, exponentially weighted (see _probe)
         self._states: dict[int, _SpecState] = {}
+        #: what drafting has cost, measured: exploration stays within it (``spec_ledger``)
+        self.ledger = SpecLedger()
+        self._decoded: tuple[TickFeatures, float] | None = None  # the last decode, for the ledger
         self._tick = 0
         self._set: list[int] = []  # slots given drafts this tick
         self.drafted = 0
@@ -264,8 +270,8 @@ class Speculator:
         """The speculator of a validated ``speculative_config`` for an engine over ``model``
         (``n_seq`` slots, a context of ``n_ctx`` cells, batches of ``n_batch`` tokens)."""
         drafter: Drafter
-        if config["method"] == "ngram":
-            drafter = NgramDrafter(config["prompt_lookup_min"], config["prompt_lookup_max"])
+        if config["method"] in ("ngram", "suffix"):
+            drafter = lookup_drafter(config)
         else:
             from llamabatch.generate.draft_model import DraftModelDrafter
 
@@ -290,6 +296,8 @@ class Speculator:
         self._decodes += 1
         if self._decodes > 1:
             self.cost.observe(features, seconds)
+            self.ledger.decoded(seconds)
+            self._decoded = (features, seconds)
 
     # -- before the fill ------------------------------------------------------------------
 
@@ -408,6 +416,8 @@ class Speculator:
         learned from a few noisy ticks would otherwise stand, as nothing refits it)."""
         policy = self.policy
         exploring = self._draft_ticks < policy.explore_ticks
+        if not self.ledger.allows_exploration():  # exploring has cost its share: it waits
+            return ks
         if any(ks) or free <= 0 or (not exploring and self._evidence >= policy.probe_below):
             return ks
         best = max(range(len(gains)), key=lambda r: gains[r][0] if gains[r] else 0.0, default=None)
@@ -434,6 +444,7 @@ class Speculator:
         """Sample every output of a tick that verified drafts: other slots as the core does,
         speculating slots row by row (see the module docstring)."""
         start = core.clock()  # (the engine's clock: scripted in the fake context's tests)
+        self._book_drafts(core.table.n_draft_tokens, len(core.table.outputs()))
         outputs = core.table.outputs()
         running: list[Any] = core.slots.requests
         logits = None
@@ -541,6 +552,18 @@ class Speculator:
         self.drafted += d
         self.accepted += n_acc
         self.acceptance.observe(st.acc(st.cls), d, n_acc, st.cls)
+        self.ledger.accepted(n_acc)
+
+    def _book_drafts(self, drafts: int, rows: int) -> None:
+        """Open the ledger's account of the tick just decoded with ``drafts`` draft tokens
+        among its ``rows`` logits rows: its time against the same tick's predicted without."""
+        if self._decoded is None:
+            return
+        features, seconds = self._decoded
+        self._decoded = None
+        base = self.cost.predict(TickFeatures(features.tokens - drafts, features.outputs - drafts, 0.0))
+        # (drafts never make a tick cheaper: an early, loose fit is not taken above the measure)
+        self.ledger.drafted(seconds, min(base, seconds), rows - drafts, drafts, self.row_cost)
 
     # -- the end of a request -------------------------------------------------------------
 
@@ -557,11 +580,39 @@ class Speculator:
             st.synced = -1  # the drafter forgets what it held of it
         try:
             self.drafter.release(request.arrival, done=done)
+            remember = getattr(self.drafter, "remember", None)
+            if done and remember is not None and request.params.speculative and request.kind is not _PIN:
+                remember(request.prompt_tokens, request.output_tokens)
         except Exception:  # pragma: no cover - a drafter's cleanup never fails a request
             logger.exception("speculative drafter release failed")
 
     def close(self) -> None:
         self.drafter.close()
+
+    def memory(self) -> tuple[int, int]:
+        """``(tokens, bytes)`` of histories the drafter holds (the suffix method's shared
+        history and the running requests' own; ``(0, 0)`` for a drafter that keeps none)."""
+        memory = getattr(self.drafter, "memory", None)
+        return memory() if memory is not None else (0, 0)
+
+
+_PIN = RequestKind.PIN
+
+
+def history_stats(spec: Speculator | None) -> dict[str, Any]:
+    """``GenerationStats``' ``spec_history_tokens`` / ``spec_history_bytes`` of ``spec``."""
+    tokens, nbytes = spec.memory() if spec is not None else (0, 0)
+    return {"spec_history_tokens": tokens, "spec_history_bytes": nbytes}
+
+
+def lookup_drafter(config: dict[str, Any]) -> Drafter:
+    """The drafter of the ``ngram`` and ``suffix`` methods: longest matches over the whole
+    history (``spec_suffix.SuffixDrafter``; ``suffix`` adds the history shared across
+    requests), or, when ``prompt_lookup_max`` bounds the suffix, the bounded n-gram lookup."""
+    if config["method"] == "ngram" and config.get("prompt_lookup_max") is not None:
+        return NgramDrafter(config["prompt_lookup_min"], config["prompt_lookup_max"])
+    shared = SharedHistory(config["suffix_cache_tokens"]) if config["method"] == "suffix" else None
+    return SuffixDrafter(config["prompt_lookup_min"], shared)
 
 
 def speculator_for(

@@ -218,6 +218,11 @@ class GenerationStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    #: the text the n-gram and suffix methods draft from: tokens and approximate bytes held
+    #: (the running requests' own histories and, for ``suffix``, the shared one, bounded by
+    #: ``suffix_cache_tokens``)
+    spec_history_tokens: int = 0
+    spec_history_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:

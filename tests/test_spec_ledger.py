@@ -1,0 +1,65 @@
+"""No loss where drafts fail: speculation's exploration (its first lessons and its probes) is
+bounded by its measured cost (``spec_ledger.SpecLedger``). On the fake context with a CPU's
+scripted decode times (a one-token decode runs other kernels: the second token is dear), a
+stream whose every draft is wrong runs within 2% of the same stream without speculation,
+while one whose drafts hold gains several times over with the default draft cap of 64."""
+
+from __future__ import annotations
+
+import pytest
+from fake_llama import make_core
+from test_scheduler_fake import Recorder, greedy, prompt
+from test_speculative_fake import OracleDrafter
+
+from llamabatch.generate.spec_ledger import SpecLedger
+from llamabatch.generate.speculative import Speculator
+
+#: a 2-core CPU's decode of the 135M model, scripted: one token ~9 ms, two ~19 ms, 17 ~40 ms
+CPU_COST = (0.008, 0.0012, 0.0002, 0.0)
+CPU_JUMP = 0.008
+
+
+def _scripted_seconds(p_wrong: float | None, n_requests: int = 1, max_tokens: int = 200, k: int = 64):
+    """Scripted decode seconds of ``n_requests`` one after the other (one stream); ``p_wrong``
+    None: no speculation."""
+    core, ctx, model = make_core(n_parallel=1, n_batch=128, n_ctx=1024)
+    ctx.cost, ctx.batch_jump, core.clock = CPU_COST, CPU_JUMP, ctx.clock
+    if p_wrong is not None:
+        drafter = OracleDrafter(model, p_wrong)
+        core.spec = Speculator({"method": "ngram", "num_speculative_tokens": k}, drafter)
+    rec = Recorder(core, ctx, model)
+    for i in range(n_requests):
+        (r,) = rec.new(prompt(16, 100 + i), greedy(max_tokens))
+        rec.run()
+        rec.check_done(r)
+    return ctx.clock(), core
+
+
+@pytest.mark.parametrize("n_requests", [1, 4])
+def test_drafts_that_always_fail_cost_at_most_two_percent(n_requests):
+    plain, _ = _scripted_seconds(None, n_requests)
+    spec, core = _scripted_seconds(1.0, n_requests)
+    assert core.counters.spec_accepted_tokens < core.counters.spec_draft_tokens // 4 + 1
+    assert plain / spec >= 0.98, (plain, spec, core.counters.spec_draft_tokens)
+
+
+def test_drafts_that_hold_are_long_with_the_default_cap():
+    plain, _ = _scripted_seconds(None)
+    spec, core = _scripted_seconds(0.0)
+    assert plain / spec >= 3.0, (plain, spec)
+    assert len(core.counters.spec_accepted_per_pos) > 16  # drafts longer than the old default 5
+
+
+def test_the_ledger_books_losses_and_gains_against_recent_decode_time():
+    ledger = SpecLedger(share=0.01, decay=1.0)
+    for _ in range(100):
+        ledger.decoded(0.01)
+    assert ledger.allows_exploration()
+    ledger.drafted(0.03, base=0.01, n_streams=1, drafts=4, row_cost=0.0)  # 20 ms more, for nothing
+    ledger.accepted(0)
+    ledger.decoded(0.01)  # (books the tick before)
+    assert ledger.loss == pytest.approx(0.02) and not ledger.allows_exploration()
+    ledger.drafted(0.02, base=0.01, n_streams=1, drafts=4, row_cost=0.0)
+    ledger.accepted(4)  # four tokens (40 ms of ticks) for 10 ms more: 30 ms gained
+    ledger.settle()
+    assert ledger.loss == pytest.approx(-0.01) and ledger.allows_exploration()
