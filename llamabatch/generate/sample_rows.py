@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llamabatch._core.logprobs import row_top_logprobs
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.sampler import SamplerChain
 from llamabatch.runtime.telemetry import RequestEvent
@@ -18,18 +19,11 @@ if TYPE_CHECKING:
 
 
 def row_logprobs(context: Context, idx: int, token: int, n: int, n_vocab: int) -> dict[int, float]:
-    """Log-probabilities at batch index ``idx``: the ``n`` most likely tokens (best first)
-    and ``token``."""
-    logits = context.logits_view(idx).astype(np.float64)
-    peak = logits.max()
-    logsumexp = peak + np.log(np.exp(logits - peak).sum())
-    out: dict[int, float] = {}
-    if n > 0:
-        top = np.argpartition(-logits, n - 1)[:n] if n < n_vocab else np.arange(n_vocab)
-        for t in top[np.argsort(-logits[top], kind="stable")]:
-            out[int(t)] = float(logits[t] - logsumexp)
-    out[int(token)] = float(logits[token] - logsumexp)
-    return out
+    """Log-probabilities at batch index ``idx``: the ``n`` most likely tokens (best first; of
+    equal logits, the lower id first) and ``token``. One pass in C over the row, no copy
+    (``_core/logprobs.pyx``): an ``n`` 16 request with ``top_logprobs`` 20 computes them for
+    every row of every tick, on the engine thread."""
+    return row_top_logprobs(context.logits_view(idx), min(max(n, 0), n_vocab), token)
 
 
 def sample_without(context: Context, sampler: SamplerChain, idx: int, banned: Sequence[int]) -> int:
