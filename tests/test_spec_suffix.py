@@ -192,3 +192,23 @@ def test_a_retried_chat_on_the_real_model_is_the_same_token_for_token(smollm2_pa
     assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
     second = speculated[1].timings
     assert second.spec_accepted_tokens >= len(plain[1].token_ids) // 2, second
+
+
+def test_bench_retry_workload_with_the_suffix_method(tiny_path, capsys):
+    import json
+
+    from llamabatch.bench.workloads import open_tokenizer, retry_requests
+    from llamabatch.cli import main
+
+    vocab = open_tokenizer(tiny_path)
+    try:
+        requests = retry_requests(vocab, 32, 8, 2)
+    finally:
+        vocab.close()
+    assert [r.prompt for r in requests[2:]] == [r.prompt for r in requests[:2]]
+    assert requests[0].prompt != requests[1].prompt
+    argv = ["bench", "-m", str(tiny_path), "--workload", "retry", "--npp", "32", "--ntg", "16", "--npl", "1"]
+    argv += ["--spec-type", "suffix", "-t", "2", "--json", "--no-progress"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["workload"], r["npl"], r["speculative"]) for r in rows] == [("retry", 1, "suffix:64")]

@@ -235,3 +235,62 @@ class EightStreams:
         return _decode_rate(self.model, self.prompts, params, _NGRAM, n_parallel=8) / plain
 
     track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: float = 0.0) -> float:
+    """llama-server's decode tokens/s (its own ``timings``) over ``prompts`` sent one at a time
+    to ``/completion`` (the same text, so the same tokens as ours)."""
+    import json
+    import urllib.request
+
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        body = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": temperature,
+            "seed": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        }
+        request = urllib.request.Request(
+            f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            timings = json.loads(response.read())["timings"]
+        tokens += timings["predicted_n"]
+        seconds += timings["predicted_ms"] / 1000
+    return tokens / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Ours (defaults) vs off vs a running llama-server (``--spec-type ngram-mod``), side by
+    side: ``python asv_bench/benchmarks/bench_speculative.py --url http://127.0.0.1:8090
+    --case looping`` (the server must serve the case's model: ``looping`` and ``fail`` the
+    135M random model, ``quoting`` SmolLM2)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--url", default=None, help="a llama-server serving the case's model")
+    p.add_argument("--case", choices=("looping", "quoting", "fail"), default="looping")
+    args = p.parse_args(argv)
+    if args.case == "quoting":
+        from llamabatch.testing import real_model_path
+
+        model, prompts, n, temp = str(real_model_path()), [chatml(c) for c in QUOTING_CHATS], 200, 0.0
+    else:
+        model = str(model_path("135m"))
+        if args.case == "looping":
+            prompts, n, temp = [" ".join([english_sentences(3)[i]] * 40) for i in range(3)], 256, 0.0
+        else:
+            prompts, n, temp = [" ".join(english_sentences(4)[i : i + 2] * 10) for i in range(2)], 256, 1.0
+    params = SamplingParams(temperature=temp, seed=0, max_tokens=n, ignore_eos=True)
+    print(f"model {model}, {len(prompts)} prompts, {n} tokens, temperature {temp}, {_threads()} threads")
+    for label, spec in (("off", None), ("ngram defaults", _NGRAM), ("off again", None)):
+        print(f"ours, {label}: {_decode_rate(model, prompts, params, spec):.1f} tok/s")
+    if args.url:
+        print(f"llama-server at {args.url}: {_server_rates(args.url, prompts, n, temp):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
