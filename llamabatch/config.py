@@ -491,7 +491,7 @@ class EngineConfig(OptionsConfig):
     )
 
     lora_adapters: Any = field(
-        default=(),
+        default=None,
         hash=False,
         metadata=flag(
             "--lora",

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from llamabatch import SamplingParams
 from llamabatch.chat import ChatRequest, ChatSetup, ChatStream, assistant_message
 from llamabatch.server import client_policy, prepare
+from llamabatch.server.lora import request_lora
 from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     Body,
@@ -63,6 +64,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
         prepare.params_pool(body),
         sampling_params,
         body,
+        lora=request_lora(body, list(llm.lora_adapters())),
         chat=True,
         prompt_tokens=len(tokens),
         n_ctx_seq=llm.n_ctx_seq,

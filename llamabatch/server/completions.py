@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
+from llamabatch.server.lora import request_lora
 from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     bad_request,
@@ -52,6 +53,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         prepare.params_pool(body),
         sampling_params,
         body,
+        lora=request_lora(body, list(llm.lora_adapters())),
         chat=False,
         prompt_tokens=max(map(len, token_prompts)),
         n_ctx_seq=llm.n_ctx_seq,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from llamabatch.server.lora import adapter_cards
 from llamabatch.server.streaming import (
     json_response,
 )
@@ -35,6 +36,7 @@ async def models(server: OpenAIServer, request: Request) -> Response:
     data = []
     if server.llm is not None:
         data.append(model_card(server, server.model_name, server.llm.n_ctx_seq))
+        data += adapter_cards(server.model_name, server.llm.lora_adapters(), server.created)
     if server.embedder is not None:
         data.append(model_card(server, server.embedding_model_name, server.embedder.max_tokens))
     if server.reranker is not None:

@@ -174,10 +174,17 @@ def _json_type(value: Any) -> str:
 
 
 def sampling_params(
-    body: Body, *, chat: bool, prompt_tokens: int, n_ctx_seq: int, logprobs: int | None
+    body: Body,
+    *,
+    chat: bool,
+    prompt_tokens: int,
+    n_ctx_seq: int,
+    logprobs: int | None,
+    lora: tuple[tuple[str, float], ...] = (),
 ) -> SamplingParams:
     """The ``SamplingParams`` of a completions or chat request whose longest prompt has
-    ``prompt_tokens`` tokens; ``APIError`` names the offending field."""
+    ``prompt_tokens`` tokens (``lora``: its adapter set, ``server/lora.py``); ``APIError``
+    names the offending field."""
     max_field = "max_tokens"
     max_tokens = None
     if chat:
@@ -197,6 +204,8 @@ def sampling_params(
         )
 
     kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
+    if lora:
+        kw["lora"] = lora
     for name, kind in (
         ("temperature", "number"),
         ("top_p", "number"),

@@ -1,0 +1,91 @@
+"""LoRA adapters over HTTP: ``"model": name`` (vLLM) and ``"lora": [{"id", "scale"}]``
+(llama-server) select them, ``/v1/models`` lists them, bad entries are 400s naming ``lora``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from llamabatch import LLM, SamplingParams
+from llamabatch.server import create_app
+from llamabatch.testing import make_lora, model_path
+from tests.test_server import serve
+
+PROMPT = "The cat sat on"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    tiny = model_path("tiny")
+    d = tmp_path_factory.mktemp("lora")
+    adapters = {
+        "a": make_lora(tiny, d / "a.gguf", rank=4, seed=1),
+        "b": make_lora(tiny, d / "b.gguf", rank=4, seed=2),
+    }
+    with LLM(tiny, lora_adapters=adapters, n_ctx=1024, n_parallel=2, n_threads=1) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def url(llm: LLM) -> Iterator[str]:
+    with serve(create_app(llm, model_name="tiny")) as url:
+        yield url
+
+
+def _expected(llm: LLM, lora: object) -> str:
+    params = SamplingParams(max_tokens=8, temperature=0.0, lora=lora)
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+def _complete(url: str, **fields: object) -> httpx.Response:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_model_name_and_lora_field_select_adapters(llm: LLM, url: str) -> None:
+    base, a, b = _expected(llm, ()), _expected(llm, "a"), _expected(llm, "b")
+    assert len({base, a, b}) == 3
+    assert _complete(url).json()["choices"][0]["text"] == base
+    assert _complete(url, model="a").json()["choices"][0]["text"] == a
+    assert _complete(url, lora=[{"id": 1, "scale": 1.0}]).json()["choices"][0]["text"] == b
+    assert _complete(url, model="a", lora=[{"id": 0, "scale": 0}]).json()["choices"][0]["text"] == base
+    mixed = _complete(url, lora=[{"id": 0, "scale": 0.5}, {"id": 1}]).json()["choices"][0]["text"]
+    assert mixed == _expected(llm, {"a": 0.5, "b": 1.0})
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": "b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+    assert chat.status_code == 200
+
+
+def test_models_lists_adapters(url: str) -> None:
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+    assert ids == ["tiny", "a", "b"]
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        [{"id": 2}],
+        [{"id": -1}],
+        [{"id": "a"}],
+        [{"id": 0, "scale": "x"}],
+        [{"id": 0, "extra": 1}],
+        ["a"],
+        [{"id": True}],
+    ],
+)
+def test_bad_lora_entries_are_400s(url: str, lora: object) -> None:
+    response = _complete(url, lora=lora)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "lora"
