@@ -25,6 +25,7 @@ from llamabatch.bench.options import positive_int
 from llamabatch.config import EngineConfig
 from llamabatch.embed.config import EmbedderConfig
 from llamabatch.errors import LlamaBatchError
+from llamabatch.params import SamplingParams
 
 __all__ = ["build_parser", "main", "subcommands"]
 
@@ -65,15 +66,9 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="write JSON lines here (default: stdout)")
     p.add_argument("--json", action="store_true", help="print a JSON line even for one prompt")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    p.add_argument("-n", "--max-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument(
-        "--truncate", action="store_true", help="keep the end of a prompt too long for the context"
+    # The sampling options, generated from SamplingParams' declaration (params.py)
+    SamplingParams.add_cli_args(
+        p.add_argument_group("sampling (SamplingParams)"), defaults={"max_tokens": 128}
     )
     # The engine's options, generated from EngineConfig; the flags generate always had keep
     # their spelling (-c/--n-ctx, --n-parallel, -b/--n-batch).
@@ -108,7 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
     """``llamabatch generate``: stream one prompt, or run many concurrently (JSON lines)."""
     from tqdm import tqdm
 
-    from llamabatch import LLM, PromptTooLong, SamplingParams
+    from llamabatch import LLM, PromptTooLong
 
     prompts = list(args.prompts)
     if args.file:
@@ -117,16 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("llamabatch generate: error: give PROMPT arguments or --file", file=sys.stderr)
         return 2
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop or (),
-        ignore_eos=args.ignore_eos,
-        truncate=args.truncate,
-    )
+    params = SamplingParams.from_cli_args(args)
     config = EngineConfig.from_cli_args(args)
     in_flight = min(_IN_FLIGHT, config.max_queue)
     try:

@@ -1,32 +1,24 @@
 """What ``EngineConfig`` (``config.py``) and its option modules share without importing it:
-the ``positive_int`` flag type, and the explicit settings ``batch_invariant=True`` refuses
-(``generate/batch_invariant.py`` decides the rest when the model is loaded)."""
+the ``positive_int`` flag type (``validate.py``'s), and the explicit settings
+``batch_invariant=True`` refuses (``generate/batch_invariant.py`` decides the rest when the
+model is loaded)."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Protocol
+
+from llamabatch.validate import positive_int
 
 __all__ = [
     "INVARIANT_KV_TYPE",
     "InvariantSettings",
     "batch_invariant_conflict",
+    "check_milliseconds",
     "positive_int",
 ]
 
 #: the KV cache type ``batch_invariant=True`` uses in place of the default f16
 INVARIANT_KV_TYPE = "q8_0"
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 # -- batch_invariant ---------------------------------------------------------------------------
@@ -75,3 +67,11 @@ def batch_invariant_conflict(config: InvariantSettings) -> str | None:
             f"n_gpu_layers={config.n_gpu_layers} was given (use n_gpu_layers=0)"
         )
     return None
+
+
+def check_milliseconds(name: str, value: object) -> None:
+    """``ValueError`` unless the option ``name`` is None or a finite number of ms above 0."""
+    if value is not None and (
+        not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"{name} must be a positive number (ms) or None, got {value!r}")

@@ -12,12 +12,23 @@ module ``validate.py`` (the binding uses them too) and are re-exported here.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, cast
 
-from llamabatch.validate import INT32_MAX, as_float, as_int, check_bool, check_positive_int, check_text
+from llamabatch import param_spec
+from llamabatch.param_spec import Flag, Range, Request, param
+from llamabatch.validate import (
+    INT32_MAX,
+    as_float,
+    as_int,
+    check_bool,
+    check_positive_int,
+    check_text,
+    positive_int,
+)
 
 #: The largest finite C ``float``; larger Python floats become infinity in C.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -197,72 +208,213 @@ class SamplingParams:
     ``SamplingParams.coerce`` turns a mapping of fields (or None) into an instance.
     """
 
-    max_tokens: int = 16
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    grammar: str | None = None
-    json_schema: Mapping[str, Any] | str | None = None
-    response_format: Mapping[str, Any] | None = None
-    logprobs: int | None = None
-    n: int = 1
-    truncate: bool = False
-    skip_special_tokens: bool = True
+    max_tokens: int = param(
+        16,
+        range=Range(int, 1, INT32_MAX),
+        request=Request(("max_tokens", "max_completion_tokens"), "int", custom=True),
+        flag=Flag(("-n", "--max-tokens"), {"type": positive_int, "help": "the most tokens to generate"}),
+        stage=None,
+    )
+    temperature: float = param(
+        0.8,
+        range=Range(float, 0.0, FLOAT32_MAX, hint=" (0 = greedy)"),
+        request=Request(("temperature",), "number"),
+        flag=Flag(("--temperature",), {"help": "0: greedy"}),
+        stage="temperature",
+        on=lambda p: True,
+    )
+    top_k: int = param(
+        40,
+        range=Range(int, 0, INT32_MAX, hint=" (0 = off)"),
+        request=Request(("top_k",), "int", custom=True),
+        flag=Flag(("--top-k",), {"help": "0: off"}),
+        stage="top_k",
+        on=lambda p: p.top_k > 0,
+    )
+    top_p: float = param(
+        0.95,
+        range=Range(float, 0.0, 1.0, open_lo=True),
+        request=Request(("top_p",), "number"),
+        flag=Flag(("--top-p",), {"help": "1: off"}),
+        stage="top_p",
+        on=lambda p: p.top_p < 1.0,
+    )
+    min_p: float = param(
+        0.05,
+        range=Range(float, 0.0, 1.0),
+        request=Request(("min_p",), "number"),
+        flag=Flag(("--min-p",), {"help": "0: off"}),
+        stage="min_p",
+        on=lambda p: p.min_p > 0.0,
+    )
+    typical_p: float = param(
+        1.0,
+        range=Range(float, 0.0, 1.0, open_lo=True),
+        request=Request(("typical_p",), "number"),
+        flag=Flag(("--typical-p", "--typical"), {"help": "1: off"}),
+        stage="typical",
+        on=lambda p: p.typical_p < 1.0,
+    )
+    repeat_penalty: float = param(
+        1.0,
+        range=Range(float, 0.0, FLOAT32_MAX, open_lo=True, hint=" (1 = off)"),
+        request=Request(("repetition_penalty", "repeat_penalty"), "number"),
+        flag=Flag(("--repeat-penalty",), {"help": "1: off"}),
+        stage="penalties",
+        on=lambda p: p.repeat_penalty != 1.0,
+    )
+    frequency_penalty: float = param(
+        0.0,
+        range=Range(float, -2.0, 2.0),
+        request=Request(("frequency_penalty",), "number"),
+        flag=Flag(("--frequency-penalty",), {"help": "0: off"}),
+        stage="penalties",
+        on=lambda p: p.frequency_penalty != 0.0,
+    )
+    presence_penalty: float = param(
+        0.0,
+        range=Range(float, -2.0, 2.0),
+        request=Request(("presence_penalty",), "number"),
+        flag=Flag(("--presence-penalty",), {"help": "0: off"}),
+        stage="penalties",
+        on=lambda p: p.presence_penalty != 0.0,
+    )
+    penalty_last_n: int = param(
+        64,
+        range=Range(
+            int,
+            -1,
+            PENALTY_LAST_N_MAX,
+            hint=" (-1 = whole context; the window is also clamped to the context)",
+        ),
+        request=Request(("repeat_last_n", "penalty_last_n"), "int"),
+        flag=Flag(("--repeat-last-n",), {"help": "the penalties' window of recent tokens (-1: the context)"}),
+        stage=None,
+    )
+    seed: int | None = param(
+        None,
+        range=Range(int, 0, SEED_LIMIT - 1, hint=" or None (2**32-1 means random)", optional=True),
+        request=Request(("seed",), "int", custom=True),
+        flag=Flag(("--seed",), {"help": "the draw's seed (default: random)"}),
+        stage=None,
+    )
+    stop: Sequence[str] = param(
+        (),
+        request=Request(("stop",), "list", custom=True),
+        flag=Flag(("--stop",), {"action": "append", "help": "a stop string (repeatable)"}),
+        stage=None,
+    )
+    stop_token_ids: Sequence[int] = param(
+        (),
+        request=Request(("stop_token_ids",), "list"),
+        flag="token ids are a library and server option",
+        stage=None,
+    )
+    min_tokens: int = param(
+        0,
+        range=Range(int, 0, INT32_MAX),
+        request=Request(("min_tokens",), "int"),
+        flag=Flag(("--min-tokens",), {"help": "no end of generation before this many tokens"}),
+        stage="min_tokens",
+        on=lambda p: p.min_tokens > 0,
+    )
+    ignore_eos: bool = param(
+        False,
+        request=Request(("ignore_eos",), "bool"),
+        flag=Flag(("--ignore-eos",), {"action": "store_true", "help": "go on past end-of-generation tokens"}),
+        stage=None,
+    )
+    logit_bias: Mapping[int, float] = param(
+        default_factory=dict,
+        request=Request(("logit_bias",), "dict", custom=True),
+        flag="token ids are a library and server option",
+        stage="logit_bias",
+        on=lambda p: bool(p.logit_bias),
+    )
+    grammar: str | None = param(
+        None,
+        request=Request(("grammar",), "str"),
+        flag=Flag(("--grammar",), {"help": "a GBNF grammar (root rule: root)"}),
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
+    json_schema: Mapping[str, Any] | str | None = param(
+        None,
+        request=Request(("json_schema",), "dict"),
+        flag=Flag(("--json-schema",), {"help": "a JSON schema the output follows"}),
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
+    response_format: Mapping[str, Any] | None = param(
+        None,
+        request=Request(("response_format",), "dict"),
+        flag="--json-schema gives the command line's structured output",
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
+    logprobs: int | None = param(
+        None,
+        range=Range(int, 0, 100, hint=" or None", optional=True),
+        request=Request(("logprobs", "top_logprobs"), "int", custom=True),
+        flag="the command line prints text, not log-probabilities",
+        stage=None,
+    )
+    n: int = param(
+        1,
+        range=Range(int, 1, N_MAX),
+        request=Request(("n",), "int", custom=True),
+        flag="the command line makes one completion per prompt",
+        stage=None,
+    )
+    truncate: bool = param(
+        False,
+        request="the server refuses a prompt too long for the context (400)",
+        flag=Flag(
+            ("--truncate",),
+            {"action": "store_true", "help": "keep the end of a prompt too long for the context"},
+        ),
+        stage=None,
+    )
+    skip_special_tokens: bool = param(
+        True,
+        request=Request(("skip_special_tokens",), "bool"),
+        flag="the command line prints text as the model's users see it",
+        stage=None,
+    )
     # -- tool calls (llamabatch.toolcalls): a lazy grammar --------------------------------
     #: with ``grammar`` (or a schema): the grammar stays off until one of these words appears
     #: in the output, then applies from that word on (llama.cpp's lazy grammar). A word
     #: starting with ``^`` only counts at the start of the output (after whitespace).
-    grammar_triggers: Sequence[str] = ()
+    grammar_triggers: Sequence[str] = param(
+        (),
+        request="set by the chat pipeline from tools and tool_choice",
+        flag="set by the chat pipeline from tools and tool_choice",
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
     #: with the engine's ``speculative_config``: whether this request speculates (False: opt out)
-    speculative: bool = True
+    speculative: bool = param(
+        True,
+        request=Request(("speculative",), "bool"),
+        flag="speculation is the engine's --spec-type",
+        stage=None,
+    )
     #: the LoRA adapters this request runs with: a loaded adapter's name, a
     #: :class:`LoRARequest`, a mapping ``{name: scale}``, or a sequence of those; stored as
     #: ``((name, scale), ...)`` sorted by name, zero scales left out (``()``: the base model)
-    lora: Any = ()
+    lora: Any = param(  # noqa: RUF009 (param is this class's field(); Any hides it from ruff)
+        (),
+        request="the server's handlers pass the adapters a request names (server/lora.py)",
+        flag="adapters are the engine's options",
+        stage=None,
+    )
 
     def __post_init__(self) -> None:
         put = self._put
-        put("max_tokens", _int_field("max_tokens", self.max_tokens, 1, INT32_MAX))
-        put(
-            "temperature",
-            _float_field("temperature", self.temperature, 0.0, FLOAT32_MAX, hint=" (0 = greedy)"),
-        )
-        put("top_k", _int_field("top_k", self.top_k, 0, INT32_MAX, " (0 = off)"))
-        for name in ("top_p", "typical_p"):
-            put(name, _float_field(name, getattr(self, name), 0.0, 1.0, open_lo=True))
-        put("min_p", _float_field("min_p", self.min_p, 0.0, 1.0))
-        put(
-            "repeat_penalty",
-            _float_field(
-                "repeat_penalty", self.repeat_penalty, 0.0, FLOAT32_MAX, open_lo=True, hint=" (1 = off)"
-            ),
-        )
-        for name in ("frequency_penalty", "presence_penalty"):
-            put(name, _float_field(name, getattr(self, name), -2.0, 2.0))
-        put(
-            "penalty_last_n",
-            _int_field(
-                "penalty_last_n",
-                self.penalty_last_n,
-                -1,
-                PENALTY_LAST_N_MAX,
-                " (-1 = whole context; the window is also clamped to the context)",
-            ),
-        )
-        if self.seed is not None:
-            put("seed", _int_field("seed", self.seed, 0, SEED_LIMIT - 1, " or None (2**32-1 means random)"))
+        for name, limits in _RANGES.items():  # the declared ranges (param_spec.Range)
+            value = getattr(self, name)
+            if value is not None or not limits.optional:
+                put(name, _in_range(name, value, limits))
         put("stop", _strings("stop", self.stop))
         _check(len(self.stop) <= STOP_MAX, "stop", f"takes at most {STOP_MAX} strings", len(self.stop))
         for i, text in enumerate(self.stop):
@@ -279,7 +431,6 @@ class SamplingParams:
             f"takes at most {STOP_TOKEN_IDS_MAX} ids",
             len(self.stop_token_ids),
         )
-        put("min_tokens", _int_field("min_tokens", self.min_tokens, 0, INT32_MAX))
         _check(
             self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -300,9 +451,6 @@ class SamplingParams:
             from llamabatch.prompts.grammar_check import check_grammar
 
             check_grammar(self.grammar, what="SamplingParams.grammar")
-        if self.logprobs is not None:
-            put("logprobs", _int_field("logprobs", self.logprobs, 0, 100, " or None"))
-        put("n", _int_field("n", self.n, 1, N_MAX))
         put("truncate", _bool_field("truncate", self.truncate))
         put("skip_special_tokens", _bool_field("skip_special_tokens", self.skip_special_tokens))
         put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
@@ -384,6 +532,25 @@ class SamplingParams:
         return dict(getattr(self, "_lora_paths", {}))
 
     @property
+    def active_stages(self) -> tuple[str, ...]:
+        """The sampler stages these params switch on, in the chain's order
+        (``param_spec.active_stages``); ``("greedy",)`` alone is plain greedy decoding."""
+        return param_spec.active_stages(self)
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser | Any, defaults: Mapping[str, Any] | None = None
+    ) -> None:
+        """The flags of the fields that have one (``llamabatch generate``); ``defaults``: the
+        command's own defaults (a flag not given otherwise leaves the field's)."""
+        param_spec.add_cli_args(cls, parser, defaults or {})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> SamplingParams:
+        """The params of parsed flags (see :meth:`add_cli_args`); ``overrides`` win."""
+        return cls(**{**param_spec.from_cli_args(cls, args), **overrides})
+
+    @property
     def effective_grammar(self) -> str | None:
         """The GBNF grammar the sampler enforces: ``grammar``, or the one made from
         ``json_schema`` or ``response_format`` (None: unconstrained)."""
@@ -426,6 +593,18 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (``SamplingParams.from_dict`` reverses it)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: the fields whose values are numbers in a declared range, checked in field order
+_RANGES: dict[str, Range] = {
+    name: spec.range for name, spec in param_spec.specs(SamplingParams).items() if spec.range is not None
+}
+
+
+def _in_range(name: str, value: object, limits: Range) -> float:
+    if limits.kind is int:
+        return _int_field(name, value, int(limits.lo), int(limits.hi), limits.hint)
+    return _float_field(name, value, limits.lo, limits.hi, open_lo=limits.open_lo, hint=limits.hint)
 
 
 __all__ = [

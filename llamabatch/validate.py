@@ -7,6 +7,7 @@ llamabatch), so the binding (``_ffi``), ``params.py`` and the facades share one 
 
 from __future__ import annotations
 
+import argparse
 import numbers
 from typing import Literal, overload
 
@@ -98,3 +99,14 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value

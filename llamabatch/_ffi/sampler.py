@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from llamabatch._ffi import BUILD, ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.errors import GrammarDeadEnd
+from llamabatch.param_spec import ENGINE_STAGES
 
 if TYPE_CHECKING:  # the binding imports nothing above it; params are only read
     from llamabatch.params import SamplingParams
@@ -72,6 +74,20 @@ def penalty_window(penalty_last_n: int, n_ctx: int | None) -> int:
     return limit if penalty_last_n < 0 else min(penalty_last_n, limit)
 
 
+#: the stages that are one llama.cpp sampler made from the params alone (and the seed)
+_STAGE_SAMPLERS: dict[str, Callable[[SamplingParams, int], Any]] = {
+    "greedy": lambda p, seed: lib.llama_sampler_init_greedy(),
+    "top_k": lambda p, seed: lib.llama_sampler_init_top_k(p.top_k),
+    "typical": lambda p, seed: lib.llama_sampler_init_typical(p.typical_p, 1),
+    "top_p": lambda p, seed: lib.llama_sampler_init_top_p(p.top_p, 1),
+    "min_p": lambda p, seed: lib.llama_sampler_init_min_p(p.min_p, 1),
+    "temperature": lambda p, seed: lib.llama_sampler_init_temp(p.temperature),
+    "dist": lambda p, seed: lib.llama_sampler_init_dist(seed),
+}
+#: the stages :class:`SamplerChain` builds (the others are ``ENGINE_STAGES``)
+CHAIN_STAGES = frozenset({"logit_bias", "penalties", "grammar", *_STAGE_SAMPLERS})
+
+
 class SamplerChain:
     """One request's sampler chain; it keeps its own state (penalty window, grammar, RNG).
 
@@ -98,44 +114,36 @@ class SamplerChain:
         self._ptr = ffi.gc(chain, lib.llama_sampler_free)
         self.seed = params.seed if params.seed is not None else random.getrandbits(32)
         n_vocab = model.n_vocab
-
-        if params.logit_bias:
-            for token in params.logit_bias:
-                if token >= n_vocab:
-                    raise ValueError(f"SamplingParams.logit_bias: token id {token} >= n_vocab {n_vocab}")
-            biases = ffi.new("llama_logit_bias[]", [(t, b) for t, b in params.logit_bias.items()])
-            self._add(lib.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
-        if params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-            self._add(
-                lib.llama_sampler_init_penalties(
-                    n_vocab,
-                    penalty_window(params.penalty_last_n, n_ctx),
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
+        for stage in params.active_stages:  # in the chain's order (param_spec.STAGES)
+            if stage == "logit_bias":
+                for token in params.logit_bias:
+                    if token >= n_vocab:
+                        raise ValueError(f"SamplingParams.logit_bias: token id {token} >= n_vocab {n_vocab}")
+                biases = ffi.new("llama_logit_bias[]", [(t, b) for t, b in params.logit_bias.items()])
+                self._add(lib.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+            elif stage == "penalties":
+                window = penalty_window(params.penalty_last_n, n_ctx)
+                self._add(
+                    lib.llama_sampler_init_penalties(
+                        n_vocab,
+                        window,
+                        params.repeat_penalty,
+                        params.frequency_penalty,
+                        params.presence_penalty,
+                    )
                 )
-            )
-        if params.effective_grammar is not None:  # grammar, or json_schema / response_format's
-            grammar = _grammar_sampler(model, params)
-            if grammar == ffi.NULL:
-                raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
-            self._add(grammar)
-            self._error = ffi.new("char[]", _ERROR_SIZE)
-            # Counting reads llama.cpp internals laid out as in the pinned version only.
-            self._max_stacks = max_live_stacks if BUILD.origin == "pinned" else 0
-        if params.greedy:
-            self._add(lib.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                self._add(lib.llama_sampler_init_top_k(params.top_k))
-            if params.typical_p < 1.0:
-                self._add(lib.llama_sampler_init_typical(params.typical_p, 1))
-            if params.top_p < 1.0:
-                self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                self._add(lib.llama_sampler_init_min_p(params.min_p, 1))
-            self._add(lib.llama_sampler_init_temp(params.temperature))
-            self._add(lib.llama_sampler_init_dist(self.seed))
+            elif stage == "grammar":  # grammar, or json_schema / response_format's
+                grammar = _grammar_sampler(model, params)
+                if grammar == ffi.NULL:
+                    raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
+                self._add(grammar)
+                self._error = ffi.new("char[]", _ERROR_SIZE)
+                # Counting reads llama.cpp internals laid out as in the pinned version only.
+                self._max_stacks = max_live_stacks if BUILD.origin == "pinned" else 0
+            elif stage in _STAGE_SAMPLERS:
+                self._add(_STAGE_SAMPLERS[stage](params, self.seed))
+            elif stage not in ENGINE_STAGES:  # declared in param_spec, built nowhere
+                raise NotImplementedError(f"no sampler builds the stage {stage!r}")
 
     def _add(self, sampler) -> None:
         if sampler == ffi.NULL:

@@ -286,16 +286,9 @@ class Request:
         #: the class of the exception that ended the request (``GrammarDeadEnd``: its own doing)
         self.error_type: type[Exception] | None = None
         self.state = OutputState(params, streaming=streaming, channel=channel)
-        #: plain greedy with no state in the sampler chain: the engine takes the argmax
-        self.fast_greedy = (
-            params.greedy
-            and not params.logit_bias
-            and params.effective_grammar is None
-            and params.repeat_penalty == 1.0
-            and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0
-            and params.min_tokens == 0
-        )
+        #: plain greedy, no other sampler stage on (no state in the chain): the engine takes
+        #: the argmax of the row itself
+        self.fast_greedy = params.active_stages == ("greedy",)
         self.t_submitted = time.perf_counter()
         self.t_admitted: float | None = None
         self.t_first_token: float | None = None

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from llamabatch import CompletionOutput, GrammarDeadEnd, SamplingParams
+from llamabatch.param_spec import request_fields
 
 logger = logging.getLogger("llamabatch.server")
 
@@ -24,10 +25,15 @@ IGNORED_FIELDS = frozenset(
     {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream"}
 )
 
-#: SamplingParams field -> the request field(s) it comes from (for error messages).
+#: the ``SamplingParams`` fields ``sampling_params`` reads with a rule of its own (declared
+#: ``Request(custom=True)`` in ``params.py``); it reads the others as declared
+CUSTOM_FIELDS = frozenset({"max_tokens", "top_k", "seed", "stop", "logit_bias", "logprobs", "n"})
+#: SamplingParams field -> the request fields it comes from, where it has several (for error
+#: messages: ``repetition_penalty`` or ``repeat_penalty``)
 _PARAM_FIELDS = {
-    "repeat_penalty": ("repetition_penalty", "repeat_penalty"),
-    "penalty_last_n": ("repeat_last_n", "penalty_last_n"),
+    name: request.names
+    for name, request in request_fields(SamplingParams)
+    if not request.custom and len(request.names) > 1
 }
 
 #: vLLM clamps log-probabilities that JSON cannot carry (-inf) to this.
@@ -206,47 +212,24 @@ def sampling_params(
     kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
     if lora:
         kw["lora"] = lora
-    for name, kind in (
-        ("temperature", "number"),
-        ("top_p", "number"),
-        ("presence_penalty", "number"),
-        ("frequency_penalty", "number"),
-        ("min_p", "number"),
-        ("typical_p", "number"),
-        ("ignore_eos", "bool"),
-        ("min_tokens", "int"),
-        ("grammar", "str"),
-        ("skip_special_tokens", "bool"),
-        ("speculative", "bool"),  # false: this request does not speculate (speculative_config)
-    ):
-        value = body.get(name, kind)
-        if value is not None:
-            kw[name] = value
+    for param, request in request_fields(SamplingParams):  # the fields declared plain
+        if request.custom:
+            continue
+        for name in request.names:  # the last one given wins
+            value = body.get(name, request.kind)
+            if value is not None:
+                kw[param] = value
     kw["n"] = body.get("n", "int", 1, minimum=1, maximum=128)
     top_k = body.get("top_k", "int")
     if top_k is not None:
         kw["top_k"] = max(0, top_k)  # vLLM's -1 and llama.cpp's <= 0: off
-    for param, names in _PARAM_FIELDS.items():
-        for name in names:
-            value = body.get(name, "number" if param == "repeat_penalty" else "int")
-            if value is not None:
-                kw[param] = value
     seed = body.get("seed", "int")
     if seed is not None and seed != -1:  # -1: random (llama.cpp's convention)
         kw["seed"] = seed
     kw["stop"] = _stop(body)
-    stop_token_ids = body.get("stop_token_ids", "list")
-    if stop_token_ids is not None:
-        kw["stop_token_ids"] = stop_token_ids
     logit_bias = body.get("logit_bias", "dict")
     if logit_bias:
         kw["logit_bias"] = _logit_bias(logit_bias)
-    response_format = body.get("response_format", "dict")
-    if response_format is not None:
-        kw["response_format"] = response_format
-    json_schema = body.get("json_schema", "dict")  # llama.cpp server's extension
-    if json_schema is not None:
-        kw["json_schema"] = json_schema
     try:
         return SamplingParams(**kw)
     except ValueError as exc:
