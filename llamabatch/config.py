@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from llamabatch.config_checks import batch_invariant_conflict, positive_int
+from llamabatch.config_checks import batch_invariant_conflict, check_milliseconds, positive_int
 from llamabatch.generate.spec_config import (
     add_spec_cli_args,
     spec_cli_argv,
@@ -258,6 +258,9 @@ class EngineConfig(OptionsConfig):
             a tick at least while a prompt is computed), and a request waits in the queue
             while one more decoding stream would push the ticks over it. Trades some prompt
             throughput and time to first token for a bounded inter-token latency.
+        slo_ttft_ms, slo_itl_ms: service-level objectives in ms, on the time to first token
+            and on every inter-token gap (default ``None``: none; per request: ``SamplingParams``):
+            the engine then schedules for goodput, see ``generate/slo.py``.
         priority_aging: how many admissions make a waiting request gain one priority level
             on the requests queued after it (default 8; 0: no aging, strict priorities as
             vLLM). A request ``d`` levels behind the best priority arriving is overtaken
@@ -403,6 +406,14 @@ class EngineConfig(OptionsConfig):
             ),
         ),
     )
+    slo_ttft_ms: float | None = field(
+        default=None,
+        metadata=flag("--slo-ttft-ms", type=positive_float, help="SLO on the time to first token (ms)"),
+    )
+    slo_itl_ms: float | None = field(
+        default=None,
+        metadata=flag("--slo-itl-ms", type=positive_float, help="SLO on every inter-token gap (ms)"),
+    )
     cache_ram: int | None = field(
         default=CACHE_RAM_DEFAULT_MIB,
         metadata=flag(
@@ -546,13 +557,8 @@ class EngineConfig(OptionsConfig):
             conflict = batch_invariant_conflict(self)
             if conflict:
                 raise ValueError(conflict)
-        target = self.target_itl_ms
-        if target is not None and (
-            not isinstance(target, (int, float))
-            or isinstance(target, bool)
-            or not (0 < target < float("inf"))
-        ):
-            raise ValueError(f"target_itl_ms must be a positive number (ms) or None, got {target!r}")
+        for name in ("target_itl_ms", "slo_ttft_ms", "slo_itl_ms"):
+            check_milliseconds(name, getattr(self, name))
         aging = self.priority_aging
         if not isinstance(aging, int) or isinstance(aging, bool) or aging < 0:
             raise ValueError(f"priority_aging must be an int >= 0 (0: no aging), got {aging!r}")

@@ -44,7 +44,10 @@ class Timings:
     or for a request of a higher priority). ``itl_p50`` / ``itl_p99`` / ``itl_max``: the
     request's own inter-token latencies (the gaps between its tokens; None under 2 tokens).
     ``spec_draft_tokens`` / ``spec_accepted_tokens``: speculative decoding's draft tokens
-    verified for this request and those accepted (0 without ``speculative_config``)."""
+    verified for this request and those accepted (0 without ``speculative_config``).
+    ``slo_ttft_met`` / ``slo_itl_met``: whether its first token came within its
+    ``slo_ttft_ms`` and no gap exceeded its ``slo_itl_ms``; ``slo_met``: both (None: no SLO;
+    a failed or cancelled request met none)."""
 
     queue_wait: float
     time_to_first_token: float | None
@@ -55,6 +58,9 @@ class Timings:
     itl_max: float | None = None
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    slo_ttft_met: bool | None = None
+    slo_itl_met: bool | None = None
+    slo_met: bool | None = None
 
 
 @dataclass(frozen=True)

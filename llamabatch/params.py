@@ -408,6 +408,22 @@ class SamplingParams:
         flag="adapters are the engine's options",
         stage=None,
     )
+    #: this request's service-level objectives in ms (None: the engine's ``slo_ttft_ms`` /
+    #: ``slo_itl_ms``): its first token within ``slo_ttft_ms``, no gap over ``slo_itl_ms``
+    slo_ttft_ms: float | None = param(
+        None,
+        range=Range(float, 0.0, FLOAT32_MAX, open_lo=True, hint=" or None", optional=True),
+        request=Request(("slo_ttft_ms",), "number"),
+        flag="the engine's --slo-ttft-ms",
+        stage=None,
+    )
+    slo_itl_ms: float | None = param(
+        None,
+        range=Range(float, 0.0, FLOAT32_MAX, open_lo=True, hint=" or None", optional=True),
+        request=Request(("slo_itl_ms",), "number"),
+        flag="the engine's --slo-itl-ms",
+        stage=None,
+    )
 
     def __post_init__(self) -> None:
         put = self._put

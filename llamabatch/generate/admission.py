@@ -19,7 +19,8 @@ priorities, aging and client turns, ``priority.py``) is the base; a
 :class:`DelegatingAdmission` wraps another policy and changes one concern:
 :class:`LatencyAdmission` (the tick budget under ``target_itl_ms``, ``cost_model.py``) and
 :class:`GroupedAdmission` (requests grouped by a key, e.g. an adapter: at most
-``max_groups`` keys run at once). :func:`admission_for` builds an ``EngineConfig``'s policy.
+``max_groups`` keys run at once); ``slo.SLOAdmission`` schedules for goodput under SLOs.
+``policies.admission_for`` builds an ``EngineConfig``'s policy.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ __all__ = [
     "PriorityAdmission",
     "TickLimit",
     "Verdict",
-    "admission_for",
 ]
 
 #: the running requests, as ``(slot, request)`` pairs (``SlotMap.busy()``)
@@ -309,12 +309,3 @@ class GroupedAdmission(DelegatingAdmission):
         else:
             self._running.pop(key, None)
         self.inner.released(request)
-
-
-def admission_for(target_itl_ms: float | None, n_batch: int, aging: int) -> AdmissionPolicy:
-    """The policy of an engine's settings: priorities with ``aging``, under ``target_itl_ms``
-    when set."""
-    policy: AdmissionPolicy = PriorityAdmission(aging)
-    if target_itl_ms:
-        policy = LatencyAdmission(policy, LatencyBudget(target_itl_ms / 1000.0, n_batch))
-    return policy

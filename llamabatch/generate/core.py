@@ -45,11 +45,12 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
-from llamabatch.generate.admission import TickLimit, Verdict, admission_for
+from llamabatch.generate.admission import TickLimit, Verdict
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import ubatch_cost_cells
 from llamabatch.generate.lora_schedule import install_lora
+from llamabatch.generate.policies import admission_for
 from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
@@ -162,7 +163,7 @@ class EngineCore:
         #: the clock decodes are timed with (seconds; tests inject a scripted one)
         self.clock: Callable[[], float] = time.perf_counter
         #: the wait order, admissions, each tick's budget and the victims of preemption
-        self.admission = admission_for(config.target_itl_ms, self.n_batch, config.priority_aging)
+        self.admission = admission_for(config, self.n_batch)
         self.lora = install_lora(self)  # one LoRA adapter set per tick (``lora_schedule.py``)
         # the current tick, as its plug-ins see it (``tick_context.TickContext``)
         self.budget = self.n_batch
@@ -676,5 +677,8 @@ class EngineCore:
         counters.completion_tokens += out.usage.completion_tokens
         counters.reused_tokens += out.usage.reused_tokens
         counters.finish_reasons[out.finish_reason] = counters.finish_reasons.get(out.finish_reason, 0) + 1
+        if out.timings.slo_met is not None:  # goodput: requests with an SLO, and those that met it
+            counters.slo_requests += 1
+            counters.slo_met += out.timings.slo_met
         if self.telemetry.has_listeners:
             self.telemetry.emit(request_event(request, out))

@@ -308,6 +308,8 @@ class EngineHost:
             spec_draft_tokens=c.spec_draft_tokens,
             spec_accepted_per_pos=tuple(c.spec_accepted_per_pos),
             spec_accepted_tokens=c.spec_accepted_tokens,
+            slo_requests=c.slo_requests,
+            slo_met=c.slo_met,
             **history_stats(core.spec),
         )
 

@@ -64,6 +64,20 @@ def itl_figures(request: Request) -> tuple[float | None, float | None, float | N
     return float(p50), float(p99), float(gaps.max())
 
 
+def slo_attainment(
+    slo: tuple[float | None, float | None], ttft: float | None, itl_max: float | None, reason: str
+) -> tuple[bool | None, bool | None, bool | None]:
+    """``(ttft met, every gap met, both)`` of a request with SLOs ``slo`` (seconds; None:
+    none, and then None); a request that failed or was cancelled met neither."""
+    slo_ttft, slo_itl = slo
+    ok = reason not in ("error", "cancelled")
+    ttft_met = None if slo_ttft is None else ok and ttft is not None and ttft <= slo_ttft
+    itl_met = None if slo_itl is None else ok and (itl_max is None or itl_max <= slo_itl)
+    if ttft_met is None and itl_met is None:
+        return None, None, None
+    return ttft_met, itl_met, ttft_met is not False and itl_met is not False
+
+
 class Channel:
     """Where the deltas of one prompt's completions go: a thread-safe queue for blocking
     readers, plus asyncio queues of the event loops that listen."""
@@ -136,6 +150,8 @@ class OutputState:
         ttft = None if request.t_first_token is None else request.t_first_token - request.t_submitted
         reason = request.finish_reason
         assert reason is not None
+        itl = itl_figures(request)
+        ttft_met, itl_met, slo_met = slo_attainment(request.slo, ttft, itl[2], reason)
         self.output = CompletionOutput(
             request_id=request.request_id,
             text="".join(self.text_parts),
@@ -147,8 +163,12 @@ class OutputState:
                 ttft,
                 now - request.t_submitted,
                 request.n_preemptions,
-                *itl_figures(request),
-                *request.spec_counts,
+                *itl,
+                spec_draft_tokens=request.spec_counts[0],
+                spec_accepted_tokens=request.spec_counts[1],
+                slo_ttft_met=ttft_met,
+                slo_itl_met=itl_met,
+                slo_met=slo_met,
             ),
             prompt_token_ids=request.prompt_tokens,
             logprobs=self.logprobs,
@@ -216,6 +236,7 @@ class Request:
         "request_id",
         "reused_tokens",
         "sampler",
+        "slo",
         "spec_counts",
         "state",
         "status",
@@ -290,6 +311,12 @@ class Request:
         #: the argmax of the row itself
         self.fast_greedy = params.active_stages == ("greedy",)
         self.t_submitted = time.perf_counter()
+        #: its SLOs in seconds, (time to first token, inter-token gap); None: none (the
+        #: engine's SLO policy fills in the engine's own at queueing)
+        self.slo: tuple[float | None, float | None] = (
+            None if params.slo_ttft_ms is None else params.slo_ttft_ms / 1000.0,
+            None if params.slo_itl_ms is None else params.slo_itl_ms / 1000.0,
+        )
         self.t_admitted: float | None = None
         self.t_first_token: float | None = None
         #: when each generated token was sampled (its inter-token latencies)

@@ -66,4 +66,5 @@ def request_event(request: Request, out: CompletionOutput) -> RequestEvent:
         itl_p99=out.timings.itl_p99,
         itl_max=out.timings.itl_max,
         inter_token_latencies=tuple(np.diff(request.token_times).tolist()),
+        slo_met=out.timings.slo_met,
     )

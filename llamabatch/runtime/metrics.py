@@ -34,6 +34,7 @@ label (the GGUF's file stem unless given):
 ``llamabatch:spec_decode_num_draft_tokens_total``         counter: draft tokens verified
 ``llamabatch:spec_decode_num_accepted_tokens_total``      counter: draft tokens accepted
 ``llamabatch:spec_decode_num_accepted_tokens_per_pos``    counter{position}: accepted, by draft position
+``llamabatch:slo_requests_total`` / ``slo_met_total``     counters: requests with an SLO / that met it
 ========================================================  ===========================================
 
 The ``spec_decode_*`` counters are llama-server's (``llamacpp:spec_decode_*``) and vLLM's names.
@@ -111,6 +112,8 @@ _COUNTERS = {
     "embedding_sequences": "Texts embedded.",
     "embedding_tokens": "Tokens of embedded texts.",
     "embedding_failed": "Texts that could not be embedded.",
+    "slo_requests": "Finished requests that had an SLO (slo_ttft_ms / slo_itl_ms).",
+    "slo_met": "Finished requests that met their SLO (goodput: slo_met / slo_requests).",
 }
 
 
@@ -392,6 +395,9 @@ def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:
     c["prefix_cache_queries"] += event.prompt_tokens
     c["prefix_cache_hits"] += event.reused_tokens
     m.finish[event.finish_reason] = m.finish.get(event.finish_reason, 0) + 1
+    if event.slo_met is not None:
+        c["slo_requests"] += 1
+        c["slo_met"] += event.slo_met
     h["e2e_request_latency_seconds"].observe(event.total)
     h["request_queue_time_seconds"].observe(event.queue_wait)
     h["request_prompt_tokens"].observe(event.prompt_tokens)

@@ -65,6 +65,8 @@ class RequestEvent:
     itl_max: float | None = None
     #: every gap between the request's tokens (seconds), in order
     inter_token_latencies: tuple[float, ...] = ()
+    #: whether it met its SLOs (``Timings.slo_met``; None: it had none)
+    slo_met: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class GenerationCounters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    #: finished requests with an SLO (``slo_ttft_ms`` / ``slo_itl_ms``), and those that met it
+    slo_requests: int = 0
+    slo_met: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,10 @@ class GenerationStats:
     #: ``suffix_cache_tokens``)
     spec_history_tokens: int = 0
     spec_history_bytes: int = 0
+    # -- service-level objectives (``slo_ttft_ms``, ``slo_itl_ms``, ``generate/slo.py``) --
+    #: finished requests that had an SLO, and those that met it (goodput: their ratio)
+    slo_requests: int = 0
+    slo_met: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -1,0 +1,199 @@
+"""Scheduling for goodput under service-level objectives (``slo_ttft_ms``, ``slo_itl_ms``).
+
+An SLO says what a user needs: the first token within ``slo_ttft_ms``, no gap between tokens
+over ``slo_itl_ms`` (``EngineConfig``, or per request in ``SamplingParams``). Goodput is the
+share of requests that meet theirs. :class:`SLOAdmission` spends slack instead of latency:
+
+- **Ticks.** A tick runs its prompt tokens at full speed (the whole ``n_batch``) unless a
+  running stream would then wait longer than its ITL SLO for its next token, as the online
+  cost model (``cost_model.DecodeCostModel``) predicts the tick; only then is the prefill
+  sliced, to the most prompt tokens whose tick stays under the tightest running ITL SLO
+  (``LatencyBudget.budget``, aiming under the SLO by the model's recent error). A prompt
+  always moves by one token a tick at least: when the decodes alone break the SLO, no
+  choice could meet it.
+- **Order.** Before each admission pass the waiting requests are ranked, within each
+  priority (and preempted requests first, as ``priority.py``): first those that can still
+  meet their TTFT SLO, shortest prompt first (each one's predicted prefill time, added to
+  that of the requests before it, must fit the time its SLO leaves), then those that cannot,
+  in arrival order. A late request does not take the place of one that can still be served
+  in time; a request without a TTFT SLO counts as one that can.
+- **Admission.** A request starts unless its stream would push every decode tick over the
+  tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``.
+
+Each request's attainment is in its ``metrics`` (``Timings.slo_met``), and the engine's
+``stats()`` and ``/metrics`` count requests with an SLO and those that met it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from llamabatch._core.slots import SlotTable
+from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, TickLimit, Verdict
+from llamabatch.generate.cost_model import LatencyBudget, TickFeatures
+from llamabatch.generate.priority import aged_priority
+from llamabatch.generate.request import Request
+from llamabatch.status import RequestStatus
+
+__all__ = ["SLOAdmission"]
+
+#: the ITL target of a budget no running stream constrains (never read: no stream has one)
+_NO_TARGET = 1e9
+
+
+class SLOAdmission(DelegatingAdmission):
+    """``inner``'s policy, scheduled for goodput under SLOs (see the module): ``ttft`` and
+    ``itl`` (seconds, None: none) are the engine's SLOs, a request's own override them;
+    ``aging`` is the queue's priority aging (``priority_aging``)."""
+
+    def __init__(
+        self,
+        inner: AdmissionPolicy,
+        *,
+        ttft: float | None,
+        itl: float | None,
+        n_batch: int,
+        aging: int = 0,
+        latency: LatencyBudget | None = None,
+    ) -> None:
+        super().__init__(inner)
+        self.ttft = ttft
+        self.itl = itl
+        self.n_batch = n_batch
+        self.aging = aging
+        #: the tick budget under the tightest running ITL SLO, and its cost model
+        self.latency = latency if latency is not None else LatencyBudget(itl or _NO_TARGET, n_batch)
+        #: whether a request with an SLO was ever queued (until then: ``inner`` alone)
+        self.active = ttft is not None or itl is not None
+        #: the ITL SLOs of the running requests that have one: SLO -> how many
+        self._running_itl: dict[float, int] = {}
+        #: the tightest of them for the tick being planned (None: none)
+        self._limit: float | None = None
+
+    @property
+    def learns_costs(self) -> bool:
+        return self.active or self.inner.learns_costs
+
+    def enqueue(self, waiting: deque[Request], requests: Iterable[Request], n_admitted: int) -> None:
+        requests = list(requests)
+        for request in requests:
+            ttft, itl = request.slo
+            request.slo = (self.ttft if ttft is None else ttft, self.itl if itl is None else itl)
+            if request.slo != (None, None):
+                self.active = True
+        self.inner.enqueue(waiting, requests, n_admitted)
+
+    # -- order ----------------------------------------------------------------------------
+
+    def prefill_seconds(self) -> Callable[[int], float]:
+        """The predicted time to compute ``n`` prompt tokens at full speed (in ``n_batch``
+        chunks, each attending the ones before it), as the cost model stands now."""
+        model = self.latency.model
+        # the model is linear: its coefficients once, then arithmetic
+        c0 = model.predict(TickFeatures(0, 0, 0.0))
+        c_token = model.predict(TickFeatures(1, 0, 0.0)) - c0
+        c_output = model.predict(TickFeatures(0, 1, 0.0)) - c0
+        c_cell = model.predict(TickFeatures(0, 0, 1.0)) - c0
+        n_batch = self.n_batch
+
+        def seconds(n: int) -> float:
+            total = 0.0
+            done = 0
+            while done < n:
+                chunk = min(n_batch, n - done)
+                attended = chunk * (done + (chunk + 1) / 2)
+                total += max(0.0, c0 + c_token * chunk + c_output + c_cell * attended)
+                done += chunk
+            return total
+
+        return seconds
+
+    def reorder(self, waiting: deque[Request], now: float) -> None:
+        self.inner.reorder(waiting, now)
+        if not self.active or len(waiting) < 2:
+            return
+        aging = self.aging
+        ranked: list[tuple[tuple[int, int, int, float, int], Request]] = []
+        # requests that can meet their TTFT SLO, shortest first, each behind the ones before it
+        spans = [(len(r.prompt_tokens) + len(r.output_tokens), r) for r in waiting]
+        seconds = self.prefill_seconds()
+        estimates = {r.arrival: seconds(n) for n, r in spans}
+        queued = 0.0
+        for _, request in sorted(spans, key=lambda x: (x[0], x[1].arrival)):
+            estimate = estimates[request.arrival]
+            slo = request.slo[0]
+            late = slo is not None and (now - request.t_submitted) + queued + estimate > slo
+            if not late:
+                queued += estimate
+            key = (
+                aged_priority(request, aging),
+                0 if request.status is RequestStatus.PREEMPTED else 1,
+                1 if late else 0,
+                float(request.arrival) if late else estimate,
+                request.arrival,
+            )
+            ranked.append((key, request))
+        ranked.sort(key=lambda x: x[0])
+        waiting.clear()
+        waiting.extend(request for _, request in ranked)
+
+    # -- admission and the tick -----------------------------------------------------------
+
+    def _tightest(self, extra: float | None = None) -> float | None:
+        limits = list(self._running_itl)
+        if extra is not None:
+            limits.append(extra)
+        return min(limits) if limits else None
+
+    def _aim_at(self, limit: float) -> None:
+        """Set the budget's target to ``limit``, keeping its error margin (aim / target)."""
+        latency = self.latency
+        ratio = latency.aim / latency.target
+        latency.target = limit
+        latency.aim = limit * ratio
+
+    def admits(self, request: Request, n_prompt: int, table: SlotTable, busy: list[int]) -> Verdict:
+        limit = self._tightest(request.slo[1]) if self.active else None
+        if limit is not None and busy:
+            self._aim_at(limit)
+            if not self.latency.admits(table, busy, n_prompt):
+                return Verdict.STOP  # one more stream would break the running streams' ITL SLO
+        return self.inner.admits(request, n_prompt, table, busy)
+
+    def admitted(self, request: Request) -> None:
+        itl = request.slo[1]
+        if itl is not None:
+            self._running_itl[itl] = self._running_itl.get(itl, 0) + 1
+        self.inner.admitted(request)
+
+    def released(self, request: Request) -> None:
+        itl = request.slo[1]
+        if itl is not None:
+            n = self._running_itl.get(itl, 0) - 1
+            if n > 0:
+                self._running_itl[itl] = n
+            else:
+                self._running_itl.pop(itl, None)
+        self.inner.released(request)
+
+    def tick_budget(self, table: SlotTable, busy: list[int], n_batch: int) -> int:
+        inner = self.inner.tick_budget(table, busy, n_batch)
+        self._limit = limit = self._tightest()
+        if limit is None:
+            return inner
+        self._aim_at(limit)
+        return min(self.latency.budget(table, busy), inner)
+
+    def tick_limit(self) -> TickLimit | None:
+        if self._limit is None:
+            return self.inner.tick_limit()
+        return TickLimit(self.latency.model, self.latency.aim)
+
+    def predicted(self) -> float | None:
+        return self.latency.predicted if self.active else self.inner.predicted()
+
+    def observe(self, features: TickFeatures, elapsed: float) -> None:
+        if self.active:
+            self.latency.observe(features, elapsed)
+        self.inner.observe(features, elapsed)

@@ -1,0 +1,254 @@
+"""Scheduling for goodput under SLOs (``slo_ttft_ms``, ``slo_itl_ms``; ``generate/slo.py``).
+
+Over the fake llama.cpp with scripted decode costs (``FakeContext.cost``) and a cost model
+that knows them exactly, so every decision (each tick's prefill, the queue's order) is
+asserted exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fake_llama import make_core
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler_fake import Recorder, greedy, prompt
+
+from llamabatch import EngineConfig, SamplingParams
+from llamabatch.generate.admission import PriorityAdmission
+from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget
+from llamabatch.generate.request import Request
+from llamabatch.generate.slo import SLOAdmission
+from llamabatch.runtime.telemetry import Telemetry, TickEvent
+
+COST = (0.010, 0.001, 0.002, 0.0)  # 10 ms a decode, 1 ms a token, 2 ms an output row
+
+
+def slo_policy(ttft_ms=None, itl_ms=None, *, cost=COST, n_batch=512):
+    """An SLO policy whose cost model is exactly ``cost``."""
+    return SLOAdmission(
+        PriorityAdmission(),
+        ttft=None if ttft_ms is None else ttft_ms / 1000.0,
+        itl=None if itl_ms is None else itl_ms / 1000.0,
+        n_batch=n_batch,
+        latency=LatencyBudget(1.0, n_batch, model=DecodeCostModel(cost)),
+    )
+
+
+def slo_core(ttft_ms=None, itl_ms=None, *, cost=COST, n_parallel=4):
+    ticks: list[TickEvent] = []
+    telemetry = Telemetry()
+    telemetry.add_listener(lambda e: ticks.append(e) if isinstance(e, TickEvent) else None)
+    core, ctx, model = make_core(
+        n_parallel=n_parallel,
+        n_ctx=1024 * n_parallel,
+        kv_unified=False,
+        n_batch=512,
+        chunk_size=512,
+        telemetry=telemetry,
+    )
+    ctx.cost = cost
+    core.clock = ctx.clock
+    core.admission = slo_policy(ttft_ms, itl_ms, cost=cost)
+    return core, ctx, model, ticks
+
+
+def decoding_then_long_prompt(core, ctx, model, *, n_long=600, params=None):
+    rec = Recorder(core, ctx, model)
+    for seed in range(3):
+        rec.new(prompt(4, seed), greedy(120))
+    for _ in range(4):
+        rec.step()
+    (long,) = rec.new(prompt(n_long, 99), params or greedy(4))
+    return rec, long
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def test_config_and_params_check_slos():
+    assert EngineConfig().slo_ttft_ms is None and EngineConfig().slo_itl_ms is None
+    assert EngineConfig(slo_ttft_ms=4000, slo_itl_ms=250).slo_itl_ms == 250
+    for name in ("slo_ttft_ms", "slo_itl_ms"):
+        for bad in (0, -1, float("inf"), "50", True):
+            with pytest.raises(ValueError, match=name):
+                EngineConfig(**{name: bad})
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: bad})
+    assert SamplingParams(slo_ttft_ms=100.0).slo_ttft_ms == 100.0
+
+
+def test_cli_flags_round_trip():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(["--slo-ttft-ms", "4000", "--slo-itl-ms", "250"]))
+    assert (config.slo_ttft_ms, config.slo_itl_ms) == (4000.0, 250.0)
+    assert "--slo-itl-ms" in config.to_cli_args()
+
+
+# -- ticks ------------------------------------------------------------------------------
+
+
+def test_prefill_runs_at_full_speed_when_no_stream_would_break_its_slo():
+    core, ctx, model, ticks = slo_core(itl_ms=10_000)
+    rec, long = decoding_then_long_prompt(core, ctx, model)
+    rec.step()
+    # 3 decodes and the rest of the 512 tokens: 10 + 512 + 4 * 2 = 530 ms, far under 10 s
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 509)
+    rec.run()
+    rec.check_done(long)
+
+
+def test_prefill_is_sliced_only_to_keep_the_streams_slo():
+    core, ctx, model, ticks = slo_core(itl_ms=100.5)
+    rec, long = decoding_then_long_prompt(core, ctx, model)
+    rec.step()
+    # 3 decodes: 10 + 3 + 6 = 19 ms, plus the chunk's output row (2 ms): 79 tokens fit 100.5 ms
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 79)
+    assert ticks[-1].decode_time <= 0.1005 + 1e-9
+    rec.run()
+    rec.check_done(long)
+
+
+def test_a_prompt_alone_runs_at_full_speed_under_a_tight_slo():
+    core, ctx, model, ticks = slo_core(itl_ms=20)
+    rec = Recorder(core, ctx, model)
+    rec.new(prompt(600, 1), greedy(2))
+    rec.step()
+    assert ticks[-1].prefill_tokens == 512  # nobody decodes: no gap to protect
+
+
+def test_a_request_slo_overrides_the_engines():
+    core, ctx, model, ticks = slo_core()  # no engine SLO: the policy passes through
+    rec, _ = decoding_then_long_prompt(core, ctx, model)
+    rec.step()
+    assert ticks[-1].prefill_tokens == 509
+    rec.run()
+    rec.new(prompt(4, 5), greedy(120, slo_itl_ms=100.5))
+    rec.new(prompt(4, 6), greedy(120))
+    rec.new(prompt(4, 7), greedy(120))
+    for _ in range(4):
+        rec.step()
+    rec.new(prompt(600, 8), greedy(4))
+    rec.step()
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 79)
+    rec.run()
+
+
+# -- order ------------------------------------------------------------------------------
+
+
+def _waiting(policy, specs, now):
+    """Requests of (prompt tokens, slo_ttft_ms, seconds waited), queued by ``policy``."""
+    from collections import deque
+
+    waiting: deque = deque()
+    requests = []
+    for i, (n, ttft_ms, waited) in enumerate(specs):
+        r = Request(prompt(n, i), greedy(4, slo_ttft_ms=ttft_ms))
+        r.t_submitted = now - waited
+        requests.append(r)
+    policy.enqueue(waiting, requests, 0)
+    return waiting, requests
+
+
+def test_requests_that_can_meet_their_ttft_go_first_shortest_first():
+    policy = slo_policy()
+    now = 1000.0
+    # prefill at full speed: 12 ms + 1 ms a token a chunk (512 tokens)
+    # a: 1,000 tokens (1.024 s), waited 0.5 s of 2 s: meets it behind c (0.112 + 1.024 + 0.5)
+    # b: 400 tokens (0.412 s) with a 0.3 s SLO: cannot meet it
+    # c: 100 tokens (0.112 s): meets it, and first (shortest)
+    waiting, (a, b, c) = _waiting(policy, [(1000, 2000, 0.5), (400, 300, 0.0), (100, 2000, 0.1)], now)
+    assert list(waiting) == [a, b, c]  # queued first come, first served
+    policy.reorder(waiting, now)
+    assert list(waiting) == [c, a, b]
+    # later, a cannot make it either: the late ones keep their arrival order
+    policy.reorder(waiting, now + 1.0)
+    assert list(waiting) == [c, a, b]
+    policy.reorder(waiting, now + 1.5)
+    assert list(waiting) == [c, a, b]
+    assert policy.prefill_seconds()(1000) == pytest.approx(1.024)
+
+
+def test_the_order_keeps_priorities_first():
+    policy = slo_policy()
+    now = 50.0
+    waiting, (a, b) = _waiting(policy, [(400, 100, 0.0), (10, 2000, 0.0)], now)
+    a.priority = -1
+    policy.reorder(waiting, now)
+    assert list(waiting) == [a, b]  # late, but of a better priority
+
+
+def test_no_slo_keeps_the_queue_order():
+    policy = slo_policy()
+    now = 50.0
+    specs = [(400, None, 0.0), (10, None, 0.0)]
+    waiting, requests = _waiting(policy, specs, now)
+    policy.reorder(waiting, now)
+    assert list(waiting) == requests and not policy.active
+
+
+# -- attainment -------------------------------------------------------------------------
+
+
+def test_attainment_in_metrics_and_stats():
+    core, ctx, model, _ = slo_core()
+    rec = Recorder(core, ctx, model)
+    (met,) = rec.new(prompt(8, 1), greedy(4, slo_ttft_ms=60_000, slo_itl_ms=60_000))
+    (missed,) = rec.new(prompt(8, 2), greedy(4, slo_itl_ms=0.001))
+    (free,) = rec.new(prompt(8, 3), greedy(4))
+    rec.run()
+    assert met.output.timings.slo_met is True and met.output.timings.slo_ttft_met is True
+    assert missed.output.timings.slo_met is False
+    assert missed.output.timings.slo_itl_met is False and missed.output.timings.slo_ttft_met is None
+    assert free.output.timings.slo_met is None
+    assert (core.counters.slo_requests, core.counters.slo_met) == (2, 1)
+
+
+# -- the property -----------------------------------------------------------------------
+
+# no per-output cost: the plan's tick (one output row for the prompt chunks) is then exact
+FLAT = (0.010, 0.001, 0.0, 0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    itl_ms=st.sampled_from([15, 40, 100, 300]),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # steps before it arrives
+            st.integers(1, 700),  # prompt tokens
+            st.integers(1, 40),  # max tokens
+            st.sampled_from([None, 12, 60, 1000]),  # its own ITL SLO
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_no_tick_breaks_the_itl_slo_unless_nothing_could(itl_ms, arrivals):
+    """With SLOs set and an exact cost model, a tick in which a stream decodes stays under the
+    tightest running ITL SLO, unless its prefill is the one-token floor (one prompt token
+    alone cannot meet it) or it holds no prefill at all."""
+    core, ctx, model, ticks = slo_core(ttft_ms=1000, itl_ms=itl_ms, cost=FLAT)
+    rec = Recorder(core, ctx, model)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    limits: dict[int, float] = {}  # tick -> the tightest ITL SLO of the streams then running
+    while pending or core.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, n, max_tokens, own = pending.pop(0)
+            rec.new(prompt(n, step * 31 + n), greedy(max_tokens, slo_itl_ms=own))
+        running = [r for r in core.running if r is not None]
+        slos = [r.slo[1] for r in running if r.slo[1] is not None]
+        before = len(ticks)
+        rec.step()
+        if len(ticks) > before and slos:
+            limits[len(ticks) - 1] = min(slos)
+        step += 1
+        assert step < 5000
+    for i, limit in limits.items():
+        t = ticks[i]
+        if t.decode_tokens and t.prefill_tokens > 1:
+            assert t.decode_time <= limit + 1e-9, (t, limit)
