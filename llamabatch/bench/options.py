@@ -240,13 +240,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--slo-ttft-ms",
         type=positive_float,
         default=None,
-        help="SLO: time to first token (ms); reports goodput, the share of requests meeting the SLO",
+        help="SLO: time to first token (ms); reports goodput, the share of requests meeting the SLO "
+        "(the in-process engine schedules for it: EngineConfig.slo_ttft_ms)",
     )
     p.add_argument(
         "--slo-itl-ms",
         type=positive_float,
         default=None,
-        help="SLO: a request's own inter-token latency p99 (ms); reports goodput",
+        help="SLO: a request's own inter-token latency p99 (ms); reports goodput (the in-process "
+        "engine schedules for it: EngineConfig.slo_itl_ms)",
     )
 
 

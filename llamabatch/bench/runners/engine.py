@@ -69,6 +69,8 @@ class EngineRunner:
             type_k=config.type_k,
             type_v=config.type_v,
             target_itl_ms=config.target_itl_ms,
+            slo_ttft_ms=config.slo_ttft_ms,  # the engine schedules for the SLO it is measured by
+            slo_itl_ms=config.slo_itl_ms,
             cache_ram=config.cache_ram,
             speculative_config=config.speculative_config,
         )
