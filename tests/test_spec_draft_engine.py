@@ -38,8 +38,9 @@ def _prompts(n: int) -> list[str]:
 @pytest.fixture(autouse=True)
 def always_draft(monkeypatch):
     """These tests check what verification does with drafts: drafting must happen whatever
-    this machine's timings say it is worth (margin -1: any draft beats none)."""
-    monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0))
+    this machine's timings say it is worth (margin -1: any draft beats none; no bound on
+    what drafts cost)."""
+    monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0, loss_share=None))
 
 
 @pytest.fixture(scope="module")

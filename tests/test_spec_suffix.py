@@ -152,8 +152,8 @@ TestCrossRequestMachine.settings = settings(settings.default, stateful_step_coun
 @pytest.fixture
 def always_draft(monkeypatch):
     """On llama.cpp, drafting must happen whatever this machine's timings say it is worth
-    (margin -1: any draft beats none); what pays is the benchmarks' question."""
-    monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0))
+    (margin -1: any draft beats none; no bound on what drafts cost); what pays is the benchmarks' question."""
+    monkeypatch.setattr(speculative, "SpecPolicy", lambda: SpecPolicy(margin=-1.0, loss_share=None))
 
 
 def test_suffix_outputs_match_the_reference_and_the_history_is_counted(tiny_path, reference, always_draft):
@@ -179,7 +179,7 @@ def test_suffix_outputs_match_the_reference_and_the_history_is_counted(tiny_path
 
 def test_a_retried_chat_on_the_real_model_is_the_same_token_for_token(smollm2_path, always_draft):
     """SmolLM2: a chat answered again with ``suffix`` equals the answer without speculation
-    token for token, and the second time most of it comes from drafts."""
+    token for token, and the second time its drafts (from the first answer) hold."""
     from llamabatch import LLM, SamplingParams
 
     chat = [{"role": "user", "content": "Write a short poem about the sea, in four lines."}]
@@ -190,8 +190,9 @@ def test_a_retried_chat_on_the_real_model_is_the_same_token_for_token(smollm2_pa
             outs[spec is None] = [llm.chat(chat, params)[0].outputs[0] for _ in range(2)]
     plain, speculated = outs[True], outs[False]
     assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
-    second = speculated[1].timings
-    assert second.spec_accepted_tokens >= len(plain[1].token_ids) // 2, second
+    second = speculated[1].timings  # (how long its drafts are is this machine's timings' choice)
+    assert second.spec_accepted_tokens >= len(plain[1].token_ids) // 4, second
+    assert second.spec_accepted_tokens >= second.spec_draft_tokens - 1, second
 
 
 def test_bench_retry_workload_with_the_suffix_method(tiny_path, capsys):

@@ -11,7 +11,10 @@ drafts, minus what its accepted drafts saved (each is one more emitted token, wo
 no-draft tick's time per stream). Both that loss and the time of all decodes decay by the
 same factor per tick, so their ratio is the share of recent decode time speculation cost.
 Exploration is allowed while that share stays under ``share`` (1% by default): the lessons
-and probes wait where they have been losing, and resume as the account recovers.
+and probes wait where they have been losing, and resume as the account recovers. Drafts the
+estimates chose are allowed up to ``limit`` (2%): estimates that keep hoping (a class of
+drafts whose evidence faded back to its prior) cannot cost more. Where drafts pay the account
+is far below zero and neither bound is near.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class SpecLedger:
 
     #: the most share of recent decode time exploration may have cost
     share: float = 0.01
+    #: the most share of recent decode time any drafts may have cost
+    limit: float = 0.02
     #: per tick, the weight of older ticks decays by this factor (~1000 ticks of memory)
     decay: float = 0.999
     #: net seconds lost to drafts (negative: gained), decayed
@@ -74,6 +79,10 @@ class SpecLedger:
         net = self._extra - self._accepted * self._per_stream
         self.loss += net
         self.lifetime_loss += net
+
+    def allows_drafts(self) -> bool:
+        """Whether drafting stays within its budget (``loss <= limit * total``)."""
+        return self.loss <= self.limit * self.total
 
     def allows_exploration(self) -> bool:
         """Whether exploring drafts stay within the budget (``loss <= share * total``)."""

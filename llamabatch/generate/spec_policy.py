@@ -71,6 +71,11 @@ class SpecPolicy:
     max_batch_tokens: int = 65
     #: drafting must raise the tick's expected tokens per second by this fraction
     margin: float = 0.03
+    #: the most share of recent decode time drafts may have cost, as measured
+    #: (``spec_ledger.SpecLedger``; None: no bound), and the share exploration (the lessons and
+    #: probes below) may have cost
+    loss_share: float | None = 0.02
+    explore_share: float = 0.01
     #: the first ``explore_ticks`` ticks with drafts are the cost model's lessons: the i-th
     #: holds ``explore_tokens * 2**i`` draft tokens (2, 4, 8, 16), given even where the first
     #: guesses say drafts do not pay (a line through short drafts alone misjudges long ones:
@@ -99,13 +104,15 @@ class SpecPolicy:
 
 class RequestAcceptance:
     """One request's exponentially weighted draft outcomes, by position: ``hits[i]`` of
-    ``tries[i]`` drafts at position ``i`` (tried when every draft before it was accepted)."""
+    ``tries[i]`` drafts at position ``i`` (tried when every draft before it was accepted).
+    The lists reach the furthest position tried so far (up to ``n``): each tick decays them,
+    and with 64 positions allowed most are never reached."""
 
     __slots__ = ("hits", "tries")
 
     def __init__(self, n: int) -> None:
-        self.hits = [0.0] * n
-        self.tries = [0.0] * n
+        self.hits: list[float] = []
+        self.tries: list[float] = []
 
 
 class AcceptanceModel:
@@ -156,6 +163,8 @@ class AcceptanceModel:
         if pooled is None:
             pooled = self.pooled(req, cls)
         w = self.policy.position_weight
+        if i >= len(req.tries):  # never tried there: the request's rate
+            return pooled
         return (req.hits[i] + w * pooled) / (req.tries[i] + w)
 
     def gains(self, req: RequestAcceptance, cap: int, cls: int = 0) -> list[float]:
@@ -172,7 +181,11 @@ class AcceptanceModel:
     def observe(self, req: RequestAcceptance, drafted: int, accepted: int, cls: int = 0) -> None:
         """``accepted`` of ``drafted`` drafts were accepted (the first rejection ends them)."""
         e = self._engine(cls)
-        for i in range(min(drafted, accepted + 1, self.n)):
+        reach = min(drafted, accepted + 1, self.n)
+        if len(req.tries) < reach:
+            req.hits.extend([0.0] * (reach - len(req.hits)))
+            req.tries.extend([0.0] * (reach - len(req.tries)))
+        for i in range(reach):
             hit = 1.0 if i < accepted else 0.0
             req.hits[i] += hit
             req.tries[i] += 1.0

@@ -35,6 +35,7 @@ nobody drafts while more than ``SpecPolicy.max_streams`` (4) sequences decode.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -246,7 +247,10 @@ class Speculator:
         self._evidence = 0.0  # ticks given drafts, exponentially weighted (see _probe)
         self._states: dict[int, _SpecState] = {}
         #: what drafting has cost, measured: exploration stays within it (``spec_ledger``)
-        self.ledger = SpecLedger()
+        self.ledger = SpecLedger(
+            share=self.policy.explore_share,
+            limit=math.inf if self.policy.loss_share is None else self.policy.loss_share,
+        )
         self._decoded: tuple[TickFeatures, float] | None = None  # the last decode, for the ledger
         self._tick = 0
         self._set: list[int] = []  # slots given drafts this tick
@@ -313,6 +317,8 @@ class Speculator:
         n_decode = table.count(SlotState.DECODE)
         policy = self.policy
         if not n_decode or (policy.max_streams is not None and n_decode > policy.max_streams):
+            return
+        if not self.draft_costs and not self.ledger.allows_drafts():  # over budget: not even lookups
             return
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         if table.kv_unified:
@@ -415,6 +421,8 @@ class Speculator:
         model has seen too few recent ticks with drafts to know what they cost (a slope
         learned from a few noisy ticks would otherwise stand, as nothing refits it)."""
         policy = self.policy
+        if not self.ledger.allows_drafts():  # drafts have cost their share of recent time
+            return [0] * len(ks)
         exploring = self._draft_ticks < policy.explore_ticks
         if not self.ledger.allows_exploration():  # exploring has cost its share: it waits
             return ks
