@@ -334,6 +334,8 @@ def test_extensions_as_extra_fields(client):
         ({"messages": [{"content": "no role"}]}, "messages"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"grammar": "root ::= ("}, "grammar"),
+        ({"slo_ttft_ms": 0}, "slo_ttft_ms"),
+        ({"slo_itl_ms": "fast"}, "slo_itl_ms"),
     ],
 )
 def test_bad_values_are_400_naming_the_field(base_url, body, param):
@@ -342,6 +344,14 @@ def test_bad_values_are_400_naming_the_field(base_url, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_slo_body_fields_reach_the_engine(base_url, llm, events):
+    request = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "slo_ttft_ms": 6e5, "slo_itl_ms": 6e5}
+    response = httpx.post(f"{base_url}/v1/completions", json=request, timeout=30)
+    assert response.status_code == 200, response.text
+    _wait_idle(llm)
+    assert [e.slo_met for e in events] == [True]
 
 
 def test_token_prompt_outside_the_vocabulary_is_400(base_url):
