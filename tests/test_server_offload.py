@@ -277,3 +277,45 @@ def test_chat_logprobs_written_directly_are_the_bytes_json_dumps_writes() -> Non
     for top_n in (0, 1, 3, 20):
         whole = dumps_json({"content": chat_logprobs(token_text, ids, logprobs, top_n)})
         assert chat_logprobs_json(token_text, ids, logprobs, top_n).data == whole  # type: ignore[arg-type]
+
+
+def test_short_requests_steps_run_on_the_loop_and_big_ones_in_the_pools(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short completion's and ``/tokenize``'s steps take microseconds: they run on the event
+    loop, never queued in a pool behind other requests' heavy steps; a long prompt, a body
+    with a grammar and an answer with log-probabilities still go to their pools."""
+    from starlette.testclient import TestClient
+
+    from llamabatch import LLM
+    from llamabatch.gguf.testing import model_path
+    from llamabatch.server.app import create_app
+    from llamabatch.server.limits import ServerLimits
+    from llamabatch.server.offload import ENCODE, GRAMMAR, WorkPool
+
+    submitted: list[str] = []
+    submit = WorkPool.submit
+
+    def spy(self: WorkPool, fn, args, kwargs):  # type: ignore[no-untyped-def]
+        submitted.append(self.name)
+        return submit(self, fn, args, kwargs)
+
+    monkeypatch.setattr(WorkPool, "submit", spy)
+    with LLM(str(model_path("tiny")), n_ctx=4096, n_parallel=1, n_threads=1) as llm:
+        app = create_app(llm, limits=ServerLimits(allowed_hosts=("testserver",)))
+        with TestClient(app) as client:
+            short = {"prompt": "Hello", "max_tokens": 3}
+            assert client.post("/v1/completions", json=short).status_code == 200
+            assert client.post("/tokenize", json={"prompt": "hello world"}).status_code == 200
+            assert submitted == []
+            long = {"prompt": "Hello " * 400, "max_tokens": 1}
+            assert client.post("/v1/completions", json=long).status_code == 200
+            assert submitted == [PREPARE, PREPARE]  # tokenizing, the fields (the answer is short)
+            submitted.clear()
+            assert client.post("/v1/completions", json={**short, "logprobs": 2}).status_code == 200
+            assert submitted == [ENCODE]
+            submitted.clear()
+            assert (
+                client.post("/v1/completions", json={**short, "grammar": 'root ::= "a"'}).status_code == 200
+            )
+            assert submitted == [GRAMMAR]

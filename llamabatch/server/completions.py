@@ -14,7 +14,7 @@ from starlette.responses import Response
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
 from llamabatch.server.lora import request_lora
-from llamabatch.server.offload import ENCODE, PREPARE, run_step
+from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     bad_request,
     completion_prompts,
@@ -46,11 +46,14 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     llm = server.need_llm()
     prompts = completion_prompts(body)
     prepare.check_queue_room(llm, len(prompts), 1)
-    token_prompts = await run_step(request, PREPARE, prepare.tokenize_prompts, llm, prompts)
+    token_prompts = await run_step(
+        request, PREPARE, prepare.tokenize_prompts, llm, prompts, small=small_work(prompts)
+    )
     logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
+    pool = prepare.params_pool(body)
     params = await run_step(
         request,
-        prepare.params_pool(body),
+        pool,
         sampling_params,
         body,
         lora=request_lora(body, list(llm.lora_adapters())),
@@ -58,6 +61,8 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         prompt_tokens=max(map(len, token_prompts)),
         n_ctx_seq=llm.n_ctx_seq,
         logprobs=logprobs,
+        # no grammar, schema or tools, and a short body: checking the fields is quick
+        small=pool == PREPARE and small_work([await request.body()]),
     )
     prepare.check_queue_room(llm, len(prompts), params.n)
     echo = body.get("echo", "bool", False)
@@ -120,7 +125,8 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
             }
         )
 
-    return Response(await run_step(request, ENCODE, answer), media_type="application/json")
+    small = logprobs is None and small_work(out.text for result in results for out in result.outputs)
+    return Response(await run_step(request, ENCODE, answer, small=small), media_type="application/json")
 
 
 async def completion_events(

@@ -31,7 +31,7 @@ import ctypes
 import logging
 import sys
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,6 +51,7 @@ __all__ = [
     "WorkLimits",
     "run_step",
     "shorten_gil_waits",
+    "small_work",
 ]
 
 T = TypeVar("T")
@@ -67,6 +68,8 @@ POOLS = (PREPARE, GRAMMAR, RERANK, ENCODE)
 
 #: the status of a request whose steps ran past their budget (see ``work_timeout_error``)
 WORK_TIMEOUT_STATUS = 503
+#: characters (or token ids) of text a step may take and still run on the event loop
+SMALL_STEP_CHARS = 2048
 #: the interpreter's switch interval in the server (seconds; CPython's default is 0.005)
 SWITCH_INTERVAL_S = 0.0005
 
@@ -399,8 +402,29 @@ class RequestWork:
         raise work_timeout_error(budget)
 
 
-async def run_step(request: Any, pool: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+def small_work(texts: Iterable[Any], max_chars: int = SMALL_STEP_CHARS) -> bool:
+    """Whether a step over ``texts`` (strings, bytes or token id lists) is small enough to run
+    on the event loop (see :func:`run_step`): at most ``max_chars`` characters, bytes or ids
+    in all."""
+    total = 0
+    for text in texts:
+        total += len(text) if isinstance(text, (str, bytes, list, tuple)) else max_chars + 1
+        if total > max_chars:
+            return False
+    return True
+
+
+async def run_step(
+    request: Any, pool: str, fn: Callable[..., T], /, *args: Any, small: bool = False, **kwargs: Any
+) -> T:
     """Run ``fn(*args, **kwargs)`` as one of a Starlette ``request``'s steps, on ``pool``
-    (the app's ``Offload`` is ``request.app.state.offload``)."""
+    (the app's ``Offload`` is ``request.app.state.offload``).
+
+    ``small``: the step is known to take microseconds (a short prompt to tokenize, a short
+    answer to encode: :func:`small_work`), and runs on the event loop at once: a thread hop,
+    and a wait behind other requests' heavy steps in the pool's queue, would cost a short
+    request more than the step itself."""
+    if small:
+        return fn(*args, **kwargs)
     offload: Offload = request.app.state.offload
     return await offload.request(request.state, request.receive).run(pool, fn, *args, **kwargs)

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch.server import prepare
-from llamabatch.server.offload import PREPARE, run_step
+from llamabatch.server.offload import PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     bad_request,
 )
@@ -75,7 +75,8 @@ async def tokenize(server: OpenAIServer, request: Request) -> Response:
         out = run()
         return dumps_json({"tokens": out, "count": len(out), "max_model_len": max_len})
 
-    return Response(await run_step(request, PREPARE, answer), media_type="application/json")
+    small = text is not None and small_work([text])
+    return Response(await run_step(request, PREPARE, answer, small=small), media_type="application/json")
 
 
 async def detokenize(server: OpenAIServer, request: Request) -> Response:
