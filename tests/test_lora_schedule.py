@@ -159,8 +159,8 @@ def test_switch_cost_is_fitted_from_decodes() -> None:
     features = TickFeatures(4, 4, 0.0)
     for _ in range(30):
         cost.observe(features, 0.010, switched=False)
-    for _ in range(10):
-        cost.observe(features, 0.013, switched=True)
+    for i in range(10):  # one stalled tick among them changes nothing
+        cost.observe(features, 30.0 if i == 3 else 0.013, switched=True)
     assert cost.n_measured == 10
     assert cost.seconds == pytest.approx(0.003, abs=0.001)
 

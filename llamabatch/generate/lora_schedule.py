@@ -31,9 +31,10 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -180,12 +181,13 @@ class LoraRegistry:
 
 class SwitchCost:
     """The extra decode time of a tick right after the adapter set changed, fitted online:
-    the decodes after no change fit a cost model of the tick (``DecodeCostModel``); each decode
-    after a change adds its excess over that model's prediction to an exponential average."""
+    the decodes after no change fit a cost model of the tick (``DecodeCostModel``); a decode
+    after a change measures its excess over that model's prediction, bounded (a stalled tick
+    says nothing about switches), and the estimate is the median of the last ``window``."""
 
-    def __init__(self, smoothing: float = 0.2, prior: float = 0.002) -> None:
+    def __init__(self, window: int = 15, prior: float = 0.002) -> None:
         self.model = DecodeCostModel()
-        self.smoothing = smoothing
+        self._excess: deque[float] = deque(maxlen=window)
         #: seconds; the prior until a switch was measured
         self.seconds = prior
         self.n_switches = 0
@@ -197,12 +199,13 @@ class SwitchCost:
         if not switched:
             self.model.observe(features, elapsed)
             return
-        if self.model.n_observed < 4:
+        if self.model.n_observed < 8:
             return  # no baseline yet
-        excess = max(0.0, elapsed - self.model.predict(features))
+        predicted = self.model.predict(features)
+        excess = min(max(0.0, elapsed - predicted), max(2.0 * predicted, 0.05))
+        self._excess.append(excess)
         self.n_measured += 1
-        a = 1.0 if self.n_measured == 1 else self.smoothing
-        self.seconds += a * (excess - self.seconds)
+        self.seconds = statistics.median(self._excess)
 
     def tick_seconds(self, n_tokens: int) -> float:
         """The expected decode time of ``n_tokens`` tokens (one output each)."""
