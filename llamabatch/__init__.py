@@ -14,6 +14,7 @@ from llamabatch.errors import (
     GrammarDeadEnd,
     KVCacheFull,
     LlamaBatchError,
+    LoraLoadError,
     ModelLoadError,
     PromptTooLong,
     QueueFull,
@@ -24,7 +25,7 @@ from llamabatch.generate.llm import LLM
 from llamabatch.generate.llm_engine import LLMEngine
 from llamabatch.generate.request import RequestHandle
 from llamabatch.outputs import CompletionOutput, Delta, RequestOutput, StepOutput, Timings, ToolCall, Usage
-from llamabatch.params import SamplingParams
+from llamabatch.params import LoRARequest, SamplingParams
 from llamabatch.runtime.telemetry import (
     EmbedderStats,
     EmbedPackEvent,
@@ -53,6 +54,8 @@ __all__ = [
     "KVCacheFull",
     "LLMEngine",
     "LlamaBatchError",
+    "LoRARequest",
+    "LoraLoadError",
     "Model",
     "ModelLoadError",
     "PromptTooLong",

@@ -193,3 +193,8 @@ def test_load_and_unload_at_run_time(tiny: Path, adapters: dict[str, Path]) -> N
         assert llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)[0].outputs[0].token_ids == first
     with LLM(tiny, n_ctx=256) as llm, pytest.raises(ValueError, match="no LoRA adapters"):
         llm.load_lora("a", adapters["a"])
+
+
+def test_batch_invariant_with_adapters_is_refused(tiny: Path, adapters: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="batch_invariant"):
+        LLM(tiny, lora_adapters={"a": adapters["a"]}, batch_invariant=True, n_ctx=256)

@@ -412,6 +412,9 @@ def install_lora(core: Any) -> LoraScheduler | None:
     config = core.config
     if not config.n_loras:
         return None
+    if config.batch_invariant:
+        # ggml rounds an adapter's F32/F16 matrices differently for one row than for several
+        raise ValueError("batch_invariant=True does not hold with LoRA adapters: use one or the other")
     registry = LoraRegistry(core.model, config.n_loras)
     for name, path in config.lora_adapters:
         registry.register(name, path)
