@@ -253,13 +253,14 @@ class KVCache:
             return False
         limit = len(tokens) - 1
         array = np.asarray(tokens, dtype=np.int32)
-        key = array.tobytes()
         entry, n = ram.match(array)
         n = min(n, limit)
-        best_n = min(self.best_prefix(tokens)[1], limit)
+        best_n = min(self.best_prefix(tokens)[1], limit) if entry is not None else 0
         if entry is None or n < ram.block or n <= best_n or self._room_if_idle_evicted(len(entry.tokens)):
-            self._restore_waits.pop(key, None)
+            if self._restore_waits:
+                self._restore_waits.pop(array.tobytes(), None)
             return False
+        key = array.tobytes()
         waited = self._restore_waits.get(key, 0)
         if waited >= math.ceil((n - best_n) / WAIT_TICK_PROMPT_TOKENS):
             return False
