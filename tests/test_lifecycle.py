@@ -169,6 +169,8 @@ DEFAULTS = {
     "prefix_cache_dir_max_mb": 4096,  # the prefix directory's size cap (generate/prefix_store.py)
     "priority_aging": 8,  # a waiting request gains a level per 8 admissions (generate/priority.py)
     "target_itl_ms": None,
+    "slo_ttft_ms": None,  # no SLO: scheduling as without (generate/slo.py)
+    "slo_itl_ms": None,
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
     "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)
