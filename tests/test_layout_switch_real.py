@@ -5,6 +5,8 @@ sharing a prefix switches to one unified buffer between workloads and loses no c
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,24 @@ def test_pinned_layout_never_switches(tiny_path, eager):
             engine.add_request([1, *system, 200 + i], params)
         engine.run_until_complete()
         assert engine.stats().layout_switches == 0
+
+
+def test_llm_thread_switches_when_quiet(tiny_path, eager):
+    """The same through ``LLM``: its engine thread switches after its last request, and the
+    requests after the switch run on the new context."""
+    from llamabatch import LLM
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    with LLM(tiny_path, n_parallel=4, n_batch=256, flash_attn=False) as llm:
+        system = [1, *range(5, 125)]
+        llm.generate([*system, 300], params, use_tqdm=False)
+        first = llm.generate([[*system, 301 + i] for i in range(8)], params, use_tqdm=False)
+        deadline = time.monotonic() + 10
+        while llm.stats().layout_switches == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the switch runs on the engine thread, after the last answer
+        stats = llm.stats()
+        assert stats.layout_switches == 1 and stats.kv_unified, stats
+        again = llm.generate([[*system, 301 + i] for i in range(8)], params, use_tqdm=False)
+        assert llm.stats().layout_lost_tokens == 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert all(o.outputs[0].usage.reused_tokens >= 120 for o in again)
