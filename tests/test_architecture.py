@@ -315,20 +315,6 @@ def describe_cycle(cycle: list[Import]) -> str:
     return " -> ".join([*steps, cycle[0].source])
 
 
-#: The engine core and speculation still call one another (generate/core <-> speculative,
-#: spec_policy, decode_costs); the per-tick context of issue 40's "narrow core interfaces"
-#: breaks it. While it stands, the cycle test fails only on other cycles and reports this
-#: one as an expected failure. Remove this set when the cycle is gone.
-KNOWN_CORE_CYCLE = frozenset(
-    {
-        "llamabatch.generate.core",
-        "llamabatch.generate.speculative",
-        "llamabatch.generate.spec_policy",
-        "llamabatch.generate.decode_costs",
-    }
-)
-
-
 @pytest.fixture(scope="module")
 def imports() -> list[Import]:
     return scan_imports()
@@ -351,11 +337,7 @@ def test_no_import_goes_up_a_layer(imports: list[Import], layers: list[Layer]) -
 
 def test_no_import_cycle(imports: list[Import]) -> None:
     cycles = import_cycles(imports)
-    known = [c for c in cycles if {imp.source for imp in c} <= KNOWN_CORE_CYCLE]
-    other = [c for c in cycles if c not in known]
-    assert not other, "import cycles:\n" + "\n".join(describe_cycle(c) for c in other)
-    if known:
-        pytest.xfail("the engine core <-> speculation cycle: " + describe_cycle(known[0]))
+    assert not cycles, "import cycles:\n" + "\n".join(describe_cycle(c) for c in cycles)
 
 
 def _is_private(name: str) -> bool:
