@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -43,10 +45,12 @@ from test_server_work import Server, start_server, stop_server  # noqa: E402
 
 HOSTILE_CLIENTS = 6
 NORMAL_CLIENTS = 2
-#: the p99 ratio, and absolute slack, the normal requests are held to; the RSS growth
+#: the p99 ratio, and absolute slack, the normal requests are held to; the RSS growth (less
+#: the prompt cache) of the CPU-work flood, and the issue's target for the mixed flood
 P99_RATIO = 2.0
 SLACK_S = 0.1
 RSS_GROWTH = 0.5
+RSS_TARGET = 0.1
 #: hostile request kinds (``hostile_request``): CPU work only, and with generation
 CPU_KINDS = (0, 1, 2)
 ALL_KINDS = (0, 1, 2, 3, 4)
@@ -57,6 +61,14 @@ def rss_bytes(server: Server) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def prompt_cache_bytes(server: Server) -> int:
+    """Bytes of prompt states the host-RAM prompt cache holds (``--cache-ram``, a cache up to
+    its budget: a flood of distinct sequences fills it by design)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    match = re.search(r"^llamabatch:ram_cache_bytes\{[^}]*\} (\S+)$", text, re.M)
+    return int(float(match.group(1))) if match else 0
 
 
 def big_schema(n: int) -> dict:
@@ -103,13 +115,15 @@ def normal_request(i: int) -> tuple[str, dict]:
 
 
 def run_normal(server: Server, seconds: float) -> list[float]:
-    """Latencies of normal requests sent back to back by ``NORMAL_CLIENTS`` clients (127.0.0.1)."""
+    """Latencies of normal requests sent back to back by ``NORMAL_CLIENTS`` clients (each
+    from its own address, 127.0.1.1 on)."""
     latencies: list[float] = []
     failures: list[str] = []
     end = time.monotonic() + seconds
 
-    def client() -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
+    def client(k: int) -> None:
+        transport = httpx.HTTPTransport(local_address=f"127.0.1.{k + 1}")  # a client of its own
+        with httpx.Client(base_url=server.url, timeout=60, transport=transport) as http:
             i = 0
             while time.monotonic() < end:
                 path, body = normal_request(i)
@@ -121,7 +135,7 @@ def run_normal(server: Server, seconds: float) -> list[float]:
                     failures.append(f"{path} {r.status_code} {r.text[:200]}")
                 latencies.append(took)
 
-    threads = [threading.Thread(target=client) for _ in range(NORMAL_CLIENTS)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(NORMAL_CLIENTS)]
     for t in threads:
         t.start()
     for t in threads:
@@ -159,9 +173,19 @@ def p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(len(values) * 0.99))]
 
 
-def measure(server: Server, kinds: tuple[int, ...], seconds: float) -> tuple[str, float, float]:
-    """Flood ``server`` with ``kinds`` and return the figures; asserts no 5xx but 503s, and the
-    RSS bound."""
+class Figures(NamedTuple):
+    """What a flood measured: the printed line, the p99s (seconds), and the growth of the RSS
+    less the prompt cache's bytes (a cache up to ``--cache-ram``, filled by design)."""
+
+    text: str
+    unloaded_p99: float
+    loaded_p99: float
+    rss_growth: float
+
+
+def measure(server: Server, kinds: tuple[int, ...], seconds: float) -> Figures:
+    """Flood ``server`` with ``kinds`` and return the figures (printed); asserts no 5xx but
+    503s."""
     for kind in kinds:  # one of each first: lazily built caches count as "before"
         path, body = hostile_request(kind)
         httpx.post(f"{server.url}{path}", json=body, timeout=120)
@@ -170,25 +194,28 @@ def measure(server: Server, kinds: tuple[int, ...], seconds: float) -> tuple[str
     counts: dict[str, int] = {}
     threads = flood(server, kinds, stop, counts)
     time.sleep(4.0)  # the warm-up flood
-    rss_before = rss_bytes(server)
+    rss_before, cache_before = rss_bytes(server), prompt_cache_bytes(server)
     loaded = run_normal(server, seconds)
     stop.set()
     for t in threads:
         t.join(150)
     time.sleep(1.0)
-    rss_after = rss_bytes(server)
+    rss_after, cache_after = rss_bytes(server), prompt_cache_bytes(server)
     server.check_alive()
+    mib = 2**20
+    own_before, own_after = rss_before - cache_before, rss_after - cache_after
     figures = (
         f"unloaded: {len(unloaded)} requests, p50 {sorted(unloaded)[len(unloaded) // 2] * 1e3:.0f} ms, "
         f"p99 {p99(unloaded) * 1e3:.0f} ms; flood ({seconds:.0f} s, hostile answers {counts}): "
         f"{len(loaded)} requests, p50 {sorted(loaded)[len(loaded) // 2] * 1e3:.0f} ms, "
         f"p99 {p99(loaded) * 1e3:.0f} ms (x{p99(loaded) / p99(unloaded):.2f}); "
-        f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB ({rss_after / rss_before - 1:+.1%})"
+        f"RSS {rss_before / mib:.0f} -> {rss_after / mib:.0f} MiB ({rss_after / rss_before - 1:+.1%}), "
+        f"the prompt cache's {cache_before / mib:.1f} -> {cache_after / mib:.1f} MiB, the rest "
+        f"{own_before / mib:.0f} -> {own_after / mib:.0f} MiB ({own_after / own_before - 1:+.1%})"
     )
     print(figures)
     assert not any(k.startswith("5") for k in counts if k != "503"), figures
-    assert rss_after <= rss_before * (1 + RSS_GROWTH), figures
-    return figures, p99(unloaded), p99(loaded)
+    return Figures(figures, p99(unloaded), p99(loaded), own_after / own_before - 1)
 
 
 @pytest.fixture
@@ -201,14 +228,16 @@ def flood_server(tmp_path: Path):
 
 
 def test_normal_requests_keep_their_latency_during_a_flood_of_cpu_work(flood_server: Server) -> None:
-    figures, unloaded, loaded = measure(flood_server, CPU_KINDS, 15.0)
-    assert loaded <= P99_RATIO * unloaded + SLACK_S, figures
+    figures = measure(flood_server, CPU_KINDS, 15.0)
+    assert figures.loaded_p99 <= P99_RATIO * figures.unloaded_p99 + SLACK_S, figures.text
+    assert figures.rss_growth <= RSS_GROWTH, figures.text
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="normal completions wait for engine slots behind hostile generations; RSS grows", strict=False
+    reason="on a 2-core machine shared with other work the p99 ratio is x3-x6 (see the module)", strict=False
 )
 def test_normal_requests_keep_their_latency_during_a_mixed_flood(flood_server: Server) -> None:
-    figures, unloaded, loaded = measure(flood_server, ALL_KINDS, 60.0)
-    assert loaded <= P99_RATIO * unloaded, figures
+    figures = measure(flood_server, ALL_KINDS, 60.0)
+    assert figures.rss_growth <= RSS_TARGET, figures.text
+    assert figures.loaded_p99 <= P99_RATIO * figures.unloaded_p99, figures.text

@@ -319,3 +319,42 @@ def test_short_requests_steps_run_on_the_loop_and_big_ones_in_the_pools(
                 client.post("/v1/completions", json={**short, "grammar": 'root ::= "a"'}).status_code == 200
             )
             assert submitted == [GRAMMAR]
+
+
+def test_a_request_leaves_no_reference_cycle_holding_its_body() -> None:
+    """A request's state (its parsed body, its work record holding ``receive``) was in a
+    reference cycle through the ASGI scope, freed only by a full garbage collection: a flood of
+    1 MB bodies held tens of MB. ``EdgeGuard`` drops the state when the answer ends."""
+    import gc
+
+    from starlette.testclient import TestClient
+
+    from llamabatch import LLM
+    from llamabatch.gguf.testing import model_path
+    from llamabatch.server.app import create_app
+    from llamabatch.server.limits import ServerLimits
+    from llamabatch.server.protocol import Body
+
+    with LLM(str(model_path("tiny")), n_ctx=1024, n_parallel=1, n_threads=1) as llm:
+        app = create_app(llm, limits=ServerLimits(allowed_hosts=("testserver",)))
+        with TestClient(app) as client:
+            gc.collect()
+            gc.disable()
+            try:
+                assert (
+                    client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code
+                    == 200
+                )
+                refused = {"prompt": "Hello", "max_tokens": 1, "stop": ["x" * 100_000]}  # too long a stop
+                assert client.post("/v1/completions", json=refused).status_code == 400
+                logprobs = {"prompt": "Hello", "max_tokens": 2, "n": 2, "logprobs": 2}
+                assert client.post("/v1/completions", json=logprobs).status_code == 200
+                assert client.post("/tokenize", json={"prompt": "q" * 200_000}).status_code == 400  # too long
+                gc.set_debug(gc.DEBUG_SAVEALL)
+                gc.collect()
+                left = [o for o in gc.garbage if isinstance(o, (Body, RequestWork))]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
+            assert left == []

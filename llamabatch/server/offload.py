@@ -290,6 +290,7 @@ class WorkPool:
                 self._live -= 1
             return False
         job.settle(value, error)
+        del job, value, error  # the error's traceback holds this frame: no cycle through the job
         return True
 
 
@@ -391,7 +392,12 @@ class RequestWork:
                 watcher.cancel()
             self.spent += loop.time() - start
         if job.future in done:
-            return job.future.result()  # type: ignore[no-any-return]
+            future = job.future
+            del job, waits, done  # a raised error's traceback holds this frame: no cycle through it
+            try:
+                return future.result()  # type: ignore[no-any-return]
+            finally:
+                del future
         self.offload.pools[pool].abandon(job)
         job.future.cancel()
         if watcher is not None and watcher in done:
