@@ -347,12 +347,14 @@ def _is_private(name: str) -> bool:
 def private_reads(module: str, source: str, modules: Iterable[str], is_package: bool) -> list[str]:
     """Where ``module`` reads another module's private name: ``from x import _name``,
     ``x._name`` with ``x`` an imported ``llamabatch`` module (``_ffi`` and ``_core``, folders
-    of the package, are not names read), and ``obj._name`` (``obj`` not ``self`` or ``cls``)
-    where no code of this module defines ``_name``: an object of another module's class."""
+    of the package, are not names read), ``obj._name`` (``obj`` not ``self`` or ``cls``)
+    where no code of this module defines ``_name``: an object of another module's class, and
+    ``self._name`` in a subclass of another module's class where no code here defines it."""
     known = set(modules)
     tree = ast.parse(source)
     here = module if is_package else module.rpartition(".")[0]
     aliases: dict[str, str] = {}  # local name -> the llamabatch module it is bound to
+    imported: set[str] = set()  # names imported from other llamabatch modules
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -370,10 +372,13 @@ def private_reads(module: str, source: str, modules: Iterable[str], is_package: 
                 full = f"{base}.{alias.name}"
                 if full in known:
                     aliases[alias.asname or alias.name] = full
-                elif _is_private(alias.name):
+                else:
+                    imported.add(alias.asname or alias.name)
+                if full not in known and _is_private(alias.name):
                     out.append((node.lineno, f"{module}:{node.lineno} imports {full}"))
     own = _names_defined(tree)
     foreign = _foreign_names(tree)
+    inherited = _subclass_nodes(tree, imported)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             owner = ast.unparse(node.value)
@@ -381,10 +386,28 @@ def private_reads(module: str, source: str, modules: Iterable[str], is_package: 
             if target is not None:
                 if target != module:
                     out.append((node.lineno, f"{module}:{node.lineno} reads {target}.{node.attr}"))
-            elif owner not in ("self", "cls") and owner.split(".")[0] not in foreign and node.attr not in own:
+            elif owner in ("self", "cls"):
+                if id(node) in inherited and node.attr not in own:
+                    text = (
+                        f"{module}:{node.lineno} reads {owner}.{node.attr}, a base class's of another module"
+                    )
+                    out.append((node.lineno, text))
+            elif owner.split(".")[0] not in foreign and node.attr not in own:
                 text = f"{module}:{node.lineno} reads {owner}.{node.attr}, defined in no code of its own"
                 out.append((node.lineno, text))
     return [text for _, text in sorted(out)]
+
+
+def _subclass_nodes(tree: ast.AST, imported: set[str]) -> set[int]:
+    """The nodes inside classes that subclass a class imported from another llamabatch
+    module (their ``self._name`` may be the base's private name)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            ast.unparse(b).split(".")[0] in imported for b in node.bases
+        ):
+            inside.update(id(n) for n in ast.walk(node))
+    return inside
 
 
 def _names_defined(tree: ast.AST) -> set[str]:
@@ -536,6 +559,9 @@ def test_the_private_name_check_sees_reads() -> None:
         "    os._exit(1)\n"
         "class A:\n"
         "    _mine = 1\n"
+        "class B(SamplingParams):\n"
+        "    def f(self):\n"
+        "        return self._put, self._mine\n"
     )
     modules = ["llamabatch", "llamabatch._ffi", "llamabatch.generate", "llamabatch.generate.core"]
     modules += ["llamabatch.generate.request", "llamabatch.params"]
@@ -544,4 +570,5 @@ def test_the_private_name_check_sees_reads() -> None:
         "llamabatch.here:7 reads llamabatch.generate.core._budget",
         "llamabatch.here:8 reads llamabatch.generate.request._private",
         "llamabatch.here:10 reads x._theirs, defined in no code of its own",
+        "llamabatch.here:17 reads self._put, a base class's of another module",
     ]

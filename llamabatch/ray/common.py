@@ -282,12 +282,14 @@ class RowWorker:
 
         return {self.error_column: pa.string()} if self.error_column else {}
 
-    def _row_failed(self, row: int, reason: str, errors: list[str | None]) -> None:
+    def row_failed(self, row: int, reason: str, errors: list[str | None]) -> None:
+        """Record that ``row`` failed for ``reason`` (``RowError`` with ``on_error="raise"``)."""
         if self.on_error == "raise":
             raise RowError(row, reason)
         errors[row] = reason
 
-    def _error_columns(self, errors: list[str | None]) -> dict[str, Any]:
+    def error_columns(self, errors: list[str | None]) -> dict[str, Any]:
+        """The error column of a block's output (none without ``error_column``)."""
         return {self.error_column: errors} if self.error_column else {}
 
     def _shutdown_pool(self) -> None:

@@ -170,12 +170,12 @@ class Generate(RowWorker):
                 if params_values is not None:
                     row_params[i] = self._row_params(params_values[i])
             except (ValueError, TypeError, LlamaBatchError) as exc:
-                self._row_failed(i, error_text(exc), errors)
+                self.row_failed(i, error_text(exc), errors)
                 continue
             valid.append(i)
         generated = self._generate(valid, prompts, row_params, errors)
         columns = self._columns(n_rows, generated, row_params)
-        return with_columns(batch, {**columns, **self._error_columns(errors)})
+        return with_columns(batch, {**columns, **self.error_columns(errors)})
 
     def _generate(
         self, rows: list[int], prompts: list[Any], params: list[SamplingParams], errors: list[str | None]
@@ -211,7 +211,7 @@ class Generate(RowWorker):
                     except EngineClosed:
                         raise
                     except (ValueError, TypeError, LlamaBatchError) as exc:
-                        self._row_failed(i, error_text(exc), errors)
+                        self.row_failed(i, error_text(exc), errors)
                         break
             return {i: self._checked(i, h.result().outputs, errors) for i, h in handles.items()}
         except BaseException:
@@ -231,7 +231,7 @@ class Generate(RowWorker):
         bad = [c for c in completions if c.finish_reason in ("error", "cancelled")]
         if bad:
             reason = bad[0].error or f"the request ended as {bad[0].finish_reason!r}"
-            self._row_failed(row, reason, errors)
+            self.row_failed(row, reason, errors)
             return _Generated(completions, reason)
         return _Generated(completions)
 
@@ -381,12 +381,12 @@ class Embed(RowWorker):
                 rows.append(i)
                 texts.append(str(value))
             elif is_missing(value):
-                self._row_failed(i, f"the row has no text ({self.text_column!r} is missing)", errors)
+                self.row_failed(i, f"the row has no text ({self.text_column!r} is missing)", errors)
             else:
-                self._row_failed(i, f"TypeError: the text is a {type(value).__name__}, not a str", errors)
+                self.row_failed(i, f"TypeError: the text is a {type(value).__name__}, not a str", errors)
         vectors = self._embed(rows, texts, errors)
         return with_columns(
-            batch, {self.output_column: self._column(n_rows, rows, vectors), **self._error_columns(errors)}
+            batch, {self.output_column: self._column(n_rows, rows, vectors), **self.error_columns(errors)}
         )
 
     def _embed(self, rows: list[int], texts: list[str], errors: list[str | None]) -> dict[int, Any]:
@@ -410,7 +410,7 @@ class Embed(RowWorker):
             if isinstance(result, EngineClosed):
                 raise result
             if isinstance(result, BaseException):
-                self._row_failed(i, _embed_error_text(result), errors)
+                self.row_failed(i, _embed_error_text(result), errors)
             else:
                 out[i] = result[0]
         return out

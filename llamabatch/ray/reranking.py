@@ -97,7 +97,7 @@ class Rerank(RowWorker):
             try:
                 pairs.append(self._pair(queries[i], documents[i]))
             except (ValueError, TypeError) as exc:
-                self._row_failed(i, error_text(exc), errors)
+                self.row_failed(i, error_text(exc), errors)
                 continue
             rows.append(i)
         scores = self._scores(rows, pairs, errors)
@@ -106,7 +106,7 @@ class Rerank(RowWorker):
         for i, score in scores.items():
             out[i] = score
         column = out[:, 0] if width == 1 else out
-        return with_columns(batch, {self.output_column: column, **self._error_columns(errors)})
+        return with_columns(batch, {self.output_column: column, **self.error_columns(errors)})
 
     def _scores(
         self, rows: list[int], pairs: list[tuple[str, str]], errors: list[str | None]
@@ -131,7 +131,7 @@ class Rerank(RowWorker):
             if isinstance(result, EngineClosed):
                 raise result
             if isinstance(result, BaseException):
-                self._row_failed(i, error_text(result), errors)
+                self.row_failed(i, error_text(result), errors)
             else:
                 out[i] = np.asarray(result).reshape(-1)
         return out

@@ -30,7 +30,8 @@ class Clients:
 
     # -- the clients ---------------------------------------------------------------------------
 
-    def _start_clients(self) -> list[threading.Thread]:
+    def start_clients(self) -> list[threading.Thread]:
+        """Start the client threads (and the asyncio client's, with more than one thread)."""
         cfg = self.config
         n_sync = cfg.threads - 1 if cfg.threads > 1 else 1
         threads = [

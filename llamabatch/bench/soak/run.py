@@ -50,7 +50,7 @@ class _Soak(Clients):
         bar = _bar(cfg.requests, cfg.progress)
         if bar is not None:
             self.dispenser.on_take = bar.update
-        clients = self._start_clients()
+        clients = self.start_clients()
         injector = threading.Thread(target=self._inject_faults, name="soak-faults", daemon=True)
         if cfg.fault_rate > 0:
             injector.start()
