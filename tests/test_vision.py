@@ -116,3 +116,25 @@ def test_config_refuses_what_images_cannot_run_with():
         EngineConfig(mmproj="x.gguf", prefix_cache=False)
     with pytest.raises(ValueError, match="max_image_pixels"):
         EngineConfig(max_image_pixels=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_image_ends_only_its_request(vision_files, monkeypatch):
+    """The encoder failing on one request's image ends that request with its error; the text
+    request beside it and later image requests are served."""
+    model, mmproj = vision_files
+    with LLM(model, mmproj=str(mmproj), n_ctx=512, n_parallel=2, n_threads=1) as engine:
+        mtmd = engine.core.vision.mtmd
+        encode = mtmd.encode
+
+        def failing(chunk):
+            raise RuntimeError("libmtmd could not encode the image (error 1)")
+
+        monkeypatch.setattr(mtmd, "encode", failing)
+        text, image = engine.generate(["Once upon a time", _ask(_image(50))], GREEDY, use_tqdm=False)
+        assert text.outputs[0].finish_reason == "length" and len(text.outputs[0].token_ids) == 6
+        assert image.outputs[0].finish_reason == "error"
+        assert "could not encode the image" in (image.outputs[0].error or "")
+        monkeypatch.setattr(mtmd, "encode", encode)
+        again = engine.generate(_ask(_image(50)), GREEDY)[0].outputs[0]
+        assert again.finish_reason == "length" and len(again.token_ids) == 6

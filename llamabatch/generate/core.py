@@ -404,6 +404,7 @@ class EngineCore:
         policy = self.admission
         budget = self.budget = policy.tick_budget(self.table, [s for s, _ in self.slots.busy()], self.n_batch)
         self.tick_limit = policy.tick_limit()
+        budget = self.budget = self.vision.tick(self, budget) if self.vision else budget  # images' slice
         if self.spec is not None:
             self.spec.prepare(self)
         while True:

@@ -9,12 +9,17 @@ image's content hash and the projector file. So the prefix cache matches an imag
 only for the same image after the same text, and never for another image.
 
 When the core admits such a request (``EngineCore._start``, after ``KVCache.place`` chose its
-slot and reused what it could), :meth:`Vision.prefill` computes the rest of the prompt up to
-its last image into that slot: text runs as token batches, images as input-vector batches
-(``_ffi/embd_batch.py``; a ``llama_batch`` holds token ids or vectors, never both) in slices
-of ``n_batch``, an image that needs bidirectional attention (Gemma 3) in one batch with the
-causal mask off, as llama.cpp's mtmd-helper decodes it. It records those positions as cached
-in the slot table; the slot table then computes the text after the last image as any prompt.
+slot and reused what it could), :meth:`Vision.prefill` holds its slot: the slot table does not
+plan it (:class:`HoldStrategy` wraps the engine's strategy) while :meth:`Vision.tick`, at the
+start of every tick, computes the prompt up to its last image into that slot: text runs as
+token batches, images as input-vector batches (``_ffi/embd_batch.py``; a ``llama_batch``
+holds token ids or vectors, never both). While other streams decode, a tick computes one
+slice of the held prompts (at most ``chunk_size`` positions, as a text prompt's chunk) and the
+streams decode after it, so they never wait for a whole image; with none decoding, the held
+prompts are computed whole. An image that needs bidirectional attention (Gemma 3) is never
+sliced: it goes into one batch with the causal mask off, as llama.cpp's mtmd-helper decodes
+it. Then the slot table records those positions as cached and computes the text after the
+last image as any prompt. An image that fails (encoder, decode) ends its request only.
 
 Embeddings are kept in an encoder cache keyed by the image's hash (LRU, bounded in bytes):
 the same image again skips the encoder.
@@ -32,17 +37,30 @@ from typing import Any
 
 import numpy as np
 
+from llamabatch._core.slots import SlotState
 from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.embd_batch import EmbdBatch
 from llamabatch._ffi.mtmd import ImageChunk, MtmdContext, TextChunk
-from llamabatch.errors import PromptTooLong
+from llamabatch.errors import KVCacheFull, PromptTooLong
 from llamabatch.prompts.images import ImageLimits, image_key, load_image
 
-__all__ = ["DEFAULT_ENCODER_CACHE_MB", "MediaPrompt", "Vision", "VisionCounters", "is_media_prompt"]
+__all__ = [
+    "DEFAULT_ENCODER_CACHE_MB",
+    "MIN_SLICE",
+    "HoldStrategy",
+    "ImageHold",
+    "MediaPrompt",
+    "Vision",
+    "VisionCounters",
+    "is_media_prompt",
+]
 
 logger = logging.getLogger("llamabatch")
 
 DEFAULT_ENCODER_CACHE_MB = 64
+#: the fewest image positions a tick computes while other streams decode (images progress
+#: even under a tight latency budget)
+MIN_SLICE = 16
 
 
 def is_media_prompt(prompt: object) -> bool:
@@ -72,7 +90,9 @@ class VisionCounters:
     cache_evictions: int = 0
     cache_bytes: int = 0
     image_positions: int = 0
+    image_slices: int = 0
     encode_seconds: float = 0.0
+    image_decode_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -82,8 +102,63 @@ class VisionCounters:
             "cache_evictions": self.cache_evictions,
             "cache_bytes": self.cache_bytes,
             "image_positions": self.image_positions,
+            "image_slices": self.image_slices,
             "encode_seconds": round(self.encode_seconds, 6),
+            "image_decode_seconds": round(self.image_decode_seconds, 6),
         }
+
+
+@dataclass
+class ImageHold:
+    """A running request whose prompt's positions up to its last image are being computed
+    (the slot table does not plan its slot meanwhile): ``start``, the first position computed
+    here; ``pos``, the next one."""
+
+    request: Any
+    slot: int
+    start: int
+    pos: int
+
+
+class HoldStrategy:
+    """The engine's strategy over the slots that are not held (their prompts' images are
+    being computed); when it plans nothing while others have work, every decoding slot's
+    token and the oldest prompt chunk, as ``decode_maximal`` would."""
+
+    def __init__(self, inner: Any, holds: Mapping[int, ImageHold]) -> None:
+        self.inner = inner
+        self.holds = holds
+        self.name = f"{getattr(inner, 'name', type(inner).__name__)}+images"
+
+    def plan(self, view: Any, budget: int, chunk_size: int, queue_depth: int) -> list[tuple[int, int]]:
+        held = self.holds
+        subset = _Runnable(
+            view,
+            [s for s in view.decode_slots if s not in held],
+            [s for s in view.prefill_slots if s not in held],
+        )
+        plan = list(self.inner.plan(subset, budget, chunk_size, queue_depth))
+        if plan or not (subset.decode_slots or subset.prefill_slots):
+            return plan
+        plan = [(s, 1) for s in subset.decode_slots[:budget]]
+        left = budget - len(plan)
+        if left > 0 and subset.prefill_slots:
+            slot = subset.prefill_slots[0]
+            plan.append((slot, min(left, chunk_size, view.n_pending(slot))))
+        return plan
+
+
+class _Runnable:
+    """A table view showing only some runnable slots (the rest of the view passes through)."""
+
+    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
+        self._view = view
+        self.decode_slots = decode
+        self.prefill_slots = prefill
+        self.n_parallel = view.n_parallel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
 
 
 class Vision:
@@ -108,6 +183,7 @@ class Vision:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self._batch: EmbdBatch | None = None
+        self._holds: dict[int, ImageHold] = {}
         stat = mtmd.path.stat()
         #: the projector's identity in the stand-in ids: another file gives other ids
         self._salt = f"{mtmd.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
@@ -217,17 +293,16 @@ class Vision:
         return embd
 
     def prefill(self, core: Any, slot: int, request: Any, reused: int) -> int:
-        """Compute the positions of ``request``'s media prompt from ``reused`` to its last
-        image's end into the idle ``slot`` of ``core`` (the slot holds the first ``reused``),
-        record them in the slot table as cached, and return the positions the slot now holds
-        (``reused`` for a request without images). An image that needs bidirectional
-        attention restarts at its first position when ``reused`` falls inside it."""
+        """At admission into the idle ``slot`` (holding the first ``reused`` positions of
+        ``request``'s prompt): the positions the slot holds for the slot table's ``start``.
+        A prompt with images to compute is held (:class:`ImageHold`): the slot table does not
+        plan it while :meth:`tick` computes its positions up to its last image, slice by
+        slice. An image that needs bidirectional attention restarts at its first position
+        when ``reused`` falls inside it."""
+        self._holds.pop(slot, None)
         media: MediaPrompt | None = request.media
         if media is None:
             return reused
-        context: Context = core.context
-        table = core.table
-        tokens = media.tokens
         start = reused
         for first, chunk in media.images:
             if first < start < first + chunk.n_tokens and self.mtmd.non_causal(chunk):
@@ -235,48 +310,156 @@ class Vision:
         if start >= media.end:
             return reused
         if start < reused:
-            context.seq_rm(slot, start, -1)
-            table.trim(slot, start)
-        pos = start
-        try:
-            for first, chunk in media.images:
-                if first + chunk.n_tokens <= pos:
-                    continue
-                if pos < first:
-                    self._decode_text(context, tokens[pos:first], pos, slot)
-                    pos = first
-                self._decode_image(context, chunk, first, pos, slot)
-                pos = first + chunk.n_tokens
-        except BaseException:
-            context.seq_rm(slot, start, -1)
-            raise
-        table.record_cached(slot, tokens[: media.end])
+            core.context.seq_rm(slot, start, -1)
+            core.table.trim(slot, start)
+        self._holds[slot] = ImageHold(request, slot, start, start)
         self.counters.images += len(media.images)
-        self.counters.image_positions += media.end - start
-        return media.end
+        return start
 
-    def _decode_text(self, context: Context, tokens: list[int], pos0: int, slot: int) -> None:
-        for i in range(0, len(tokens), self.n_batch):
-            context.decode_tokens(tokens[i : i + self.n_batch], pos0=pos0 + i, seq_id=slot)
+    @property
+    def holds(self) -> dict[int, ImageHold]:
+        """The slots whose prompts' images are being computed, by slot."""
+        return self._holds
 
-    def _decode_image(self, context: Context, chunk: ImageChunk, first: int, pos: int, slot: int) -> None:
-        embd = self.embeddings(chunk)
+    def tick(self, core: Any, budget: int) -> int:
+        """At the start of a tick (``core``: a ``TickContext`` with ``slots`` and ``kv``):
+        compute the held prompts' next positions, and return the token budget left to the
+        text batch. With other streams to decode, the images take a slice of the budget
+        (at most ``chunk_size`` positions, at least :data:`MIN_SLICE`) and the streams
+        decode after it; with none, the held prompts are computed whole. A request whose
+        image fails (encoder, decode) ends with that error; the others go on."""
+        holds = self._holds
+        if not holds:
+            self._plan_around(core, False)
+            return budget
+        table = core.table
+        running = core.slots.requests
+        for slot, hold in list(holds.items()):
+            if running[slot] is not hold.request or table.state(slot) != SlotState.PREFILL:
+                del holds[slot]  # ended, preempted or cancelled meanwhile
+        others = [
+            s
+            for s, _ in core.slots.busy()
+            if s not in holds and table.state(s) in (SlotState.DECODE, SlotState.PREFILL)
+        ]
+        n_decode = sum(1 for s in others if table.state(s) == SlotState.DECODE)
+        room = (
+            max(budget - n_decode, MIN_SLICE, 1) if others else -1
+        )  # -1: no stream waits, compute everything now
+        if others:
+            room = min(room, table.chunk_size, self.n_batch)
+        used = 0
+        for slot in list(holds):
+            if 0 <= room <= used:
+                break
+            hold = holds[slot]
+            try:
+                used += self._advance(core, hold, -1 if room < 0 else room - used)
+            except Exception as exc:
+                if getattr(core, "stopping", False):
+                    raise
+                logger.warning("llamabatch: request %s: %s", hold.request.request_id, exc)
+                del holds[slot]
+                core.finish(slot, "error", error=exc)
+                continue
+            if hold.pos >= hold.request.media.end:
+                del holds[slot]
+                self._release(core, hold)
+        self.counters.image_slices += 1 if used else 0
+        self._plan_around(core, bool(holds))
+        return max(budget - used, n_decode, 1) if others else budget
+
+    def _advance(self, core: Any, hold: ImageHold, room: int) -> int:
+        """Compute up to ``room`` (-1: all) of ``hold``'s next positions; how many it did."""
+        media: MediaPrompt = hold.request.media
+        context: Context = core.context
+        done = 0
+        for first, chunk in media.images:
+            if room >= 0 and done >= room:
+                break
+            if first + chunk.n_tokens <= hold.pos:
+                continue
+            if hold.pos < first:  # the text before this image
+                n = first - hold.pos if room < 0 else min(first - hold.pos, room - done)
+                for i in range(0, n, self.n_batch):
+                    part = media.tokens[hold.pos + i : hold.pos + min(n, i + self.n_batch)]
+                    self._decode(
+                        core,
+                        hold,
+                        hold.pos + i,
+                        lambda p=part, i=i: context.decode_tokens(p, pos0=hold.pos + i, seq_id=hold.slot),
+                    )
+                hold.pos += n
+                done += n
+                if hold.pos < first:
+                    break  # the room is spent
+            if room >= 0 and done >= room and not self.mtmd.non_causal(chunk):
+                break
+            embd = self.embeddings(chunk)
+            non_causal = self.mtmd.non_causal(chunk)
+            left = first + chunk.n_tokens - hold.pos
+            # a bidirectional image goes whole into one decode: it is never sliced
+            n = left if room < 0 or non_causal else min(left, room - done)
+            self._decode_image(core, hold, embd[hold.pos - first : hold.pos - first + n], non_causal)
+            hold.pos += n
+            done += n
+        return done
+
+    def _decode(self, core: Any, hold: ImageHold, pos0: int, decode: Any) -> None:
+        """Run ``decode`` (of ``hold``'s positions from ``pos0``); when the KV cache has no
+        room, evict idle cached prefixes and retry."""
+        import time
+
+        t0 = time.perf_counter()
+        while True:
+            try:
+                decode()
+                break
+            except KVCacheFull:
+                core.context.seq_rm(hold.slot, pos0, -1)
+                if not core.kv.evict_one():
+                    raise
+                core.counters.evictions += 1
+        self.counters.image_decode_seconds += time.perf_counter() - t0
+
+    def _decode_image(self, core: Any, hold: ImageHold, rows: np.ndarray, non_causal: bool) -> None:
+        context: Context = core.context
         batch = self._batch
-        if batch is None or batch.n_embd != embd.shape[1]:
-            batch = self._batch = EmbdBatch(self.n_batch, int(embd.shape[1]))
-        non_causal = self.mtmd.non_causal(chunk)
-        step = chunk.n_tokens if non_causal else self.n_batch
+        if batch is None or batch.n_embd != rows.shape[1]:
+            batch = self._batch = EmbdBatch(self.n_batch, int(rows.shape[1]))
         if non_causal:
             self.mtmd.set_causal_attn(context, False)
         try:
-            for i in range(pos - first, chunk.n_tokens, step):
-                rows = embd[i : i + step]
+            for i in range(0, len(rows), self.n_batch):
                 batch.clear()
-                batch.add(rows, slot, pos0=first + i, outputs=False)
-                check_decode(context.decode_address(batch.address), "llama_decode (image)")
+                batch.add(rows[i : i + self.n_batch], hold.slot, pos0=hold.pos + i, outputs=False)
+                self._decode(
+                    core,
+                    hold,
+                    hold.pos + i,
+                    lambda: check_decode(context.decode_address(batch.address), "llama_decode (image)"),
+                )
         finally:
             if non_causal:
                 self.mtmd.set_causal_attn(context, True)
+
+    def _release(self, core: Any, hold: ImageHold) -> None:
+        """The held prompt's positions are computed up to its last image: the slot table
+        records them and prefills the text after them as any prompt's."""
+        media: MediaPrompt = hold.request.media
+        table = core.table
+        table.finish(hold.slot, keep=True)
+        table.record_cached(hold.slot, media.tokens[: media.end])
+        table.start(hold.slot, hold.request.tokens_to_compute(), media.end)
+        self.counters.image_positions += media.end - hold.start
+
+    def _plan_around(self, core: Any, holding: bool) -> None:
+        """While prompts are held, the engine's strategy plans the other slots only."""
+        strategy = core.strategy
+        if holding and not isinstance(strategy, HoldStrategy):
+            core.strategy = HoldStrategy(strategy, self._holds)
+        elif not holding and isinstance(strategy, HoldStrategy):
+            core.strategy = strategy.inner
 
 
 def vision_for(model: Any, config: Any, context: Context) -> Vision | None:
