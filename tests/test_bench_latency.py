@@ -66,6 +66,33 @@ def test_find_capacity_doubles_then_bisects():
         latency.find_capacity(probe, 0.0)
 
 
+def test_find_capacity_by_goodput():
+    import dataclasses
+
+    def probe(rate: float) -> RunResult:  # one request of two misses the SLO above 3 requests/s
+        run = _result(rate, 10.0)
+        if rate > 3:
+            run = dataclasses.replace(run, request_itl=[0.01, 1.0])
+        return run
+
+    assert probe(4.0).row()["goodput"] == 0.5
+    found, _ = latency.find_capacity(probe, 1.0, steps=6, meets=latency.goodput_at_least(0.9))
+    assert found == 3.0
+    found, _ = latency.find_capacity(probe, 1.0, steps=4, meets=latency.goodput_at_least(0.5))
+    assert found == 8.0
+
+
+def test_bench_serve_find_capacity_by_goodput(tiny_path, fake_server, capsys):
+    argv = ["bench-serve", "--url", fake_server.url, "-m", str(tiny_path), "--workload", "mixed"]
+    argv += ["--requests", "4", "--rate", "200", "--mix", "8:3", "--no-progress", "--no-warmup"]
+    argv += ["--find-capacity", "--capacity-steps", "2", "--slo-itl-ms", "5000"]
+    assert main([*argv, "--min-goodput", "0.9", "--json"]) == 0
+    (capacity,) = [r for r in _json_rows(capsys.readouterr().out) if "capacity_rate" in r]
+    assert capacity["capacity_rate"] == 400
+    with pytest.raises(SystemExit, match="--min-goodput"):
+        main([*argv, "--min-goodput", "1.5"])
+
+
 def test_bench_serve_find_capacity(tiny_path, fake_server, capsys):
     argv = ["bench-serve", "--url", fake_server.url, "-m", str(tiny_path), "--workload", "mixed"]
     argv += ["--requests", "4", "--rate", "200", "--mix", "8:3", "--no-progress", "--no-warmup"]

@@ -21,7 +21,7 @@ from llamabatch.bench.plots import check_plotting
 from llamabatch.bench.report import Column, RunResult
 from llamabatch.bench.runners.base import BenchConfig
 
-__all__ = ["CAPACITY_COLUMNS", "apply_slo", "find_capacity", "plot_itl"]
+__all__ = ["CAPACITY_COLUMNS", "apply_slo", "find_capacity", "goodput_at_least", "plot_itl"]
 
 #: the columns of the capacity table
 CAPACITY_COLUMNS: tuple[Column, ...] = (
@@ -45,12 +45,22 @@ def slo_met(result: RunResult) -> bool:
     return bool(result.row().get("slo_met", True))
 
 
+def goodput_at_least(share: float) -> Callable[[RunResult], bool]:
+    """A run meets it when at least ``share`` (0..1) of its requests met the SLO (goodput)."""
+    return lambda run: (run.row().get("goodput") or 0.0) >= share
+
+
 def find_capacity(
-    probe: Callable[[float], RunResult], start_rate: float, *, steps: int = 7
+    probe: Callable[[float], RunResult],
+    start_rate: float,
+    *,
+    steps: int = 7,
+    meets: Callable[[RunResult], bool] = slo_met,
 ) -> tuple[float | None, list[RunResult]]:
-    """The highest arrival rate (requests/s) at which ``probe(rate)`` meets its SLO, found in
-    at most ``steps`` probes, and the runs made (in order). ``None`` when even the lowest
-    rate tried failed."""
+    """The highest arrival rate (requests/s) at which ``probe(rate)`` ``meets`` its SLO
+    (default :func:`slo_met`; :func:`goodput_at_least`: by goodput), found in at most
+    ``steps`` probes, and the runs made (in order). ``None`` when even the lowest rate tried
+    failed."""
     if start_rate <= 0 or steps < 1:
         raise ValueError("the capacity search needs a positive start rate and at least one step")
     good: float | None = None
@@ -60,7 +70,7 @@ def find_capacity(
     for _ in range(steps):
         run = probe(rate)
         runs.append(run)
-        if slo_met(run):
+        if meets(run):
             good = rate
         else:
             bad = rate

@@ -63,6 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "at which the run's TTFT p99 and ITL p99 meet --slo-ttft-ms / --slo-itl-ms",
     )
     p.add_argument(
+        "--min-goodput",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="--find-capacity by goodput: the highest rate at which at least SHARE (0..1] of the "
+        "requests meet the SLO",
+    )
+    p.add_argument(
         "--capacity-steps",
         type=options.positive_int,
         default=7,
@@ -82,6 +90,8 @@ def main(args: argparse.Namespace) -> int:
     workload = options.workload_from_args(args)
     if args.find_capacity and config.slo_ttft_ms is None and config.slo_itl_ms is None:
         raise SystemExit("llamabatch bench-serve: --find-capacity needs --slo-itl-ms and/or --slo-ttft-ms")
+    if args.min_goodput is not None and not 0 < args.min_goodput <= 1:
+        raise SystemExit(f"llamabatch bench-serve: --min-goodput must be in (0, 1], got {args.min_goodput}")
     server = HTTPRunner(
         args.url,
         model=args.served_model,
@@ -140,12 +150,15 @@ def _find_capacity(
         probes += 1
         (run,) = run_workload(seeded, spec, [], show_progress=False, others={HTTP: server})
         latency.apply_slo([run], config)
+        row = run.row()
         print(
-            f"bench-serve: rate {rate:.3g}/s: ITL p99 {run.row()['itl_p99_ms']:.1f} ms, TTFT p99 "
-            f"{run.row()['ttft_p99_ms']:.1f} ms, SLO {'met' if latency.slo_met(run) else 'missed'}",
+            f"bench-serve: rate {rate:.3g}/s: ITL p99 {row['itl_p99_ms']:.1f} ms, TTFT p99 "
+            f"{row['ttft_p99_ms']:.1f} ms, goodput {row.get('goodput') or 0.0:.2f}, SLO "
+            f"{'met' if meets(run) else 'missed'}",
             file=sys.stderr,
         )
         return run
 
-    found, runs = latency.find_capacity(probe, workload.rates[0], steps=args.capacity_steps)
+    meets = latency.slo_met if args.min_goodput is None else latency.goodput_at_least(args.min_goodput)
+    found, runs = latency.find_capacity(probe, workload.rates[0], steps=args.capacity_steps, meets=meets)
     return runs, [latency.capacity_row(server.url, found, config, len(runs))]
