@@ -138,3 +138,43 @@ def test_a_failing_image_ends_only_its_request(vision_files, monkeypatch):
         monkeypatch.setattr(mtmd, "encode", encode)
         again = engine.generate(_ask(_image(50)), GREEDY)[0].outputs[0]
         assert again.finish_reason == "length" and len(again.token_ids) == 6
+
+
+@pytest.mark.timeout(120)
+def test_text_streams_decode_between_image_slices(vision_files, llm):
+    """With chunk_size=4, an image's 16 positions take several ticks; every one of them the
+    text streams decode a token too, and the image's answer is the one computed whole."""
+    from llamabatch import LLMEngine
+
+    model, mmproj = vision_files
+    engine = LLMEngine(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=4, n_threads=1, chunk_size=4)
+    try:
+        long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        texts = {engine.add_request(p, long) for p in ("Once upon a time", "The quick brown fox")}
+        for _ in range(3):
+            engine.step()
+        image_id = engine.add_request(_ask(_image(60)), GREEDY)
+        vision = engine.core.vision
+        tick = vision.tick
+        held_after_tick: list[bool] = []
+
+        def watched(core, budget):
+            left = tick(core, budget)
+            held_after_tick.append(bool(vision.holds))
+            return left
+
+        vision.tick = watched
+        produced: list[set] = []
+        answer = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            produced.append({o.request_id for o in outputs if o.new_token_ids})
+            answer = next((o.output for o in outputs if o.request_id == image_id and o.finished), answer)
+        held = [i for i, h in enumerate(held_after_tick) if h]
+        assert len(held) >= 3  # the image took several ticks
+        assert all(texts <= produced[i] for i in held)  # and the text streams decoded in each
+        assert vision.counters.image_slices >= len(held)
+        whole = llm.generate(_ask(_image(60)), GREEDY)[0].outputs[0].token_ids
+        assert answer is not None and answer.token_ids == whole
+    finally:
+        engine.close()
