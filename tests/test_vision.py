@@ -88,6 +88,29 @@ def test_encoder_cache_counts(llm):
     after = vision.counters.as_dict()
     assert after["encoded"] == before["encoded"] + 1
     assert after["cache_bytes"] > 0
+    llm.generate(_ask(image, "Text before: <__media__>\nThree."), GREEDY)  # no prefix: the encoder cache
+    after = vision.counters.as_dict()
+    assert after["encoded"] == before["encoded"] + 1
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    stats = llm.stats()
+    assert (stats.encoder_encoded, stats.encoder_cache_hits) == (after["encoded"], after["cache_hits"])
+    assert stats.encoder_cache_bytes == after["cache_bytes"] > 0
+    assert stats.encoder_image_positions > 0 and stats.encoder_images >= 2
+
+
+def test_encoder_counters_in_metrics(llm):
+    from llamabatch.metrics import PrometheusListener
+
+    llm.generate(_ask(_image(41)), GREEDY)
+    listener = PrometheusListener()
+    listener.attach(llm, model_name="vlm")
+    try:
+        text = listener.generate_latest().decode()
+    finally:
+        listener.detach(llm)
+    encoded = llm.stats().encoder_encoded
+    assert f'llamabatch:encoder_encoded{{model_name="vlm"}} {float(encoded)}' in text
+    assert 'llamabatch:encoder_cache_bytes{model_name="vlm"}' in text
 
 
 def test_refusals(llm, vision_files):

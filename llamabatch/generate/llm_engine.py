@@ -28,7 +28,7 @@ from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
 from llamabatch.generate.speculative import history_stats
-from llamabatch.generate.vision import media_prompt, vision_for
+from llamabatch.generate.vision import media_prompt, vision_for, vision_stats
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.inputs import check_token_ids, normalize_prompt
@@ -311,6 +311,7 @@ class EngineHost:
             slo_requests=c.slo_requests,
             slo_met=c.slo_met,
             **history_stats(core.spec),
+            **vision_stats(self.vision),
         )
 
     def when_quiet(self) -> bool:

@@ -472,6 +472,24 @@ def vision_for(model: Any, config: Any, context: Context) -> Vision | None:
     return Vision(mtmd, limits_of(config), context.n_batch)
 
 
+def vision_stats(vision: Vision | None) -> dict[str, Any]:
+    """``GenerationStats``' ``encoder_*`` fields (empty without an ``mmproj``: the defaults)."""
+    if vision is None:
+        return {}
+    c = vision.counters
+    return {
+        "encoder_images": c.images,
+        "encoder_encoded": c.encoded,
+        "encoder_cache_hits": c.cache_hits,
+        "encoder_cache_evictions": c.cache_evictions,
+        "encoder_cache_bytes": c.cache_bytes,
+        "encoder_image_positions": c.image_positions,
+        "encoder_image_slices": c.image_slices,
+        "encoder_encode_time_s": c.encode_seconds,
+        "encoder_image_decode_time_s": c.image_decode_seconds,
+    }
+
+
 def media_prompt(
     vision: Vision | None, prompt: object, n_ctx_seq: int, max_tokens: int
 ) -> MediaPrompt | None:

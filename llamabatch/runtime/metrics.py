@@ -315,6 +315,14 @@ _TIER_GAUGES = {
     "prefix_files_loaded": "Prefix files from prefix_cache_dir whose state llama.cpp loaded.",
     "prefix_files_refused": "Prefix files refused (unsafe, corrupt, over a limit, or by llama.cpp).",
     "spec_history_bytes": "Bytes of text the n-gram and suffix speculation methods draft from.",
+    "encoder_images": "Images in admitted prompts (mmproj).",
+    "encoder_encoded": "Images run through the image encoder.",
+    "encoder_cache_hits": "Images whose embeddings the encoder cache served (no encode).",
+    "encoder_cache_evictions": "Image embeddings the encoder cache dropped for room.",
+    "encoder_cache_bytes": "Bytes of image embeddings held in the encoder cache.",
+    "encoder_image_positions": "Prompt positions computed up to images' ends (image prompts).",
+    "encoder_image_slices": "Ticks that computed a slice of image-prompt positions.",
+    "encoder_encode_time_s": "Seconds spent in the image encoder.",
 }
 
 

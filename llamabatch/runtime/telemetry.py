@@ -210,6 +210,19 @@ class GenerationStats:
     layout_switch_time_s: float = 0.0
     layout_carried_tokens: int = 0
     layout_lost_tokens: int = 0
+    # -- images (``mmproj``, ``generate/vision.py``) --
+    #: images in admitted prompts, those encoded and those the encoder cache served, images
+    #: the cache dropped for room, its bytes now, image-prompt positions computed, the ticks
+    #: that computed some, and the seconds spent encoding and decoding them
+    encoder_images: int = 0
+    encoder_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_evictions: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_image_positions: int = 0
+    encoder_image_slices: int = 0
+    encoder_encode_time_s: float = 0.0
+    encoder_image_decode_time_s: float = 0.0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files whose state llama.cpp loaded, files written, files refused (not a
     #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)
