@@ -96,6 +96,7 @@ class FakeModel:
         natural_eog: bool = False,
         is_recurrent: bool = False,
         is_hybrid: bool = False,
+        n_swa: int = 0,
         **_ignored: Any,  # Model's n_gpu_layers, load_mode, validate
     ) -> None:
         self.path = Path(path)
@@ -109,6 +110,7 @@ class FakeModel:
         self.natural_eog = natural_eog
         self.is_recurrent = is_recurrent
         self.is_hybrid = is_hybrid
+        self.n_swa = n_swa  # a sliding window (the fake's cache keeps every position)
         self.has_decoder = True
         self.has_encoder = False
         self.generates_text = True

@@ -119,6 +119,7 @@ int32_t llama_model_n_embd(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_n_head(const struct llama_model * model);
 int32_t llama_model_n_head_kv(const struct llama_model * model);
+int32_t llama_model_n_swa(const struct llama_model * model);
 uint32_t llama_model_n_cls_out(const struct llama_model * model);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 int32_t llama_model_meta_count(const struct llama_model * model);
@@ -178,6 +179,7 @@ float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id
 void llama_memory_clear(llama_memory_t mem, bool data);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
+llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 
 /* sequence state (the host-RAM prompt cache and persistent prefixes) */

@@ -415,6 +415,12 @@ class Context:
         """Make ``dst`` share ``src``'s cells at positions [p0, p1)."""
         lib.llama_memory_seq_cp(self._memory_or_raise(), src, dst, p0, p1)
 
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position of ``seq_id`` in the KV cache, -1 when it holds none: above 0
+        when a sliding-window cache has dropped the sequence's early positions (every
+        position from it to ``seq_pos_max`` is held)."""
+        return lib.llama_memory_seq_pos_min(self._memory_or_raise(), seq_id)
+
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id`` in the KV cache, -1 when it holds none."""
         return lib.llama_memory_seq_pos_max(self._memory_or_raise(), seq_id)

@@ -149,6 +149,9 @@ class Model:
             self.n_layer = self._meta_int("block_count")
             self.n_head = self._meta_int("attention.head_count")
             self.n_head_kv = self._meta_int("attention.head_count_kv") or self.n_head
+            #: sliding-window attention's window in positions (0: none): its KV cache keeps
+            #: only each sequence's last positions
+            self.n_swa: int = self._meta_int("attention.sliding_window")
             self.size = self.n_params = self.n_cls_out = 0
             self.description = f"{self.architecture} (vocabulary only)"
             self.has_encoder = self.has_decoder = self.is_recurrent = self.is_hybrid = False
@@ -158,6 +161,7 @@ class Model:
             self.n_layer = lib.llama_model_n_layer(ptr)
             self.n_head = lib.llama_model_n_head(ptr)
             self.n_head_kv = lib.llama_model_n_head_kv(ptr)
+            self.n_swa = lib.llama_model_n_swa(ptr)
             self.size = lib.llama_model_size(ptr)
             self.n_params = lib.llama_model_n_params(ptr)
             self.description = _read_str(lib.llama_model_desc, ptr) or ""

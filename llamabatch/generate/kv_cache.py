@@ -47,6 +47,7 @@ from llamabatch.generate.ram_cache import (
     RamCache,
     ram_cache_for,
 )
+from llamabatch.generate.swa import SKIP_SLIDING_WINDOW, SlidingWindow, sliding_window_for
 
 logger = logging.getLogger("llamabatch")
 
@@ -93,6 +94,8 @@ class KVCache:
     pinned: dict[int, PinnedPrefix] = field(default_factory=dict)
     #: the host-RAM tier below (``cache_ram``; None: off): see ``ram_cache.py``
     ram: RamCache | None = None
+    #: a sliding-window model's window (None: none): reuse only what its cache still holds
+    window: SlidingWindow | None = None
     #: pinned prefixes' files (``prefix_cache_dir``; None: none): see ``prefix_store.py``
     store: PrefixStore | None = None
     #: the most bytes a prefix file's state may have per token (bigger files are refused unread)
@@ -160,7 +163,7 @@ class KVCache:
     def _place(self, tokens: list[int], leader_slot: int, tag: Hashable) -> Placement:
         table = self.table
         limit = len(tokens) - 1  # the last prompt token is always computed
-        best_seq, best_n = self._best_source(tokens, leader_slot, limit, tag)
+        best_seq, best_n, cut = self._best_source(tokens, leader_slot, limit, tag)
         if self._restore_waits:
             self._restore_waits.pop(np.asarray(tokens, dtype=np.int32).tobytes(), None)
         if self.ram is not None and len(tokens) > self.ram.block and tag == ():
@@ -168,7 +171,9 @@ class KVCache:
             if restored is not None:
                 return restored
             # not restored: the attempt may have emptied an idle slot, look again
-            best_seq, best_n = self._best_source(tokens, leader_slot, limit, tag)
+            best_seq, best_n, cut = self._best_source(tokens, leader_slot, limit, tag)
+        if cut and self.window is not None:
+            self.window.refused += 1
         if 0 <= best_seq < table.n_parallel and table.state(best_seq) == SlotState.IDLE:
             slot, best_seq = best_seq, -1  # reuse an idle slot's own cache in place
             if self.ram is not None and table.seq_len(slot) - best_n >= self.ram.block:
@@ -200,17 +205,25 @@ class KVCache:
                 best, best_n, best_idle = seq, n, idle
         return best, best_n
 
-    def _best_source(self, tokens: list[int], leader_slot: int, limit: int, tag: Hashable) -> tuple[int, int]:
-        """``(seq, n)``: the sequence holding the longest reusable prefix of ``tokens`` (at
-        most ``limit``) computed under ``tag``, or ``(-1, 0)``."""
-        table = self.table
+    def _best_source(
+        self, tokens: list[int], leader_slot: int, limit: int, tag: Hashable
+    ) -> tuple[int, int, bool]:
+        """``(seq, n, cut)``: the sequence holding the longest reusable prefix of ``tokens``
+        (at most ``limit``) computed under ``tag``, or ``(-1, 0)``; ``cut``: a longer prefix
+        was cached that a sliding-window model's cache no longer holds the window of."""
+        table, window = self.table, self.window
         best_seq, best_n = -1, 0
-        if self.reuse:
+        longest = 0
+        if self.reuse and window is not None:
+            best_seq, best_n, longest = window.best_source(table, self.tags, tag, tokens, limit)
+        elif self.reuse:
             best_seq, best_n = self.best_prefix(tokens, tag)
         elif self.copy_supported and leader_slot >= 0 and table.state(leader_slot) != SlotState.IDLE:
             best_seq, best_n = leader_slot, table.common_prefix(leader_slot, tokens)
         best_n = min(best_n, limit)
-        return (best_seq, best_n) if best_n > 0 else (-1, 0)
+        if window is not None and best_n > 0 and not window.holds(best_seq, best_n):
+            return -1, 0, True
+        return (best_seq, best_n, longest > best_n) if best_n > 0 else (-1, 0, longest > 0)
 
     def should_wait(self, tokens: list[int], admitting: list[list[int]], tag: Hashable = ()) -> bool:
         """True when a prompt being prefilled (or ``admitting`` in this same step) shares
@@ -345,12 +358,16 @@ class KVCache:
             ram.misses += 1
             return None
         ram.hits += 1
+        if self._window_refuses(len(entry.tokens), n):
+            return None
         slot = table.admission_slot()  # as a fresh placement (per-stream: keeps busy streams together)
         self.save(slot)
         entry, n = ram.match(array)  # saving may have replaced or dropped that entry
         n = min(n, limit)
         if entry is None or n < ram.block or n <= best_n:
             ram.skip(SKIP_STATE_DROPPED)
+            return None
+        if self._window_refuses(len(entry.tokens), n):
             return None
         self.trim(slot, 0)
         ram.touch(entry)  # the evictions' saves below drop older states first
@@ -374,6 +391,10 @@ class KVCache:
             self.store.loaded += 1
         if len(entry.tokens) > n:
             self.context.seq_rm(slot, n, -1)
+        if self.window is not None and not self.window.holds(slot, n):
+            self.context.seq_rm(slot, -1, -1)  # the slot table still records it empty
+            ram.skip(SKIP_SLIDING_WINDOW)
+            return None
         self._share_prefix(slot, entry.tokens[:n])
         table.record_cached(slot, entry.tokens[:n])
         ram.touch(entry)
@@ -381,6 +402,15 @@ class KVCache:
         ram.restored_tokens += n
         table.touch(slot)
         return Placement(slot, -1, n)
+
+    def _window_refuses(self, n_saved: int, n: int) -> bool:
+        """True (the skip counted) when a sliding-window model cannot continue from the
+        first ``n`` tokens of a state saved with ``n_saved`` (see ``swa.py``)."""
+        if self.window is None or self.window.restorable(n_saved, n):
+            return False
+        assert self.ram is not None
+        self.ram.skip(SKIP_SLIDING_WINDOW)
+        return True
 
     def _room_to_load(self, tokens: np.ndarray) -> bool:
         """Free cells (unified KV cache) to load a state holding ``tokens``: all of them are
@@ -407,9 +437,10 @@ class KVCache:
         (the shared system prompt, say) is taken from its cells instead of the restored copy,
         as a prefix copied at admission is, so each restored conversation does not keep (and
         every tick attend to) its own copy. Unified KV cache only (a copy across streams moves
-        the data)."""
+        the data), and not on a sliding-window model (the copy's sliding cells would not
+        join the restored window's)."""
         table = self.table
-        if not table.kv_unified:
+        if not table.kv_unified or self.window is not None:
             return
         source, shared = self.best_prefix(tokens)  # a restored state is the base model's
         if source < 0 or shared <= 0:
@@ -540,6 +571,8 @@ class KVCache:
             out["prefix_files_loaded"] = self.store.loaded
             out["prefix_files_saved"] = self.store.saved
             out["prefix_files_refused"] = self.store.refused
+        if self.window is not None:
+            out["swa_prefix_recomputed"] = self.window.refused
         return out
 
     def unpin(self, prefix: PinnedPrefix) -> None:
@@ -572,6 +605,7 @@ def kv_cache_for(model: Model, context: Context, table: SlotTable, config: Engin
         reuse=config.prefix_cache,
         copy_supported=copy_supported,
         ram=ram_cache_for(config.cache_ram),
+        window=sliding_window_for(context, model.n_swa),
     )
     if kv.reuse and config.prefix_cache_dir is not None:
         store = store_for(

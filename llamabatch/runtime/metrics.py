@@ -314,6 +314,7 @@ _TIER_GAUGES = {
     "layout_lost_tokens": "Cached prompt tokens a KV layout switch could not carry.",
     "prefix_files_loaded": "Prefix files from prefix_cache_dir whose state llama.cpp loaded.",
     "prefix_files_refused": "Prefix files refused (unsafe, corrupt, over a limit, or by llama.cpp).",
+    "swa_prefix_recomputed": "Cached prefixes computed again: a sliding-window cache lost their window.",
     "spec_history_bytes": "Bytes of text the n-gram and suffix speculation methods draft from.",
     "encoder_images": "Images in admitted prompts (mmproj).",
     "encoder_encoded": "Images run through the image encoder.",

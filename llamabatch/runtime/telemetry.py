@@ -198,10 +198,14 @@ class GenerationStats:
     #: of those, tokens then shared with another sequence's cells instead of kept as a copy
     ram_cache_shared_tokens: int = 0
     #: hits not loaded (their prompts computed), by reason: ``"room_held_by_running"`` (running
-    #: requests hold the cells the state needs), ``"state_dropped"`` (it left the RAM budget)
+    #: requests hold the cells the state needs), ``"state_dropped"`` (it left the RAM budget),
+    #: ``"sliding_window"`` (a sliding-window model's state continues only from its end)
     ram_cache_restore_skipped: dict[str, int] = field(default_factory=dict)
     #: prompts that waited for running requests to free the room of their restore
     ram_cache_restore_waits: int = 0
+    #: admissions on a sliding-window model whose longest cached prefix was computed again:
+    #: its sliding cache no longer held the window there (``generate/swa.py``)
+    swa_prefix_recomputed: int = 0
     # -- the KV layout following the workload (``generate/layout_switch.py``) --
     #: context rebuilds with another layout, by reason (``"shared_prefix"``, ``"long_prompt"``,
     #: ``"independent"``), their total time, and the cached tokens carried over or lost
