@@ -53,6 +53,15 @@ def test_the_history_grows_incrementally_and_restarts_when_it_shrinks():
     assert drafter.draft([_job("a", [7, 8, 9, 7, 8], [])])["a"].tokens[:1] == [9]  # shorter: rebuilt
 
 
+def test_a_long_history_is_caught_up_over_several_calls():
+    drafter = SuffixDrafter()
+    drafter.CATCH_UP = 10
+    text = list(range(100, 125))
+    job = _job("a", text, text[:3])  # 28 tokens: three calls
+    assert drafter.draft([job]) == {} and drafter.draft([job]) == {}
+    assert drafter.draft([job])["a"].tokens == text[3:11]
+
+
 def test_a_second_request_drafts_the_first_answer_from_the_shared_history():
     shared = SharedHistory(1 << 12)
     drafter = SuffixDrafter(shared=shared)

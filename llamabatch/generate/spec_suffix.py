@@ -57,6 +57,10 @@ class SuffixDrafter:
     """Longest-match drafts (see the module docstring). ``min_match``: the shortest matched
     suffix that drafts; ``shared``: the history shared across requests (None: own only)."""
 
+    #: the most tokens of a request's history added to its automaton per draft call (about
+    #: 3 ms of Python): a long prompt is caught up over a few ticks, not in one long tick
+    CATCH_UP = 1024
+
     def __init__(self, min_match: int = 2, shared: SharedHistory | None = None) -> None:
         self.min_match = min_match
         self.shared = shared
@@ -69,24 +73,31 @@ class SuffixDrafter:
         self.own_drafts = 0
         self.shared_drafts = 0
 
-    def _sync(self, job: DraftJob) -> SuffixAutomaton:
+    def _sync(self, job: DraftJob) -> SuffixAutomaton | None:
+        """The request's automaton, extended by the tokens added since its last call; None
+        while a long history is still being caught up (``CATCH_UP`` tokens per call)."""
         sam = self._own.get(job.key)
         prompt, output = job.prompt, job.output
         n_prompt = len(prompt)
-        if sam is None or len(sam) > n_prompt + len(output):
+        n = n_prompt + len(output)
+        if sam is None or len(sam) > n:
             sam = self._own[job.key] = SuffixAutomaton()
         have = len(sam)
+        stop = min(n, have + self.CATCH_UP)
         if have < n_prompt:
-            sam.extend(prompt[have:])
-            have = n_prompt
-        sam.extend(output[have - n_prompt :])
-        return sam
+            sam.extend(prompt[have : min(stop, n_prompt)])
+            have = len(sam)
+        if have < stop:
+            sam.extend(output[have - n_prompt : stop - n_prompt])
+        return sam if len(sam) == n else None
 
     def draft(self, jobs: Sequence[DraftJob]) -> dict[Hashable, Draft]:
         out: dict[Hashable, Draft] = {}
         lo = self.min_match
         for job in jobs:
             sam = self._sync(job)
+            if sam is None:
+                continue
             k = job.k
             length, end = sam.repeat()
             tokens: list[int] = []
