@@ -264,3 +264,22 @@ def test_server_a_request_over_the_memory_budget_is_a_400(base_url):
     assert "max_request_memory_mb=4" in answer.json()["error"]["message"]
     answer = post(base_url, "/v1/completions", {**body, "n": 1, "max_tokens": 2})
     assert answer.status_code == 200, answer.text
+
+
+def test_the_idle_engine_trims_the_heap_after_a_flood_of_plain_requests(monkeypatch):
+    """Not only grammars: after ``TRIM_AFTER_COMPLETIONS`` admitted completions of any kind,
+    the engine gives the freed C heap back once it goes idle (once: nothing since, no trim)."""
+    from llamabatch.generate.request import Request
+    from llamabatch.generate.request_memory import TRIM_AFTER_COMPLETIONS, SamplerBuilder
+
+    trims: list[int] = []
+    monkeypatch.setattr(request_memory, "trim_heap", lambda: trims.append(1) or True)
+    builder = SamplerBuilder(None, 256)  # type: ignore[arg-type]  # plain greedy builds nothing
+    for _ in range(TRIM_AFTER_COMPLETIONS - 1):
+        assert builder.attach(Request([1], SamplingParams(max_tokens=1, temperature=0))) is None
+    builder.when_idle()
+    assert trims == []
+    builder.attach(Request([1], SamplingParams(max_tokens=1, temperature=0)))
+    builder.when_idle()
+    builder.when_idle()
+    assert trims == [1] and builder.heap_trims == 1

@@ -12,8 +12,8 @@ queue of such requests would hold all their parsers while waiting. Here:
   llama.cpp refuses still raises at the caller;
 - :class:`SamplerBuilder`, owned by the engine core, builds a completion's chain when it is
   admitted (on the engine's thread; a preempted completion keeps its chain and its state), and
-  after a flood of grammars, once the engine is idle, gives the freed heap back to the system
-  (``trim_heap``: glibc keeps freed small allocations otherwise). ``Request.finish`` frees the
+  after a flood of grammars or of requests, once the engine is idle, gives the freed heap back
+  to the system (``trim_heap``: glibc keeps freed small allocations otherwise). ``Request.finish`` frees the
   chain.
 """
 
@@ -46,6 +46,9 @@ TOKEN_BYTES = 160
 LOGPROBS_DICT_BYTES, LOGPROB_ENTRY_BYTES = 232, 80
 #: grammar text built into parsers since the last heap trim above which the idle engine trims
 TRIM_AFTER_TEXT_BYTES = 1 << 20
+#: completions admitted since the last heap trim above which the idle engine trims (a flood of
+#: requests leaves freed C heap in glibc's arenas: tens of MB after a minute of them)
+TRIM_AFTER_COMPLETIONS = 256
 
 
 def grammar_parser_bytes(grammar: str) -> int:
@@ -118,12 +121,16 @@ class SamplerBuilder:
     def __init__(self, model: Model, n_ctx_seq: int) -> None:
         self.model = model
         self.n_ctx_seq = n_ctx_seq
-        #: grammar text built into parsers since the heap was last trimmed
+        #: grammar text built into parsers, and completions admitted, since the heap was last
+        #: trimmed; and the trims
         self.grammar_bytes_built = 0
+        self.completions_admitted = 0
+        self.heap_trims = 0
 
     def attach(self, request: Request) -> Exception | None:
         """Give ``request`` its sampler chain unless it has one or needs none; the exception
         when it cannot be built (the caller ends that request, not the engine)."""
+        self.completions_admitted += 1
         if request.sampler is not None or request.fast_greedy or request.kind is RequestKind.PIN:
             return None
         try:
@@ -136,8 +143,12 @@ class SamplerBuilder:
         return None
 
     def when_idle(self) -> None:
-        """The engine has nothing left to do: after a flood of grammars, give the heap their
-        parsers took back to the system."""
-        if self.grammar_bytes_built >= TRIM_AFTER_TEXT_BYTES:
-            self.grammar_bytes_built = 0
+        """The engine has nothing left to do: after a flood of grammars, or of requests, give
+        the freed C heap back to the system."""
+        if (
+            self.grammar_bytes_built >= TRIM_AFTER_TEXT_BYTES
+            or self.completions_admitted >= TRIM_AFTER_COMPLETIONS
+        ):
+            self.grammar_bytes_built = self.completions_admitted = 0
+            self.heap_trims += 1
             trim_heap()
