@@ -194,8 +194,9 @@ class SharedHistory:
     """Recent prompts and outputs of all requests of an engine, bounded by ``max_tokens``
     (see the module docstring). Requests follow it with matchers (``match``), by key."""
 
-    #: how many of a history's last tokens a matcher walks when a new generation starts
-    RESYNC = 256
+    #: how many of a history's last tokens a matcher walks when a generation is new to it or
+    #: got documents since its last step (a longer match than this is rarely more telling)
+    RESYNC = 64
 
     def __init__(self, max_tokens: int) -> None:
         if max_tokens < 2:
