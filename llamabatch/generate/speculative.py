@@ -12,7 +12,9 @@ the same step. Every emitted token went through the same sampler call, stop chec
 logprob row as in a run without speculation: outputs are those of a non-speculative run
 given the same logits, and a seed draws once per emitted token.
 
-The Drafter interface (both methods implement it; ``draft_model.py`` is the other one)::
+The Drafter interface (every method implements it: ``spec_suffix.SuffixDrafter`` for ngram
+and suffix, ``NgramDrafter`` here when ``prompt_lookup_max`` bounds the lookup,
+``draft_model.py`` for a draft model)::
 
     drafter.draft([DraftJob(key, prompt, output, k, params), ...]) -> {key: Draft}
         # once per tick for all speculating requests; output[-1] is the pending token
@@ -138,11 +140,11 @@ class _NgramIndex:
 
 
 class NgramDrafter:
-    """Prompt-lookup drafts: the longest suffix n-gram (``prompt_lookup_max`` down to
-    ``prompt_lookup_min`` tokens) of the request's prompt + output is looked up in that
-    history, and the k tokens that followed its latest earlier occurrence are the draft
-    (rule ``"match"``); where they reach the end of the history they go on as the history
-    would if it repeated (a loop of period p < k drafts k tokens, not p). The index per
+    """Bounded prompt-lookup drafts (``prompt_lookup_max`` given): the longest suffix n-gram
+    (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) of the request's prompt +
+    output is looked up in that history, and the k tokens that followed its latest earlier
+    occurrence are the draft (rule ``"match"``); where they reach the end of the history they
+    go on as the history would if it repeated (a loop of period p < k drafts k tokens, not p). The index per
     request grows with the history, never rescanned."""
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:
