@@ -201,3 +201,80 @@ def test_text_streams_decode_between_image_slices(vision_files, llm):
         assert answer is not None and answer.token_ids == whole
     finally:
         engine.close()
+
+
+# -- chat: OpenAI image_url content parts ---------------------------------------------------
+
+
+def _data_url(seed: int) -> str:
+    import base64
+
+    from tests.test_vision_anchor import _png
+
+    return "data:image/png;base64," + base64.b64encode(_png(seed)).decode()
+
+
+def _chat(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, *parts]}]
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_chat_with_image_parts(llm):
+    """An image_url part becomes the media marker where the template renders it; the answer
+    is the one of the same text and image through generate."""
+    url = _data_url(70)
+    out = llm.chat(_chat(_image_part(url)), GREEDY, chat_template="chatml")[0]
+    assert out.prompt.count("<__media__>") == 1 and "What is this?\n<__media__>" in out.prompt
+    same = llm.generate({"prompt": out.prompt, "multi_modal_data": {"image": url}}, GREEDY)[0]
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids and out.outputs[0].token_ids
+    other = llm.chat(_chat(_image_part(_data_url(71))), GREEDY, chat_template="chatml")[0]
+    assert other.outputs[0].token_ids != out.outputs[0].token_ids
+
+
+def test_chat_image_errors_name_the_part(llm, tiny_path):
+    from llamabatch.chat import ChatRequestError
+
+    bad = "data:image/png;base64," + "aGVsbG8="
+    with pytest.raises(ChatRequestError, match=r"messages\[0\]\.content\[1\]: ") as info:
+        llm.chat(_chat(_image_part(bad)), GREEDY, chat_template="chatml")
+    assert info.value.param == "messages[0].content[1]"
+    with pytest.raises(ChatRequestError, match="remote image URLs are off"):
+        llm.chat(_chat(_image_part("https://example.com/a.png")), GREEDY, chat_template="chatml")
+    with pytest.raises(ChatRequestError, match="needs its URL"):
+        llm.chat(_chat({"type": "image_url", "image_url": {}}), GREEDY, chat_template="chatml")
+    with LLM(tiny_path, n_ctx=256, n_parallel=1) as text_only:
+        with pytest.raises(ChatRequestError, match="mmproj") as info:
+            text_only.chat(_chat(_image_part(_data_url(0))), GREEDY, chat_template="chatml")
+        assert info.value.param == "messages[0].content[1]"
+
+
+def test_server_chat_with_images(llm):
+    """/v1/chat/completions: an image_url part answers as LLM.chat does; a bad image is a 400
+    naming the part, and the server goes on."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from llamabatch.server.app import create_app
+    from llamabatch.server.limits import ServerLimits
+
+    url = _data_url(72)
+    expected = llm.chat(_chat(_image_part(url)), GREEDY, chat_template="chatml")[0].outputs[0].text
+    app = create_app(llm, chat_template="chatml", limits=ServerLimits(allowed_hosts=("testserver",)))
+    with TestClient(app) as client:
+
+        def post(messages: list[dict]):
+            body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+            return client.post(
+                "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+            )
+
+        r = post(_chat(_image_part(url)))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected
+        r = post(_chat(_image_part("data:image/png;base64,aGVsbG8=")))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]"
+        assert post(_chat(_image_part(url))).status_code == 200

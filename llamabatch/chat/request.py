@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
 from llamabatch.chat.setup import ChatRequestError, ChatSetup, prepare_chat
+from llamabatch.errors import ImageError
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.chat_template import chat_prompt_tokens, render_chat
+from llamabatch.prompts.images import image_parts
 from llamabatch.toolcalls import check_tool_call_parser
 from llamabatch.toolcalls.reasoning import check_reasoning_format
 
@@ -48,6 +50,9 @@ class ChatFacade(Protocol):
 
     @property
     def chat_options(self) -> ChatOptions: ...
+
+    @property
+    def n_ctx_seq(self) -> int: ...
 
     def check_prompt_bytes(self, text: str, max_tokens: int = 0) -> None: ...
 
@@ -101,6 +106,14 @@ class RenderedChat:
     tokens: list[int]
     template: str | None
     options: ChatOptions
+    #: with ``image_url`` parts: the prompt with its images (``generate/vision.py``'s
+    #: ``MediaPrompt``; ``tokens`` are then its positions' ids)
+    media: Any = None
+
+    @property
+    def prompt(self) -> Any:
+        """What the engine takes as this chat's prompt: its token ids, or its ``media``."""
+        return self.tokens if self.media is None else self.media
 
     def setup(self, params: SamplingParams | Mapping[str, Any] | None) -> ChatSetup:
         """The request's ``ChatSetup``: ``params`` with the grammars of its tools, and the reader
@@ -129,10 +142,19 @@ def render(facade: ChatFacade, request: ChatRequest, *, truncate: bool = False) 
     the context (checked before tokenizing it, unless ``truncate``: the request's
     ``SamplingParams.truncate`` keeps the prompt's end)."""
     model = facade.model
+    vision = getattr(getattr(facade, "core", None), "vision", None)
+    try:
+        messages, images, parts = image_parts(request.messages, vision.mtmd.marker if vision else "")
+    except ImageError as exc:
+        raise ChatRequestError(str(exc), exc.part) from exc
+    if images and vision is None:
+        raise ChatRequestError(
+            "image_url parts need a model with an image encoder (mmproj, --mmproj)", parts[0]
+        )
     try:
         text = render_chat(
             model,
-            request.messages,
+            messages,
             tools=request.template_tools,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
@@ -143,6 +165,14 @@ def render(facade: ChatFacade, request: ChatRequest, *, truncate: bool = False) 
     if not truncate:
         facade.check_prompt_bytes(text)
     template = request.chat_template if request.chat_template is not None else model.chat_template
+    if images and vision is not None:  # the rendered text holds the images' markers: libmtmd splits it
+        try:
+            media = vision.tokenize(text, images, facade.n_ctx_seq, 0, parts)
+        except ImageError as exc:
+            raise ChatRequestError(str(exc), exc.part) from exc
+        except ValueError as exc:
+            raise ChatRequestError(str(exc), "messages") from exc
+        return RenderedChat(request, text, media.tokens, template, facade.chat_options, media)
     return RenderedChat(request, text, chat_prompt_tokens(model, text), template, facade.chat_options)
 
 
@@ -157,8 +187,9 @@ def prepare(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> tuple[list[int], ChatSetup]:
-    """The prompt tokens of the conversation ``messages`` for ``facade``'s model and the
+) -> tuple[Any, ChatSetup]:
+    """The prompt (``RenderedChat.prompt``: token ids, or the prompt with its images) of the
+    conversation ``messages`` for ``facade``'s model and the
     request's ``ChatSetup`` (``render`` then ``RenderedChat.setup``). The caller keeps the model
     alive. Raises ``ChatRequestError`` naming the request field at fault, ``PromptTooLong``,
     or ``SamplingParams``' own errors."""
@@ -173,4 +204,4 @@ def prepare(
     )
     params = SamplingParams.coerce(params)
     rendered = render(facade, request, truncate=params.truncate)
-    return rendered.tokens, rendered.setup(params)
+    return rendered.prompt, rendered.setup(params)

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,20 +64,35 @@ MIN_SLICE = 16
 
 
 def is_media_prompt(prompt: object) -> bool:
-    """Whether ``prompt`` is a dict with ``multi_modal_data`` (vLLM's form of a prompt with images)."""
-    return isinstance(prompt, Mapping) and "multi_modal_data" in prompt
+    """Whether ``prompt`` is a dict with ``multi_modal_data`` (vLLM's form of a prompt with
+    images) or a :class:`MediaPrompt` (a chat's with ``image_url`` parts)."""
+    return isinstance(prompt, MediaPrompt) or (isinstance(prompt, Mapping) and "multi_modal_data" in prompt)
 
 
-@dataclass(frozen=True)
-class MediaPrompt:
+@dataclass(frozen=True, eq=False)
+class MediaPrompt(Mapping[str, Any]):
     """A tokenized prompt with images: ``tokens`` (one id per position; stand-ins, negative,
     at an image's positions), ``images`` (each image's first position and its chunk) and
-    ``end`` (the position after the last image)."""
+    ``end`` (the position after the last image). A prompt as ``generate`` takes one: read as a
+    mapping it is vLLM's form, ``{"prompt": text, "multi_modal_data": {"image": chunks}}``."""
 
     text: str
     tokens: list[int]
     images: list[tuple[int, ImageChunk]]
     end: int
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "prompt":
+            return self.text
+        if key == "multi_modal_data":
+            return {"image": [chunk for _, chunk in self.images]}
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("prompt", "multi_modal_data"))
+
+    def __len__(self) -> int:
+        return 2
 
 
 @dataclass
@@ -499,5 +514,12 @@ def media_prompt(
         return None
     if vision is None:
         raise ValueError("this prompt has images (multi_modal_data), but the engine has no mmproj (--mmproj)")
+    if isinstance(prompt, MediaPrompt):  # tokenized already (a chat's images)
+        if len(prompt.tokens) + max_tokens > n_ctx_seq:
+            raise PromptTooLong(
+                f"prompt of {len(prompt.tokens)} positions (images included) + max_tokens {max_tokens} "
+                f"exceeds the per-request context of {n_ctx_seq} tokens"
+            )
+        return prompt
     assert isinstance(prompt, Mapping)
     return vision.media_prompt(prompt, n_ctx_seq, max_tokens)

@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import urllib.parse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "decode_image",
     "image_dimensions",
     "image_key",
+    "image_parts",
     "limits_of",
     "load_image",
 ]
@@ -349,3 +351,36 @@ def limits_of(config: Any) -> ImageLimits:
         max_images=config.max_images_per_request,
         allow_remote=config.allow_remote_images,
     )
+
+
+def image_parts(
+    messages: Sequence[Mapping[str, Any]], marker: str
+) -> tuple[list[Mapping[str, Any]], list[Any], list[str]]:
+    """OpenAI chat ``messages`` with each ``image_url`` content part replaced by a text part
+    holding ``marker`` (where the chat template then renders it), the parts' images (their
+    URLs, in order) and the parts' names (``messages[i].content[j]``). Messages without image
+    parts are passed through as they are. Raises ImageError for an image part without a URL."""
+    out: list[Mapping[str, Any]] = []
+    images: list[Any] = []
+    parts: list[str] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
+            out.append(message)
+            continue
+        new_content: list[Any] = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "image_url"):
+                new_content.append(part)
+                continue
+            name = f"messages[{i}].content[{j}]"
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, Mapping) else image
+            if not isinstance(url, str) or not url:
+                raise ImageError(name, "an image_url part needs its URL: {'image_url': {'url': ...}}")
+            images.append(url)
+            parts.append(name)
+            new_content.append({"type": "text", "text": marker})
+        had_images = any(isinstance(p, Mapping) and p.get("type") == "image_url" for p in content)
+        out.append({**message, "content": new_content} if had_images else message)
+    return out, images, parts

@@ -54,7 +54,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     chat = read_chat_request(body, server.chat_template)
     # in worker threads: Jinja and the tokenizer, then grammar building, are CPU work
     rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
-    tokens = rendered.tokens
+    tokens, prompt = rendered.tokens, rendered.prompt  # the prompt: tokens, or with its images
     want_logprobs = body.get("logprobs", "bool", False)
     top = body.get("top_logprobs", "int", minimum=0, maximum=20)
     if top is not None and not want_logprobs:
@@ -78,10 +78,10 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
     if stream:
-        gen = await primed(generate_all(llm, [tokens], params, priority, client), request.receive)
+        gen = await primed(generate_all(llm, [prompt], params, priority, client), request.receive)
         return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup, request))
     (result,) = await until_disconnect(
-        request.receive, server.collect(llm, [tokens], params, priority, client)
+        request.receive, server.collect(llm, [prompt], params, priority, client)
     )
     server.raise_for_errors(result.outputs)
 
