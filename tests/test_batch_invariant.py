@@ -171,9 +171,7 @@ def swa_alone(swa_path):
 
 @pytest.fixture(scope="module")
 def swa_busy(swa_path):
-    # cache_ram=0: a state saved from a sliding-window cache and loaded back does not give
-    # back the same cells (a divergence of its own, not of the batch)
-    with LLM(swa_path, n_parallel=4, n_ctx=4 * 256, cache_ram=0, **ENGINE) as llm:
+    with LLM(swa_path, n_parallel=4, n_ctx=4 * 256, **ENGINE) as llm:
         yield llm
 
 
