@@ -21,8 +21,10 @@ sliced: it goes into one batch with the causal mask off, as llama.cpp's mtmd-hel
 it. Then the slot table records those positions as cached and computes the text after the
 last image as any prompt. An image that fails (encoder, decode) ends its request only.
 
-Embeddings are kept in an encoder cache keyed by the image's hash (LRU, bounded in bytes):
-the same image again skips the encoder.
+The image encoder runs on a thread of its own (one at a time): while other streams decode,
+a held prompt whose image is being encoded waits for it without holding up their ticks; with
+none decoding, the engine thread waits for it. Embeddings are kept in an encoder cache keyed
+by the image's hash (LRU, bounded in bytes): the same image again skips the encoder.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +136,8 @@ class ImageHold:
     slot: int
     start: int
     pos: int
+    #: the image being computed: its key and embeddings (kept: the cache may drop them)
+    embd: tuple[str, np.ndarray] | None = None
 
 
 class HoldStrategy:
@@ -199,6 +204,9 @@ class Vision:
         self._lock = threading.Lock()
         self._batch: EmbdBatch | None = None
         self._holds: dict[int, ImageHold] = {}
+        #: encodes running beside the engine thread's decodes, by image key
+        self._encoding: dict[str, Future[np.ndarray]] = {}
+        self._encoder: ThreadPoolExecutor | None = None
         stat = mtmd.path.stat()
         #: the projector's identity in the stand-in ids: another file gives other ids
         self._salt = f"{mtmd.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
@@ -307,6 +315,26 @@ class Vision:
                     self.counters.cache_evictions += 1
         return embd
 
+    def ready_embeddings(self, chunk: ImageChunk, wait: bool) -> np.ndarray | None:
+        """The image's embeddings from the encoder cache, or from its encode on the encoder
+        thread (started here when none runs): None while it runs, unless ``wait``. The text
+        streams decode on the engine thread meanwhile. Raises the encoder's error."""
+        future = self._encoding.get(chunk.key)
+        if future is None:
+            with self._lock:
+                cached = self._cache.get(chunk.key)
+                if cached is not None:
+                    self._cache.move_to_end(chunk.key)
+                    self.counters.cache_hits += 1
+                    return cached
+            if self._encoder is None:
+                self._encoder = ThreadPoolExecutor(1, thread_name_prefix="llamabatch-image-encoder")
+            future = self._encoding[chunk.key] = self._encoder.submit(self.embeddings, chunk)
+        if not wait and not future.done():
+            return None
+        del self._encoding[chunk.key]
+        return future.result()
+
     def prefill(self, core: Any, slot: int, request: Any, reused: int) -> int:
         """At admission into the idle ``slot`` (holding the first ``reused`` positions of
         ``request``'s prompt): the positions the slot holds for the slot table's ``start``.
@@ -322,13 +350,13 @@ class Vision:
         for first, chunk in media.images:
             if first < start < first + chunk.n_tokens and self.mtmd.non_causal(chunk):
                 start = first
+        self.counters.images += len(media.images)
         if start >= media.end:
             return reused
         if start < reused:
             core.context.seq_rm(slot, start, -1)
             core.table.trim(slot, start)
         self._holds[slot] = ImageHold(request, slot, start, start)
-        self.counters.images += len(media.images)
         return start
 
     @property
@@ -346,6 +374,8 @@ class Vision:
         holds = self._holds
         if not holds:
             self._plan_around(core, False)
+            if self._encoding:  # encodes of requests that ended meanwhile (their results are cached)
+                self._encoding = {k: f for k, f in self._encoding.items() if not f.done()}
             return budget
         table = core.table
         running = core.slots.requests
@@ -372,7 +402,7 @@ class Vision:
                 used += self._advance(core, hold, -1 if room < 0 else room - used)
             except Exception as exc:
                 if getattr(core, "stopping", False):
-                    raise
+                    return budget  # the driver is closing: it ends every request next
                 logger.warning("llamabatch: request %s: %s", hold.request.request_id, exc)
                 del holds[slot]
                 core.finish(slot, "error", error=exc)
@@ -410,7 +440,12 @@ class Vision:
                     break  # the room is spent
             if room >= 0 and done >= room and not self.mtmd.non_causal(chunk):
                 break
-            embd = self.embeddings(chunk)
+            if hold.embd is None or hold.embd[0] != chunk.key:
+                ready = self.ready_embeddings(chunk, wait=room < 0)
+                if ready is None:
+                    break  # encoding: the streams decode meanwhile
+                hold.embd = (chunk.key, ready)
+            embd = hold.embd[1]
             non_causal = self.mtmd.non_causal(chunk)
             left = first + chunk.n_tokens - hold.pos
             # a bidirectional image goes whole into one decode: it is never sliced
