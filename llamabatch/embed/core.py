@@ -232,6 +232,7 @@ class EmbedCore:
             tokens = [tokens_of(offset + i, item) for i, item in enumerate(items)]
         seqs: list[Seq] = []
         job = Job(out, 0, bar)
+        job.n_tokens = sum(t.shape[0] for t in tokens)
         for i, t in enumerate(tokens):
             if t.shape[0]:
                 seqs.append(Seq(job, offset + i, t))

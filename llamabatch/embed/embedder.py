@@ -234,6 +234,17 @@ class Embedder(ThreadedFacade):
         Tokenization happens in a worker thread, so long texts do not stall the event loop.
         Cancelling the awaiting task drops the call's texts that were not packed yet.
         """
+        return (await self.aembed_counted(texts, normalize=normalize, show_progress_bar=show_progress_bar))[0]
+
+    async def aembed_counted(
+        self,
+        texts: str | Iterable[str],
+        *,
+        normalize: str | bool | None = None,
+        show_progress_bar: bool | None = None,
+    ) -> tuple[Any, int]:
+        """``aembed``'s result and the tokens it embedded (every text's, after truncation):
+        an API's usage, from the one tokenization the texts get."""
         single, items = as_texts(texts)
         mode = self.normalize if normalize is None else normalize_mode(normalize)
         out = self._new_rows(len(items))
@@ -250,7 +261,7 @@ class Embedder(ThreadedFacade):
             if bar is not None:
                 bar.close()
         result = self._finish(out, mode)
-        return result[0] if single else result
+        return (result[0] if single else result), job.n_tokens
 
     encode = st_compat.encode
 

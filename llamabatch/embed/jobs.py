@@ -99,7 +99,7 @@ class Job:
     """Texts of one call (or of one ``batch_size`` chunk of it): the rows they fill, the
     future that resolves when they are all in, and the progress bar they advance."""
 
-    __slots__ = ("future", "n_done", "n_reported", "out", "progress", "remaining", "t_submit")
+    __slots__ = ("future", "n_done", "n_reported", "n_tokens", "out", "progress", "remaining", "t_submit")
 
     def __init__(self, out: Any, remaining: int, progress: ProgressBar | None) -> None:
         self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -108,6 +108,8 @@ class Job:
         self.progress = progress
         self.n_done = 0
         self.n_reported = 0
+        #: the tokens of its texts, as embedded (after truncation): a call's usage
+        self.n_tokens = 0
         self.t_submit = time.perf_counter()
 
     @property

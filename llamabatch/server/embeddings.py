@@ -57,8 +57,8 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
         raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
     body.warn_unknown()
     try:
-        n_tokens = await run_step(request, PREPARE, prepare.count_embedding_tokens, embedder, texts)
-        vectors = await until_disconnect(request.receive, embedder.aembed(texts))
+        await run_step(request, PREPARE, prepare.check_embedding_sizes, embedder, texts)
+        vectors, n_tokens = await until_disconnect(request.receive, embedder.aembed_counted(texts))
     except PromptTooLong as exc:
         raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
     except (ValueError, TypeError) as exc:

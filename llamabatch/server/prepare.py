@@ -26,8 +26,8 @@ __all__ = [
     "MAX_EMBEDDING_INPUTS",
     "chat_setup",
     "chat_tokens",
+    "check_embedding_sizes",
     "check_queue_room",
-    "count_embedding_tokens",
     "embedding_response",
     "params_pool",
     "prompt_fits",
@@ -129,9 +129,9 @@ def _embedding_bound(embedder: Embedder) -> int | None:
     return _EMBEDDING_BOUNDS[embedder]
 
 
-def count_embedding_tokens(embedder: Embedder, texts: Sequence[str]) -> int:
-    """The tokens of ``texts``; a text too long for any tokenization to fit the embedder's
-    limit is refused first (unless the embedder truncates)."""
+def check_embedding_sizes(embedder: Embedder, texts: Sequence[str]) -> None:
+    """Refuse a text too long for any tokenization to fit the embedder's limit (unless the
+    embedder truncates), before it is tokenized (once: ``Embedder.aembed_counted``)."""
     bound = None if getattr(embedder, "truncate", False) else _embedding_bound(embedder)
     for i, text in enumerate(texts):
         if bound is not None and len(text) * 4 > bound:
@@ -143,7 +143,6 @@ def count_embedding_tokens(embedder: Embedder, texts: Sequence[str]) -> int:
                     param="input",
                     code="context_length_exceeded",
                 )
-    return sum(len(embedder.tokenize(t)) for t in texts)
 
 
 def embedding_response(vectors: Any, encoding: str, model: str | None, n_tokens: int) -> bytes:
