@@ -280,3 +280,56 @@ def test_server_chat_with_images(llm):
         r = post(_chat(_image_part("data:image/png;base64,aGVsbG8=")))
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]"
         assert post(_chat(_image_part(url))).status_code == 200
+
+
+def test_hold_strategy_plans_only_slots_not_held():
+    from types import SimpleNamespace
+
+    from llamabatch.generate.vision import HoldStrategy
+
+    class Nothing:
+        def plan(self, view, budget, chunk_size, queue_depth):
+            return [(s, 1) for s in view.decode_slots if s == 99]  # plans nothing here
+
+    class Every:
+        def plan(self, view, budget, chunk_size, queue_depth):
+            return [(s, 1) for s in view.decode_slots] + [(s, 2) for s in view.prefill_slots]
+
+    view = SimpleNamespace(decode_slots=[0, 1], prefill_slots=[2, 3], n_parallel=4, n_pending=lambda s: 10)
+    holds = {1: object(), 3: object()}
+    assert HoldStrategy(Every(), holds).plan(view, 8, 4, 0) == [(0, 1), (2, 2)]
+    # the inner strategy planning nothing while others have work: decode tokens, then a chunk
+    assert HoldStrategy(Nothing(), holds).plan(view, 8, 4, 0) == [(0, 1), (2, 4)]
+    assert HoldStrategy(Nothing(), {0: None, 1: None, 2: None, 3: None}).plan(view, 8, 4, 0) == []
+
+
+@pytest.mark.timeout(120)
+def test_cancelling_a_held_request(vision_files):
+    """A request cancelled while its image is being computed frees its slot; the text stream
+    beside it goes on, and the next image request is served."""
+    from llamabatch import LLMEngine
+
+    model, mmproj = vision_files
+    engine = LLMEngine(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=2, n_threads=1, chunk_size=4)
+    try:
+        vision = engine.core.vision
+        text = engine.add_request("Once upon a time", SamplingParams(max_tokens=30, temperature=0))
+        engine.step()
+        image = engine.add_request(_ask(_image(80)), GREEDY)
+        while not vision.holds:
+            engine.step()
+        engine.abort_request(image)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason
+        assert finished == {text: "length", image: "cancelled"} and not vision.holds
+        again = engine.add_request(_ask(_image(80)), GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason
+        assert finished[again] == "length"
+    finally:
+        engine.close()
