@@ -4,6 +4,7 @@ cache dropped; what cannot be reused is computed again, and counted."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from fake_llama import FakeModel, make_core
 from test_scheduler_fake import Recorder, greedy, prompt
@@ -148,3 +149,31 @@ def test_a_prefix_whose_window_the_cache_dropped_is_computed_and_counted():
     rec.check_done(whole)
     assert whole.output.usage.reused_tokens == 31
     assert core.kv.tier_stats()["swa_prefix_recomputed"] == 1
+
+
+def test_a_prompt_waits_only_for_a_state_it_can_continue():
+    """Unified cache, a running request holding the room: a prompt whose best match is a
+    saved state waits for the room only when the sliding window lets it continue that state."""
+    core, ctx, model = make_core(
+        n_parallel=2, n_ctx=128, prefix_cache=True, cache_ram=64, model=FakeModel(n_swa=8)
+    )
+    rec = Recorder(core, ctx, model)
+    conv = prompt(40, 1)
+    (first,) = rec.new(conv, greedy(6))
+    rec.run()
+    for seed in (2, 3):  # two other conversations push the first to the RAM tier
+        rec.new(prompt(40, seed), greedy(6))
+        rec.run()
+    ram = core.kv.ram
+    assert ram is not None and ram.covers(np.asarray(conv, dtype=np.int32)) is not None
+    rec.new(prompt(90, 4), greedy(30))
+    for _ in range(5):  # its prompt computed, decoding
+        rec.step()
+    assert core.kv.table.busy_slots == 1
+    again = conv  # its state ends 5 generated tokens later: cut, its window is gone
+    assert not core.kv.restore_worth_waiting(again)
+    assert ram.restore_waits == 0
+    next_turn = conv + first.output.token_ids[:5] + prompt(10, 5)
+    assert core.kv.restore_worth_waiting(next_turn)
+    assert ram.restore_waits == 1
+    rec.run()

@@ -269,7 +269,13 @@ class KVCache:
         entry, n = ram.match(array)
         n = min(n, limit)
         best_n = min(self.best_prefix(tokens)[1], limit) if entry is not None else 0
-        if entry is None or n < ram.block or n <= best_n or self._room_if_idle_evicted(len(entry.tokens)):
+        if (
+            entry is None
+            or n < ram.block
+            or n <= best_n
+            or (self.window is not None and not self.window.restorable(len(entry.tokens), n))
+            or self._room_if_idle_evicted(len(entry.tokens))
+        ):
             if self._restore_waits:
                 self._restore_waits.pop(array.tobytes(), None)
             return False
