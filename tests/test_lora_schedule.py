@@ -106,7 +106,7 @@ def _run(
     scheduler, _ = _scheduler(requests, clock)
     scheduler.switch.seconds = switch_seconds
     for _ in range(40):  # a cost model that knows ticks take tick_seconds
-        scheduler.switch.model.observe(TickFeatures(2, 2, 0.0), tick_seconds)
+        scheduler.switch.observe(TickFeatures(2, 2, 0.0), tick_seconds, switched=False)
     strategy = AdapterSetStrategy(DecodeMaximal(), scheduler)
     order, times = [], []
     view = FakeView(list(range(len(requests))), {}, len(requests))
@@ -154,6 +154,28 @@ def test_no_set_starves(sizes: list[int], priorities: list[int], switch_ms: floa
     assert set(order) == keys
 
 
+def test_switch_cost_is_learnt_on_a_slow_machine() -> None:
+    """Ticks of seconds and a switch of 50 ms: before a switch was measured, sets run a few
+    ticks each (so ticks without a switch give the baseline); then the fitted cost is the
+    switch's, and a switch that cheap next to a tick lets the sets alternate."""
+    requests = [_request(), _request("a")]
+    clock = Clock()
+    scheduler, _ = _scheduler(requests, clock)
+    strategy = AdapterSetStrategy(DecodeMaximal(), scheduler)
+    view = FakeView([0, 1], {}, 2)
+    order = []
+    for _ in range(120):
+        list(strategy.plan(view, 64, 512, 0))
+        order.append(scheduler.current)
+        elapsed = 2.5 + (0.05 if scheduler.switched else 0.0)
+        clock.now += elapsed
+        scheduler.observe(TickFeatures(1, 1, 0.0), elapsed)
+    assert scheduler.switch.n_measured > 0
+    assert scheduler.switch.seconds == pytest.approx(0.05, abs=0.02)
+    early = sum(a != b for a, b in pairwise(order[:20]))
+    assert early < 19  # runs of more than one tick until a switch was measured
+
+
 def test_switch_cost_is_fitted_from_decodes() -> None:
     cost = SwitchCost(prior=0.5)
     features = TickFeatures(4, 4, 0.0)
@@ -171,3 +193,20 @@ def test_parse_lora_arg() -> None:
     for bad in ("", "=x", "name="):
         with pytest.raises(ValueError, match="--lora"):
             parse_lora_arg(bad)
+
+
+def test_a_request_without_adapter_room_is_passed_over_then_waited_for() -> None:
+    from llamabatch.generate.admission import AdmissionPolicy, Verdict
+    from llamabatch.generate.lora_schedule import LoraAdmission
+
+    class Registry:
+        def can_load(self, names: list[str]) -> bool:
+            return False
+
+    scheduler = SimpleNamespace(registry=Registry())
+    policy = LoraAdmission(AdmissionPolicy(), scheduler, lambda r: None, patience=3)  # type: ignore[arg-type]
+    request = SimpleNamespace(params=SamplingParams(lora="a"), arrival=7, request_id="r")
+    verdicts = [policy.admits(request, 4, None, [0]) for _ in range(5)]  # type: ignore[arg-type]
+    assert verdicts == [Verdict.PASS] * 3 + [Verdict.STOP] * 2
+    base = SimpleNamespace(params=SamplingParams(), arrival=8, request_id="b")
+    assert policy.admits(base, 4, None, [0]) is Verdict.ADMIT  # type: ignore[arg-type]

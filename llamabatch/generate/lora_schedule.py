@@ -183,10 +183,14 @@ class SwitchCost:
     """The extra decode time of a tick right after the adapter set changed, fitted online:
     the decodes after no change fit a cost model of the tick (``DecodeCostModel``); a decode
     after a change measures its excess over that model's prediction, bounded (a stalled tick
-    says nothing about switches), and the estimate is the median of the last ``window``."""
+    says nothing about switches), and the estimate is the median of the last ``window``.
+    ``ticks``, fitted on every decode, is what a tick costs as the scheduler sees it (it must
+    learn even while every tick switches, or the scheduler would judge ages by a guess)."""
 
     def __init__(self, window: int = 15, prior: float = 0.002) -> None:
-        self.model = DecodeCostModel()
+        # measurements are not clipped to the prior's scale: a loaded CPU's ticks are seconds
+        self.model = DecodeCostModel(clip=100.0)
+        self.ticks = DecodeCostModel(clip=100.0)
         self._excess: deque[float] = deque(maxlen=window)
         #: seconds; the prior until a switch was measured
         self.seconds = prior
@@ -196,6 +200,7 @@ class SwitchCost:
     def observe(self, features: TickFeatures, elapsed: float, switched: bool) -> None:
         if not math.isfinite(elapsed) or elapsed < 0:
             return
+        self.ticks.observe(features, elapsed)
         if not switched:
             self.model.observe(features, elapsed)
             return
@@ -207,9 +212,17 @@ class SwitchCost:
         self.n_measured += 1
         self.seconds = statistics.median(self._excess)
 
+    def cost(self) -> float:
+        """The switch cost the scheduler weighs: the fitted one once a switch was measured;
+        before, at least half a tick, so that sets run for a few ticks each and the ticks
+        without a switch, which the measurement needs, occur."""
+        if self.n_measured:
+            return self.seconds
+        return max(self.seconds, 0.5 * self.tick_seconds(1))
+
     def tick_seconds(self, n_tokens: int) -> float:
         """The expected decode time of ``n_tokens`` tokens (one output each)."""
-        return self.model.predict(TickFeatures(n_tokens, n_tokens, 0.0))
+        return self.ticks.predict(TickFeatures(n_tokens, n_tokens, 0.0))
 
 
 class LoraScheduler:
@@ -255,7 +268,8 @@ class LoraScheduler:
                 del self.waiting_since[key]
         best, best_score = BASE, -1.0
         tick = max(self.switch.tick_seconds(1), 1e-4)
-        horizon = max(2.0 * self.switch.seconds, 4.0 * tick, 1e-3)
+        switch = self.switch.cost()
+        horizon = max(2.0 * switch, 4.0 * tick, 1e-3)
         limit = self.starvation_limit()
         oldest = min(work, key=lambda k: self.waiting_since.setdefault(k, now))
         if now - self.waiting_since[oldest] > limit and oldest != self.current:
@@ -266,9 +280,7 @@ class LoraScheduler:
             age = max(0.0, now - since)
             priority = min((r.priority for r in (running[s] for s in slots) if r is not None), default=0)
             weight = 2.0 ** max(-2, min(2, -priority))
-            cost = self.switch.tick_seconds(len(slots)) + (
-                0.0 if key == self.current else self.switch.seconds
-            )
+            cost = self.switch.tick_seconds(len(slots)) + (0.0 if key == self.current else switch)
             score = len(slots) * weight * (1.0 + age / horizon) / max(cost, 1e-6)
             if score > best_score or (score == best_score and key == self.current):
                 best, best_score = key, score
@@ -277,7 +289,7 @@ class LoraScheduler:
     def starvation_limit(self) -> float:
         """The longest a set with runnable slots waits for a tick (seconds): 16 ticks with a
         switch each, at least 50 ms."""
-        return max(0.05, 16.0 * (self.switch.tick_seconds(1) + self.switch.seconds))
+        return max(0.05, 16.0 * (self.switch.tick_seconds(1) + self.switch.cost()))
 
     def ran(self, key: AdapterSet) -> None:
         """``key``'s slots are in this tick: their wait starts again when it ends."""
@@ -363,16 +375,25 @@ class AdapterSetStrategy:
 
 
 class LoraAdmission(DelegatingAdmission):
-    """``inner``'s policy; a request's adapters are loaded when it is admitted (a request whose
-    set does not fit ``max_loras`` next to the running sets' is passed over until it does),
-    and the switch cost is fitted from every measured decode."""
+    """``inner``'s policy; a request's adapters are loaded when it is admitted. A request whose
+    set does not fit ``max_loras`` next to the running sets' is passed over (the requests
+    behind it start) at most ``patience`` times; then admission stops at it until running
+    requests free adapters, so it never waits forever. The switch cost is fitted from every
+    measured decode."""
 
     def __init__(
-        self, inner: AdmissionPolicy, scheduler: LoraScheduler, on_error: Callable[[Request], None]
+        self,
+        inner: AdmissionPolicy,
+        scheduler: LoraScheduler,
+        on_error: Callable[[Request], None],
+        patience: int = 8,
     ) -> None:
         super().__init__(inner)
         self.scheduler = scheduler
         self.on_error = on_error
+        self.patience = patience
+        #: request arrival -> times passed over for want of adapter room
+        self._passed: dict[int, int] = {}
 
     @property
     def learns_costs(self) -> bool:
@@ -384,7 +405,13 @@ class LoraAdmission(DelegatingAdmission):
             registry = self.scheduler.registry
             names = [name for name, _ in lora]
             if not registry.can_load(names):
-                return Verdict.PASS  # its adapters load once running requests free room
+                n = self._passed.get(request.arrival, 0)
+                if n >= self.patience:
+                    return Verdict.STOP  # its adapters load once running requests free room
+                if len(self._passed) > 4096:  # requests cancelled while passed over
+                    self._passed.clear()
+                self._passed[request.arrival] = n + 1
+                return Verdict.PASS
             try:
                 registry.acquire(names)
             except (LoraLoadError, KeyError, OSError) as exc:
@@ -394,6 +421,7 @@ class LoraAdmission(DelegatingAdmission):
         return self.inner.admits(request, n_prompt, table, busy)
 
     def admitted(self, request: Request) -> None:
+        self._passed.pop(request.arrival, None)
         self.scheduler.registry.use(request.params.lora, +1)
         self.inner.admitted(request)
 
