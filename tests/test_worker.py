@@ -439,3 +439,41 @@ def test_retry_as_the_embedder_uses_it() -> None:
         start += len(part)
     assert failed == [2]
     assert sorted(i for part in decoded for i in part) == [0, 1, 3, 4]
+
+
+# --------------------------------------------------------------------------- interpreter exit
+
+EXIT_CHILD = """
+import sys, threading, time
+from llamabatch.runtime.worker import Worker
+
+class Task:
+    failed = threading.Event()
+    def has_work(self): return True
+    def run_once(self): raise RuntimeError("a bug in the unit of work")
+    def fail_pending(self, error): self.failed.set()
+    def on_close(self):
+        time.sleep(0.5)  # freeing a model takes a while
+        open(sys.argv[1], "w").write("freed")
+    def interrupt(self): pass
+
+task = Task()
+Worker("exit-test", task).start()
+assert task.failed.wait(10)
+# the caller's work has ended: the script exits while the crashed thread is still freeing
+"""
+
+
+def test_interpreter_exit_waits_for_a_crashed_worker_to_free_its_resources(tmp_path: Any) -> None:
+    """A caller whose requests failed may exit at once; the worker thread, a daemon, is then
+    still freeing the model. Frozen mid-``llama_free`` by finalisation, it aborted the
+    process; exit must wait for it."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "freed"
+    child = subprocess.run(
+        [sys.executable, "-c", EXIT_CHILD, str(marker)], capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert marker.read_text() == "freed", "the worker thread was frozen before it freed its resources"

@@ -43,10 +43,12 @@ nothing is queued after the worker stopped taking work.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +63,24 @@ __all__ = ["RetryOutcome", "Worker", "WorkerTask", "halve_and_retry"]
 logger = logging.getLogger("llamabatch")
 
 T = TypeVar("T")
+
+#: how long interpreter exit waits for each worker thread to end and free its model
+EXIT_TIMEOUT_S = 10.0
+
+#: the workers whose thread was started; closed at interpreter exit
+_started_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def _close_started_workers() -> None:
+    """At interpreter exit, before daemon threads are frozen, let every worker thread end
+    and free its model. A thread still inside ``llama_free`` when finalisation starts (a
+    crashed worker still freeing, a facade never closed) aborts the process: llama.cpp's
+    log callback cannot take the GIL back there."""
+    for worker in list(_started_workers):
+        worker.close(timeout=EXIT_TIMEOUT_S)
+
+
+atexit.register(_close_started_workers)
 
 
 class WorkerTask(Protocol):
@@ -119,6 +139,7 @@ class Worker:
     def start(self) -> None:
         """Start the thread (once the task is set up)."""
         self._thread.start()
+        _started_workers.add(self)
 
     @property
     def started(self) -> bool:
