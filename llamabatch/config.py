@@ -195,7 +195,8 @@ class EngineConfig(OptionsConfig):
             model's trained context (``n_ctx_train``), capped by the KV memory budget (a quarter
             of the machine's physical memory, ``generate/kv_memory.py``); ``stats()`` and a log
             line at load report the size, the KV bytes and the reason.
-        n_parallel: sequences decoded together (slots).
+        n_parallel: sequences decoded together (slots), a cap. ``None`` (default): chosen at load
+            by the KV memory and the tick's cost, at most 32 (``generate/slot_count.py``).
         n_batch: the most tokens in one forward pass (the per-tick token budget).
         n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
         chunk_size: the most prompt tokens one sequence prefills per tick.
@@ -305,8 +306,8 @@ class EngineConfig(OptionsConfig):
             help="KV cache tokens, all sequences (default: the model's trained context, under the KV budget)",
         ),
     )
-    n_parallel: int = field(
-        default=8,
+    n_parallel: int | None = field(
+        default=None,
         metadata=flag(
             "-np", "--n-parallel", "--parallel", type=positive_int, help="sequences decoded together"
         ),
@@ -535,10 +536,11 @@ class EngineConfig(OptionsConfig):
         if max_loras == 0 and self.lora_adapters:
             raise ValueError("max_loras=0 switches LoRA off, but lora_adapters names adapters")
 
-        for name in ("n_parallel", "n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
+        for name in ("n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))
-        if self.n_ctx is not None:
-            check_positive_int("n_ctx", self.n_ctx)
+        for name in ("n_ctx", "n_parallel"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         for name in ("type_k", "type_v"):
             if getattr(self, name) not in KV_TYPE_NAMES:
                 choices = ", ".join(KV_TYPE_NAMES)
@@ -604,8 +606,8 @@ class EngineConfig(OptionsConfig):
 
     @property
     def n_seq_max(self) -> int:
-        """llama.cpp sequences: the slots, plus one per pinned prefix."""
-        return self.n_parallel + self.n_prefixes
+        """llama.cpp sequences: the slots (``None``: one until the load), plus one per pinned prefix."""
+        return (self.n_parallel or 1) + self.n_prefixes
 
     # -- the command line -----------------------------------------------------------------
 
@@ -688,7 +690,7 @@ def options_signature(init: Callable[..., None]) -> Callable[..., None]:
 def _shown(name: str, default: Any) -> str:
     """A default as ``--help`` shows it."""
     if default is None:
-        return "auto" if name in ("flash_attn", "n_ctx", "kv_unified") else "none"
+        return "auto" if name in ("flash_attn", "n_ctx", "kv_unified", "n_parallel") else "none"
     if isinstance(default, bool):
         return "on" if default else "off"
     return str(default)

@@ -16,6 +16,7 @@ from llamabatch._ffi.kv_types import KV_TYPES, kv_bytes_per_cell
 from llamabatch._ffi.model import Model
 from llamabatch.cli import build_parser
 from llamabatch.generate.kv_memory import MIN_N_CTX, plan_kv
+from llamabatch.generate.slot_count import MAX_SLOTS
 from llamabatch.gguf.testing import PRESETS, model_path
 
 #: the documented tolerance (README, "KV cache types") against an f16 cache, over a 200-token
@@ -45,14 +46,18 @@ def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
         assert len(out.token_ids) == 4
         stats = llm.stats()
-    # this small model's 8 streams of 8,192 cells (128 MiB) fit the per-stream budget
-    assert not stats.kv_unified and stats.kv_layout_reason.startswith("per-stream: 8 streams")
-    assert stats.n_ctx == 8 * 8192 and "trained context" in stats.n_ctx_reason
+    # this small model's streams of 8,192 cells (16 MiB each) fit the per-stream budget: as many
+    # slots as the tick's cost allows (generate/slot_count.py), each with a stream
+    n = stats.n_parallel
+    assert n == MAX_SLOTS and "tick's cost" in stats.n_parallel_reason
+    assert not stats.kv_unified and stats.kv_layout_reason.startswith(f"per-stream: {n} streams")
+    assert stats.n_ctx == n * 8192 and "trained context" in stats.n_ctx_reason
     cell = 4 * 4 * 32 * 2 * 2  # layers x kv heads x head size x (K, V) x f16
-    assert stats.kv_bytes == stats.kv_bytes_f16 == 8 * 8192 * cell
+    assert stats.kv_bytes == stats.kv_bytes_f16 == n * 8192 * cell
     assert stats.kv_budget_bytes and stats.kv_budget_bytes > stats.kv_bytes
-    lines = [r.getMessage() for r in caplog.records if "n_ctx=65536" in r.getMessage()]
-    assert len(lines) == 1 and "128.0 MiB" in lines[0] and "budget" in lines[0] and "8 streams" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if f"n_ctx={n * 8192}" in r.getMessage()]
+    assert len(lines) == 1 and f"{n * 16}.0 MiB" in lines[0] and "budget" in lines[0]
+    assert f"{n} streams" in lines[0] and f"n_parallel={n}" in lines[0]
 
 
 def test_the_layout_chosen_at_load(model_8k: str) -> None:
@@ -143,7 +148,7 @@ def test_budget_caps_the_default_n_ctx(model_8k: str) -> None:
         ({"kv_unified": True}, "16.00", 8192),
         ({"kv_unified": True, "type_k": "q8_0", "type_v": "q8_0"}, "8.50", 8192),
         # one stream per slot, each the whole trained context: 8 x 8192 cells
-        ({"kv_unified": False, "type_k": "q4_0", "type_v": "bf16"}, "82.00", 8 * 8192),
+        ({"kv_unified": False, "n_parallel": 8, "type_k": "q4_0", "type_v": "bf16"}, "82.00", 8 * 8192),
     ],
 )
 def test_kv_bytes_match_llama_cpp(model_8k: str, options: dict, mib: str, cells: int, caplog) -> None:

@@ -149,7 +149,7 @@ def test_llm_engine_step_outputs_carry_the_status(monkeypatch):
 
 DEFAULTS = {
     "n_ctx": None,  # the model's trained context, under the KV budget (generate/kv_memory.py)
-    "n_parallel": 8,
+    "n_parallel": None,  # chosen at load by the KV memory and the tick's cost (generate/slot_count.py)
     "n_batch": 512,
     "n_ubatch": None,
     "chunk_size": 512,
@@ -255,7 +255,7 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ...], 
 
 # The flags every command had before EngineConfig generated them: names, aliases, defaults.
 SERVE_FLAGS = {
-    "n_parallel": (("-np", "--n-parallel", "--parallel"), 8),
+    "n_parallel": (("-np", "--n-parallel", "--parallel"), None),  # chosen at load (slot_count.py)
     "n_ctx": (("-c", "--n-ctx", "--ctx-size"), None),
     "kv_unified": (("--kv-unified",), None),
     "type_k": (("-ctk", "--cache-type-k"), "f16"),
@@ -271,7 +271,7 @@ SERVE_FLAGS = {
 }
 GENERATE_FLAGS = {
     "n_ctx": (("-c", "--n-ctx"), None),
-    "n_parallel": (("--n-parallel",), 8),
+    "n_parallel": (("--n-parallel",), None),
     "n_batch": (("-b", "--n-batch"), 512),
     "n_threads": (("-t", "--threads"), None),
     "strategy": (("--strategy",), "decode_maximal"),

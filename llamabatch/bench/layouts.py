@@ -214,6 +214,7 @@ def run_layout(model_path: str, layout: str, workload: str, args: argparse.Names
             "flash_attn": "auto" if args.flash_attn is None else args.flash_attn,
             "n_ctx": llm.n_ctx,
             "n_ctx_seq": llm.n_ctx_seq,
+            "n_parallel": llm.n_parallel,
             **row,
         }
 

@@ -54,6 +54,7 @@ from llamabatch.generate.policies import admission_for
 from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
+from llamabatch.generate.slot_count import resolved_slots
 from llamabatch.generate.slot_map import SlotMap
 from llamabatch.generate.speculative import speculator_for
 from llamabatch.outputs import FinishReason
@@ -113,7 +114,7 @@ class EngineCore:
         self.model = model
         self.context = context
         self.config = config
-        n_parallel = self.n_parallel = config.n_parallel
+        n_parallel = self.n_parallel = resolved_slots(config)
         #: llama.cpp caps n_batch at n_ctx (a bigger batch aborts): the context's is the one
         self.n_batch = context.n_batch
         self.n_ctx_seq = context.n_ctx_seq

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from llamabatch._ffi.kv_types import head_dims, kv_bytes_per_cell
 from llamabatch.generate.batch_invariant import invariant_config
+from llamabatch.generate.slot_count import MIN_PER_STREAM_SLOTS, SlotCount, slots_for_kv
 
 if TYPE_CHECKING:
     from llamabatch._ffi.model import Model
@@ -86,6 +87,9 @@ class KVPlan:
     layout_reason: str = "kv_unified given"
     #: flash attention: on, off, or None (llama.cpp's own "auto"); see :func:`choose_flash_attn`
     flash_attn: bool | None = None
+    #: the slots (``n_parallel``), and why: given, or chosen by ``generate/slot_count.py``
+    n_parallel: int = 1
+    slots_reason: str = "n_parallel given"
 
     def kv_bytes(self, n_ctx: int) -> int:
         """The KV cache's bytes for ``n_ctx`` cells (the context's, after padding)."""
@@ -111,11 +115,19 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
     # without flash attention llama.cpp keeps one ubatch's f32 attention scores per stream's
     # cells (KQ: cells x tokens x heads), in a compute buffer the KV bytes do not count
     scores = n_ctx_seq * (config.n_ubatch or config.n_batch) * int(model.n_head or 0) * 4
+    slots_asked, streams_fit = config.n_parallel, None
+    if slots_asked is None and config.n_ctx is None and config.kv_unified is not True:
+        # as many streams as the per-stream budget holds, if that is enough for the layout
+        streams_fit = per_stream_slots(config, n_ctx_seq * cell, cap, scores)
+        config = config.replace(n_parallel=streams_fit.n_parallel)
     unified, layout_reason = choose_layout(config, n_ctx_seq * cell, cap, scores)
     config = config.replace(kv_unified=unified)
     kv = (config.type_k, config.type_v, unified, layout_reason, choose_flash_attn(config))
     if config.n_ctx is not None:
-        return KVPlan(config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", *kv)
+        slots = resolve_slots(config, slots_asked, config.n_ctx, n_ctx_seq * cell, cap)
+        return KVPlan(config.n_ctx, n_train, cell, cell_f16, None, "n_ctx given", *kv, *slots)
+    if slots_asked is None and unified:  # the buffer's size first, with one slot, then the slots
+        config = config.replace(n_parallel=1)
     # One stream per sequence: every stream holds the whole context, so that a request may
     # use all of it in either layout (n_seq_max times the cells, under the same budget).
     streams = 1 if unified else config.n_seq_max
@@ -130,7 +142,56 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
     if streams > 1:
         reason += f", in each of {streams} streams"
     n_ctx = max(streams * n_ctx_seq, config.n_seq_max)
-    return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, *kv)
+    if streams_fit is not None and not unified:  # per-stream: the streams that fit
+        slots = (streams_fit.n_parallel, streams_fit.reason)
+    else:
+        slots = resolve_slots(config, slots_asked, n_ctx, n_ctx_seq * cell, cap)
+    return KVPlan(n_ctx, n_train, cell, cell_f16, cap, reason, *kv, *slots)
+
+
+def per_stream_slots(
+    config: EngineConfig, stream_bytes: int, budget: int | None, scores_bytes: int
+) -> SlotCount:
+    """The slots one stream per sequence would get by default (``config.n_ctx`` not given): as
+    many streams of ``stream_bytes`` (one of the whole context) as fit the per-stream budget
+    beside the attention scores (without flash attention), but :data:`MIN_PER_STREAM_SLOTS`
+    when fewer fit (then :func:`choose_layout` finds them over the budget and chooses one
+    unified buffer); never more than ``config``'s ``n_batch`` allows with its pinned prefixes."""
+    per_stream = config.replace(kv_unified=False, n_parallel=1)
+    room = None
+    if budget is not None:
+        scores = scores_bytes if choose_flash_attn(per_stream) is False else 0
+        room = max(0, int(budget * PER_STREAM_BUDGET_FRACTION / KV_BUDGET_FRACTION) - scores)
+    count = slots_for_kv(
+        unified=False,
+        n_ctx=None,
+        stream_bytes=stream_bytes,
+        budget=room,
+        n_prefixes=per_stream.n_prefixes,
+        n_batch=config.n_batch - config.n_prefixes + per_stream.n_prefixes,
+    )
+    fewest = min(MIN_PER_STREAM_SLOTS, config.n_batch - config.n_prefixes)
+    if count.n_parallel < fewest:
+        return SlotCount(fewest, f"{fewest} slots, the fewest for one stream each")
+    return count
+
+
+def resolve_slots(
+    config: EngineConfig, asked: int | None, n_ctx: int, stream_bytes: int, budget: int | None
+) -> tuple[int, str]:
+    """``(n_parallel, why)`` for ``config``'s layout (decided): ``asked`` when given, else
+    :func:`slots_for_kv` over ``n_ctx`` cells."""
+    if asked is not None:
+        return asked, "n_parallel given"
+    count = slots_for_kv(
+        unified=bool(config.kv_unified),
+        n_ctx=n_ctx,
+        stream_bytes=stream_bytes,
+        budget=budget,
+        n_prefixes=config.n_prefixes,
+        n_batch=config.n_batch,
+    )
+    return count.n_parallel, count.reason
 
 
 def plan_config(model: Model, config: EngineConfig) -> tuple[KVPlan, EngineConfig]:
@@ -139,7 +200,8 @@ def plan_config(model: Model, config: EngineConfig) -> tuple[KVPlan, EngineConfi
     the layout, flash attention and KV types it decides come first (``invariant_config``)."""
     config = invariant_config(config, model)
     plan = plan_kv(model, config)
-    return plan, config.replace(n_ctx=plan.n_ctx, kv_unified=plan.kv_unified, flash_attn=plan.flash_attn)
+    resolved = {"n_ctx": plan.n_ctx, "kv_unified": plan.kv_unified, "flash_attn": plan.flash_attn}
+    return plan, config.replace(n_parallel=plan.n_parallel, **resolved)
 
 
 def choose_layout(
@@ -215,11 +277,13 @@ def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, n_seq_max: int) -> None:
     layout = "unified" if plan.kv_unified else f"{n_seq_max} streams"
     budget = "none" if plan.budget_bytes is None else f"{plan.budget_bytes / mib:.0f} MiB"
     logger.info(
-        "llamabatch: n_ctx=%d (%s; %d per request), %s KV (%s), flash attention %s, KV cache %s/%s "
-        "%.1f MiB (f16: %.1f MiB), budget %s",
+        "llamabatch: n_ctx=%d (%s; %d per request), n_parallel=%d (%s), %s KV (%s), flash attention %s, "
+        "KV cache %s/%s %.1f MiB (f16: %.1f MiB), budget %s",
         n_ctx,
         plan.reason,
         n_ctx_seq,
+        plan.n_parallel,
+        plan.slots_reason,
         layout,
         plan.layout_reason,
         {True: "on", False: "off", None: "auto"}[plan.flash_attn],

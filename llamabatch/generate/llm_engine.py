@@ -27,6 +27,7 @@ from llamabatch.generate.lora_schedule import lora_params
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
+from llamabatch.generate.slot_count import resolved_slots
 from llamabatch.generate.speculative import history_stats
 from llamabatch.generate.vision import media_prompt, vision_for, vision_stats
 from llamabatch.outputs import CompletionOutput, StepOutput
@@ -121,7 +122,7 @@ class EngineHost:
 
     @property
     def n_parallel(self) -> int:
-        return self.config.n_parallel
+        return resolved_slots(self.config)
 
     @property
     def max_queue(self) -> int:
@@ -295,6 +296,7 @@ class EngineHost:
             n_ctx_reason=plan.reason,
             kv_unified=plan.kv_unified,
             kv_layout_reason=plan.layout_reason,
+            n_parallel_reason=plan.slots_reason,
             flash_attn=plan.flash_attn,
             kv_type_k=plan.type_k,
             kv_type_v=plan.type_v,

@@ -166,6 +166,8 @@ class GenerationStats:
     #: or chosen at load by ``kv_unified=None`` (``generate/kv_memory.py``: ``choose_layout``)
     kv_unified: bool = True
     kv_layout_reason: str = ""
+    #: why ``n_parallel`` slots: given, or chosen at load (``generate/slot_count.py``)
+    n_parallel_reason: str = ""
     #: flash attention: on, off, or None (llama.cpp's choice, with layers on a GPU); with
     #: ``flash_attn=None`` chosen at load by the layout (``choose_flash_attn``)
     flash_attn: bool | None = None

@@ -33,12 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.02,
         help="injected decode faults per request (default 0.02: one every 50 requests; 0: none)",
     )
-    # the engine's --n-parallel, generated from EngineConfig (same name and default)
-    EngineConfig.add_cli_args(
-        p,
-        only=["n_parallel"],
-        overrides={"n_parallel": {"flags": ("--n-parallel",), "help": "slots per LLM"}},
-    )
+    # the engine's --n-parallel, generated from EngineConfig (same name); a fixed default, as
+    # each LLM's n_ctx is sized by its slots
+    slots = {"flags": ("--n-parallel",), "help": "slots per LLM", "default": SoakConfig.n_parallel}
+    EngineConfig.add_cli_args(p, only=["n_parallel"], overrides={"n_parallel": slots})
     p.add_argument(
         "--unified-n-ctx",
         type=options.positive_int,
