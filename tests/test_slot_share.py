@@ -11,7 +11,7 @@ import pytest
 from fake_llama import make_core
 from test_scheduler_fake import check_core, greedy, prompt
 
-from llamabatch.generate.priority import MAX_PRIORITY_PREEMPTIONS, ClientSlots, share_victim
+from llamabatch.generate.priority import MAX_SHARE_PREEMPTIONS, ClientSlots, share_victim
 from llamabatch.generate.request import Request, RequestKind
 
 
@@ -83,8 +83,14 @@ def test_share_victim_rules():
     running = _running(("a", 0), ("a", 0))
     running[1][1].kind = RequestKind.PIN
     assert share_victim(running, blocked) == 0
-    running[0][1].n_preemptions = MAX_PRIORITY_PREEMPTIONS
+    running[0][1].n_preemptions = MAX_SHARE_PREEMPTIONS - 1
+    assert share_victim(running, blocked) == 0
+    running[0][1].n_preemptions = MAX_SHARE_PREEMPTIONS
     assert share_victim(running, blocked) == -1
+    # of the client's requests, the one preempted least often goes first
+    running = _running(("a", 0, 9), ("a", 0, 6))
+    running[0][1].n_preemptions = 1
+    assert share_victim(running, blocked) == 1
     # no client: no share
     assert share_victim(_running(("a", 0), ("a", 0)), Request([1], greedy(4))) == -1
 
@@ -136,4 +142,4 @@ def test_a_client_with_nothing_running_gets_a_slot_within_one_step_while_other_c
         core.step()
     check_core(core, ctx)
     assert [r.output.finish_reason for r in floods] == ["length"] * 12
-    assert max(r.n_preemptions for r in floods) <= MAX_PRIORITY_PREEMPTIONS
+    assert max(r.n_preemptions for r in floods) <= MAX_SHARE_PREEMPTIONS

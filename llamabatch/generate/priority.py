@@ -45,14 +45,14 @@ client waiting until one of them ends. So a client that holds no slot goes first
   priority than the head's;
 - when every slot is busy, that request preempts one running request and starts in its
   place (:func:`share_victim`): one of the client holding the most slots, the one with the
-  most tokens left to generate, and only if that is more than the newcomer may generate in
-  all; never one of a better priority, a pin, or one preempted
-  ``MAX_PRIORITY_PREEMPTIONS`` times already.
+  fewest preemptions so far, then the most tokens left to generate, and only if that is more
+  than the newcomer may generate in all; never one of a better priority, a pin, or one
+  preempted ``MAX_SHARE_PREEMPTIONS`` times already.
 
 So a short request of a client with nothing running starts within one step, however many
 long requests other clients keep queued or running; the request it displaced keeps its
 tokens and resumes at the next free slot (its prompt and tokens are recomputed), and is
-displaced at most twice. Requests without a client take no part.
+displaced at most ``MAX_SHARE_PREEMPTIONS`` times. Requests without a client take no part.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from llamabatch.status import RequestStatus
 
 __all__ = [
     "MAX_PRIORITY_PREEMPTIONS",
+    "MAX_SHARE_PREEMPTIONS",
     "ClientSlots",
     "ClientTurns",
     "aged_priority",
@@ -80,6 +81,9 @@ __all__ = [
 
 #: how often one request may be preempted (for any reason) and still be preempted for priority
 MAX_PRIORITY_PREEMPTIONS = 2
+#: how often one request may be preempted (for any reason) and still give its slot to a client
+#: holding none (``share_victim``): it keeps its tokens, so each time costs a recompute only
+MAX_SHARE_PREEMPTIONS = 4
 
 
 def check_priority(priority: object) -> int:
@@ -178,9 +182,9 @@ def work_left(request: Request) -> int:
 def share_victim(running: Iterable[tuple[int, Request]], blocked: Request) -> int:
     """The slot that ``blocked``, a waiting request of a client holding no slot, takes, or
     -1 (see the module): a request of the client holding the most slots with more tokens
-    left than ``blocked`` may generate in all (the one with the most; the most recently
-    admitted of equals), of no better priority, preempted fewer than
-    ``MAX_PRIORITY_PREEMPTIONS`` times, not a pin."""
+    left than ``blocked`` may generate in all (the one preempted least often, then with the
+    most tokens left, then the most recently admitted), of no better priority, preempted
+    fewer than ``MAX_SHARE_PREEMPTIONS`` times, not a pin."""
     client = blocked.client
     if client is None:
         return -1
@@ -191,16 +195,16 @@ def share_victim(running: Iterable[tuple[int, Request]], blocked: Request) -> in
         if request.client is not None:
             held.setdefault(request.client, []).append((slot, request))
     need = work_left(blocked)
-    best_slot, best_key = -1, (0, 0, -1)
+    best_slot, best_key = -1, (0, -MAX_SHARE_PREEMPTIONS, 0, -1)
     for requests in held.values():
         for slot, request in requests:
             left = work_left(request)
-            key = (len(requests), left, request.admitted_order)
+            key = (len(requests), -request.n_preemptions, left, request.admitted_order)
             if (
                 left > need
                 and key > best_key
                 and request.priority >= blocked.priority
-                and request.n_preemptions < MAX_PRIORITY_PREEMPTIONS
+                and request.n_preemptions < MAX_SHARE_PREEMPTIONS
                 and request.kind is not RequestKind.PIN
             ):
                 best_slot, best_key = slot, key
