@@ -12,16 +12,16 @@ Issue 41's targets are a p99 within 2x of the unloaded p99, and RSS within 10%. 
 compared less the bytes the host-RAM prompt cache holds (``--cache-ram``: a cache up to its
 budget, which a flood of distinct sequences fills by design: 3 -> 37 MiB in a minute). What
 these tests hold (measured on the project's 2-core VM, shared with other work at a load
-average of 6 to 11, so every figure is loaded):
+average of 3 to 11, so every figure is loaded):
 
 - CPU-work flood (default suite, ~30 s): p99 <= 2 x unloaded p99 + ``SLACK_S`` (100 ms), RSS
   less the cache within ``RSS_GROWTH`` (50%). Six clients keeping both cores busy with
   tokenizing and scoring take CPU time from a 4-token completion whatever the pools do
-  (measured: p99 95-123 ms against 19-36 ms unloaded; RSS -11% to +9%).
+  (measured: p99 51-123 ms against 14-36 ms unloaded; RSS -11% to +9%).
 - Mixed flood (``--runslow``, a minute): the issue's targets. RSS less the cache holds
-  (+5.5% to +13%; the whole RSS +37% to +42%, the cache's growth). The p99 does not hold on
-  this machine (105-135 ms against 28-31 ms unloaded, x3.8-x4.4; before the fixes below,
-  448-656 ms against 9-15 ms, x32-x71): xfail. The lead measures on a quiet machine.
+  (+4% to +13%; the whole RSS +32% to +42%, the cache's growth). The p99 does not hold on
+  this machine (76-135 ms against 14-31 ms unloaded, x3.8-x5.6; before the fixes below,
+  448-656 ms against 9-15 ms, x32-x71): xfail.
 
 What made normal requests wait, and what holds now: they waited in the engine's queue behind
 the hostile generations (fixed: a client with nothing running goes first and takes a slot at
@@ -242,7 +242,7 @@ def test_normal_requests_keep_their_latency_during_a_flood_of_cpu_work(flood_ser
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="the p99 ratio is x3.8-x4.4 on a 2-core machine shared with other work (see the module)",
+    reason="the p99 ratio is x3.8-x5.6 on a 2-core machine shared with other work (see the module)",
     strict=False,
 )
 def test_normal_requests_keep_their_latency_during_a_mixed_flood(flood_server: Server) -> None:
