@@ -12,11 +12,12 @@ made at load; on the CPU a slot costs only its KV cells, so the count follows th
   byte budget holds, ``budget // stream_bytes`` (with ``n_ctx`` given: ``n_ctx //
   MIN_CELLS_PER_SLOT`` streams, each at least that many cells);
 
-less the pinned-prefix sequences, at most ``n_batch`` sequences with them (llama.cpp sizes its
-outputs by ``n_batch``), and at most :data:`MAX_SLOTS`, the tick's cost: every decoding row
-multiplies all the weights once more, so past a few dozen rows a CPU tick's time grows in
-proportion to its rows and throughput stops growing, while every row's inter-token latency
-keeps growing. A user's ``n_parallel`` always wins (a cap on the requests running at once).
+less the pinned-prefix streams; at most ``n_batch`` sequences with the pinned prefixes
+(llama.cpp sizes its outputs by ``n_batch``), and at most :data:`MAX_SLOTS`, the tick's cost:
+every decoding row multiplies all the weights once more, so once the weights' reading is
+shared out a CPU tick's time grows in proportion to its rows: throughput stops growing, while
+every row's inter-token latency keeps growing. A user's ``n_parallel`` always wins (a cap on
+the requests running at once).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ __all__ = [
 ]
 
 #: the most slots chosen by default: the tick's cost (a decode tick of ``S`` rows costs about
-#: ``S`` times a row's multiplications once the weights' reading is shared out)
+#: ``S`` times a row's multiplications once the weights' reading is shared out; decoding with
+#: SmolLM2-135M on 2 cores gave 89 tokens/s at 1 row, 187 at 8, 258 at 16, 252 at 32)
 MAX_SLOTS = 32
 #: the fewest KV cells a default slot may get (on average, in one unified buffer)
 MIN_CELLS_PER_SLOT = 256
