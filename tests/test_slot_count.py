@@ -112,25 +112,32 @@ def test_default_slots_fit_the_kv_plan(model_8k, n_ctx, kv_unified, budget, n_ba
         assert plan.n_ctx == n_seq * 8192
 
 
-def test_defaults_with_n_ctx_run_16_requests_in_one_wave(tiny_path) -> None:
-    """16 prompts x (16 + 8) with ``n_ctx=4096``: 16 slots of 256 cells, all decoding together
-    (a fixed default of 8 slots ran them in two waves)."""
+@pytest.mark.parametrize(
+    ("options", "slots", "bound"),
+    [({"n_ctx": 4096}, 16, "KV memory"), ({}, MAX_SLOTS, "tick's cost")],
+    ids=["n_ctx-4096", "no-n_ctx"],
+)
+def test_defaults_run_16_requests_in_one_wave(tiny_path, options, slots, bound) -> None:
+    """16 prompts x (16 + 8) on the defaults: with ``n_ctx=4096`` 16 slots of 256 cells, without
+    it a stream of the tiny model's whole context for as many slots as the tick's cost allows;
+    all 16 decode together (a fixed default of 8 slots ran them in two waves)."""
     busy: list[int] = []
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[1] + [10 + (7 * i + j) % 200 for j in range(15)] for i in range(16)]
-    with LLM(tiny_path, n_ctx=4096, n_threads=1) as llm:
+    with LLM(tiny_path, n_threads=1, **options) as llm:
         llm.add_listener(lambda e: busy.append(e.decode_tokens) if isinstance(e, TickEvent) else None)
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
     assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 16
-    assert stats.n_parallel == 16 and "KV memory" in stats.n_parallel_reason
+    assert stats.n_parallel == slots and bound in stats.n_parallel_reason
     assert max(busy) == 16  # one wave: every request decodes in the same ticks
     assert stats.ticks <= 8 + 4  # prompts in one or two ticks, then 7-8 decode ticks
 
 
-def test_defaults_without_n_ctx_report_their_slots(tiny_path) -> None:
-    with LLM(tiny_path, n_threads=1) as llm:
-        stats = llm.stats()
-        assert llm.config.n_parallel == stats.n_parallel >= 8 and stats.n_parallel_reason
-    with LLM(tiny_path, n_threads=1, n_parallel=3) as llm:  # a cap the user sets
+def test_a_given_n_parallel_is_the_cap(tiny_path) -> None:
+    busy: list[int] = []
+    with LLM(tiny_path, n_threads=1, n_parallel=3) as llm:
         assert llm.stats().n_parallel == 3 and llm.stats().n_parallel_reason == "n_parallel given"
+        llm.add_listener(lambda e: busy.append(e.decode_tokens) if isinstance(e, TickEvent) else None)
+        llm.generate([[1, 20 + i, 30] for i in range(7)], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert max(busy) == 3
