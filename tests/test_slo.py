@@ -21,6 +21,7 @@ from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget
 from llamabatch.generate.request import Request
 from llamabatch.generate.slo import SLOAdmission
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
+from llamabatch.status import RequestStatus
 
 COST = (0.010, 0.001, 0.002, 0.0)  # 10 ms a decode, 1 ms a token, 2 ms an output row
 
@@ -188,6 +189,28 @@ def test_no_slo_keeps_the_queue_order():
     waiting, requests = _waiting(policy, specs, now)
     policy.reorder(waiting, now)
     assert list(waiting) == requests and not policy.active
+
+
+def test_a_late_long_request_is_not_starved_by_a_flood_of_meetable_short_ones():
+    """Two short requests arrive every step, more than two slots serve, so short requests
+    that can meet their TTFT SLO always wait; the long one, late from the start, is served
+    once ``patience`` admissions passed it, not when the flood stops."""
+    core, ctx, model, _ = slo_core(ttft_ms=60_000, n_parallel=2)
+    patience = core.admission.patience
+    rec = Recorder(core, ctx, model)
+    (long,) = rec.new(prompt(600, 99), greedy(2, slo_ttft_ms=50))  # its prefill alone takes 0.5 s
+    admissions = 0
+    for step in range(150):
+        rec.new(prompt(4, 2 * step), greedy(3))
+        rec.new(prompt(4, 2 * step + 1), greedy(3))
+        rec.step()
+        if long.status is not RequestStatus.WAITING:
+            break
+        admissions = sum(r.status is not RequestStatus.WAITING for r in rec.requests)
+    assert long.status is not RequestStatus.WAITING, "starved behind the flood"
+    # admitted as soon as the slots allow once it is overdue: at most one slot's turn later
+    assert admissions <= patience + 2, admissions
+    assert sum(r.status is RequestStatus.WAITING for r in rec.requests) > 5  # the flood still waits
 
 
 # -- attainment -------------------------------------------------------------------------

@@ -16,7 +16,10 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   meet their TTFT SLO, shortest prompt first (each one's predicted prefill time, added to
   that of the requests before it, must fit the time its SLO leaves), then those that cannot,
   in arrival order. A late request does not take the place of one that can still be served
-  in time; a request without a TTFT SLO counts as one that can.
+  in time; a request without a TTFT SLO counts as one that can. No request waits forever:
+  one that ``patience`` admissions passed while it waited (``DEFAULT_PATIENCE``) is overdue,
+  and the overdue go first, in arrival order, so a long or late prompt is served within
+  about ``patience`` admissions however many short ones keep arriving.
 - **Admission.** A request starts unless its stream would push every decode tick over the
   tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``.
 
@@ -36,7 +39,10 @@ from llamabatch.generate.priority import aged_priority
 from llamabatch.generate.request import Request
 from llamabatch.status import RequestStatus
 
-__all__ = ["SLOAdmission"]
+__all__ = ["DEFAULT_PATIENCE", "SLOAdmission"]
+
+#: admissions a waiting request lets pass before it is served in arrival order
+DEFAULT_PATIENCE = 16
 
 #: the ITL target of a budget no running stream constrains (never read: no stream has one)
 _NO_TARGET = 1e9
@@ -45,7 +51,8 @@ _NO_TARGET = 1e9
 class SLOAdmission(DelegatingAdmission):
     """``inner``'s policy, scheduled for goodput under SLOs (see the module): ``ttft`` and
     ``itl`` (seconds, None: none) are the engine's SLOs, a request's own override them;
-    ``aging`` is the queue's priority aging (``priority_aging``)."""
+    ``aging`` is the queue's priority aging (``priority_aging``); ``patience``: the admissions
+    a waiting request lets pass before it goes first (see the module)."""
 
     def __init__(
         self,
@@ -56,8 +63,15 @@ class SLOAdmission(DelegatingAdmission):
         n_batch: int,
         aging: int = 0,
         latency: LatencyBudget | None = None,
+        patience: int = DEFAULT_PATIENCE,
     ) -> None:
         super().__init__(inner)
+        if patience < 1:
+            raise ValueError(f"patience must be at least 1, got {patience!r}")
+        self.patience = patience
+        #: admissions so far, and each waiting request's count when first seen waiting
+        self._n_admitted = 0
+        self._stamps: dict[int, int] = {}
         self.ttft = ttft
         self.itl = itl
         self.n_batch = n_batch
@@ -111,26 +125,37 @@ class SLOAdmission(DelegatingAdmission):
 
     def reorder(self, waiting: deque[Request], now: float) -> None:
         self.inner.reorder(waiting, now)
-        if not self.active or len(waiting) < 2:
+        if not self.active:
+            return
+        # stamps of the requests waiting now only: the ones admitted or cancelled drop out
+        n_admitted, stamps = self._n_admitted, self._stamps
+        self._stamps = stamps = {r.arrival: stamps.get(r.arrival, n_admitted) for r in waiting}
+        if len(waiting) < 2:
             return
         aging = self.aging
         ranked: list[tuple[tuple[int, int, int, float, int], Request]] = []
-        # requests that can meet their TTFT SLO, shortest first, each behind the ones before it
         spans = [(len(r.prompt_tokens) + len(r.output_tokens), r) for r in waiting]
         seconds = self.prefill_seconds()
         estimates = {r.arrival: seconds(n) for n, r in spans}
-        queued = 0.0
+        overdue = {r.arrival for r in waiting if n_admitted - stamps[r.arrival] >= self.patience}
+        # the overdue go first; then the requests that can meet their TTFT SLO, shortest
+        # first, each behind the ones before it; then the late, in arrival order
+        queued = sum(estimates[a] for a in overdue)
         for _, request in sorted(spans, key=lambda x: (x[0], x[1].arrival)):
             estimate = estimates[request.arrival]
             slo = request.slo[0]
-            late = slo is not None and (now - request.t_submitted) + queued + estimate > slo
-            if not late:
+            if request.arrival in overdue:
+                tier = 0
+            elif slo is not None and (now - request.t_submitted) + queued + estimate > slo:
+                tier = 2
+            else:
+                tier = 1
                 queued += estimate
             key = (
                 aged_priority(request, aging),
                 0 if request.status is RequestStatus.PREEMPTED else 1,
-                1 if late else 0,
-                float(request.arrival) if late else estimate,
+                tier,
+                estimate if tier == 1 else float(request.arrival),
                 request.arrival,
             )
             ranked.append((key, request))
@@ -162,6 +187,7 @@ class SLOAdmission(DelegatingAdmission):
         return self.inner.admits(request, n_prompt, table, busy)
 
     def admitted(self, request: Request) -> None:
+        self._n_admitted += 1
         itl = request.slo[1]
         if itl is not None:
             self._running_itl[itl] = self._running_itl.get(itl, 0) + 1
