@@ -125,6 +125,7 @@ def main() -> None:
             run(llm, ["a0", ()], 4)  # warm up: both sets' graphs once
             for name in args.workloads.split(","):
                 sets = workloads[name]
+                llm.clear_prefix_cache()  # no workload reuses another's prompts
                 before = llm.core.lora.stats()["lora_switches"]
                 elapsed, n = run(llm, sets, args.tokens)
                 stats = llm.core.lora.stats()
