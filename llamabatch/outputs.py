@@ -3,6 +3,7 @@ per completion (vLLM's shape), the streamed ``Delta`` and ``LLMEngine.step()``'s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llamabatch.status import FinishReason, RequestStatus
@@ -61,6 +62,18 @@ class Timings:
     slo_ttft_met: bool | None = None
     slo_itl_met: bool | None = None
     slo_met: bool | None = None
+
+
+def slo_met(
+    ttft: float | None, itl_max: float | None, slo_ttft: float | None, slo_itl: float | None
+) -> bool:
+    """Whether a request met an SLO (seconds; a bound of None always holds): its first token
+    within ``slo_ttft`` (a request without one missed it) and no gap between its tokens over
+    ``slo_itl`` (``itl_max``, its largest gap; None or NaN: under 2 tokens, no gap). The one
+    definition of ``Timings.slo_met`` and of the benchmarks' goodput."""
+    if slo_ttft is not None and (ttft is None or not ttft <= slo_ttft):
+        return False
+    return slo_itl is None or itl_max is None or math.isnan(itl_max) or itl_max <= slo_itl
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from test_bench import _FakeServer, _json_rows
 
 from llamabatch import LLM
 from llamabatch.bench import latency
-from llamabatch.bench.report import RunResult, goodput
+from llamabatch.bench.report import RunResult, goodput, result_from_times
+from llamabatch.bench.workloads import BenchRequest
 from llamabatch.cli import main
 
 
@@ -51,6 +52,31 @@ def test_goodput():
     assert row["goodput"] == 1.0 and row["slo_met"] is True
     assert row["itl_p99_9_ms"] == pytest.approx(50.0) and row["itl_max_ms"] == pytest.approx(50.0)
     assert _result(1.0, 150.0).row()["slo_met"] is False
+
+
+def test_one_definition_of_met_no_gap_over_the_itl_slo():
+    """A request whose gaps are 200 of 10 ms and one of 300 ms: its ITL p99 (10 ms) is under a
+    250 ms SLO, its largest gap is not. The engine (``Timings.slo_met``), the bench's goodput
+    and ``LatencyTracker`` all count it as missed: no gap over the SLO."""
+    from llamabatch.generate.request import slo_attainment
+    from llamabatch.runtime.latency import LatencyTracker
+    from llamabatch.runtime.telemetry import RequestEvent
+
+    start = 100.0
+    stamps = [start + 0.1 + 0.01 * i for i in range(201)]
+    stamps.append(stamps[-1] + 0.3)
+    request = BenchRequest((1,) * 8, 202)
+    result = result_from_times(
+        "engine", "mixed", [request], [stamps[0]], [stamps[-1]], [202], [], start, 1, None, stamps=[stamps]
+    )
+    result.slo_ttft_ms, result.slo_itl_ms = 4000.0, 250.0
+    assert result.row()["goodput"] == 0.0
+    assert goodput([0.1], [0.3], 4000.0, 250.0) == 0.0 and goodput([0.1], [0.249], 4000.0, 250.0) == 1.0
+    assert slo_attainment((4.0, 0.25), 0.1, 0.3, "length") == (True, False, False)
+    tracker = LatencyTracker()
+    tracker(RequestEvent(0, "length", 8, 202, 0, 0.0, 0.1, 2.1, None, None, itl_p99=0.01, itl_max=0.3))
+    assert tracker.summary(slo_ttft_ms=4000.0, slo_itl_ms=250.0)["goodput"] == 0.0
+    assert tracker.summary(slo_ttft_ms=4000.0, slo_itl_ms=300.0)["goodput"] == 1.0
 
 
 def test_find_capacity_doubles_then_bisects():

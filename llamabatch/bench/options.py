@@ -247,7 +247,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--slo-itl-ms",
         type=positive_float,
         default=None,
-        help="SLO: a request's own inter-token latency p99 (ms); reports goodput (the in-process "
+        help="SLO: no gap between a request's tokens over it (ms); reports goodput (the in-process "
         "engine schedules for it: EngineConfig.slo_itl_ms)",
     )
 

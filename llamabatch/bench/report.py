@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from llamabatch.bench.workloads import BenchRequest
+from llamabatch.outputs import slo_met
 
 __all__ = [
     "GENERATION_COLUMNS",
@@ -61,18 +62,18 @@ def _tail(values: Sequence[float], scale: float = 1000.0) -> tuple[float, float]
 def goodput(
     ttft: Sequence[float], request_itl: Sequence[float], slo_ttft_ms: float | None, slo_itl_ms: float | None
 ) -> float:
-    """The share of requests that met the SLO: time to first token <= ``slo_ttft_ms`` and the
-    request's own ITL p99 <= ``slo_itl_ms`` (a bound not given always holds)."""
+    """The share of requests that met the SLO (``outputs.slo_met``, the engine's definition):
+    time to first token <= ``slo_ttft_ms`` and no gap between the request's tokens over
+    ``slo_itl_ms`` (``request_itl``: each one's largest gap; a bound not given always holds)."""
     n = len(ttft)
     if n == 0:
         return math.nan
+    slo_ttft = None if slo_ttft_ms is None else slo_ttft_ms / 1000.0
+    slo_itl = None if slo_itl_ms is None else slo_itl_ms / 1000.0
     met = 0
     for i in range(n):
-        ok = slo_ttft_ms is None or ttft[i] * 1000.0 <= slo_ttft_ms
-        if ok and slo_itl_ms is not None and i < len(request_itl):
-            itl = request_itl[i]
-            ok = math.isnan(itl) or itl * 1000.0 <= slo_itl_ms
-        met += ok
+        itl_max = request_itl[i] if i < len(request_itl) else None
+        met += slo_met(ttft[i], itl_max, slo_ttft, slo_itl)
     return met / n
 
 
@@ -93,7 +94,7 @@ class RunResult:
       between consecutive tokens of a request) percentiles, in milliseconds (ITL also
       p99.9 and max);
     - with ``slo_ttft_ms`` / ``slo_itl_ms`` set: ``goodput``, the share of requests whose
-      TTFT and own ITL p99 met them, and ``slo_met`` (the run's TTFT p99 and ITL p99 within
+      TTFT and every gap met them (:func:`goodput`), and ``slo_met`` (the run's TTFT p99 and ITL p99 within
       them: what ``bench-serve --find-capacity`` searches on);
     - where the runner knows it: the time inside ``llama_decode`` and the share of wall
       time outside it.
@@ -117,7 +118,7 @@ class RunResult:
     tick_time: float | None = None
     rate: float | None = None
     notes: list[str] = field(default_factory=list)
-    #: every request's own ITL p99 (seconds; NaN under 2 tokens), in request order
+    #: every request's largest gap between tokens (seconds; NaN under 2 tokens), in request order
     request_itl: list[float] = field(default_factory=list)
     #: (seconds since the run's start, gap) of every token gap, for ITL-over-time plots
     itl_series: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -207,7 +208,7 @@ def result_from_times(
     series: list[tuple[float, float]] = []
     for times in stamps or ():
         gaps = np.diff(np.asarray(times, dtype=np.float64))
-        request_itl.append(float(np.percentile(gaps, 99)) if len(gaps) else math.nan)
+        request_itl.append(float(gaps.max()) if len(gaps) else math.nan)
         series += [(t - start, g) for t, g in zip(times[1:], gaps.tolist(), strict=True)]
     series.sort()
     return RunResult(

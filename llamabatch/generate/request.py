@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llamabatch.generate.detok import IncrementalDetokenizer, StopMatcher
-from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage
+from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage, slo_met
 from llamabatch.params import SamplingParams
 from llamabatch.status import STATUS_EDGES, InvalidTransition, RequestStatus
 
@@ -71,8 +71,8 @@ def slo_attainment(
     none, and then None); a request that failed or was cancelled met neither."""
     slo_ttft, slo_itl = slo
     ok = reason not in ("error", "cancelled")
-    ttft_met = None if slo_ttft is None else ok and ttft is not None and ttft <= slo_ttft
-    itl_met = None if slo_itl is None else ok and (itl_max is None or itl_max <= slo_itl)
+    ttft_met = None if slo_ttft is None else ok and slo_met(ttft, None, slo_ttft, None)
+    itl_met = None if slo_itl is None else ok and slo_met(None, itl_max, None, slo_itl)
     if ttft_met is None and itl_met is None:
         return None, None, None
     return ttft_met, itl_met, ttft_met is not False and itl_met is not False

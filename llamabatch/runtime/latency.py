@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from llamabatch.outputs import slo_met
 from llamabatch.runtime.telemetry import RequestEvent
 
 __all__ = ["LatencyTracker"]
@@ -41,7 +42,7 @@ class LatencyTracker:
             if event.time_to_first_token is not None:
                 self._ttft.append(event.time_to_first_token)
             self._gaps.extend(event.inter_token_latencies)
-            self._requests.append((event.time_to_first_token, event.itl_p99))
+            self._requests.append((event.time_to_first_token, event.itl_max))
 
     def clear(self) -> None:
         """Forget what was recorded."""
@@ -53,7 +54,8 @@ class LatencyTracker:
     def summary(self, *, slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None) -> dict[str, Any]:
         """``requests``; TTFT p50/p90/p99 and ITL p50/p90/p99/p99.9/max over every token gap
         (milliseconds; None without data); with an SLO, ``goodput``: the share of requests
-        whose TTFT and own ITL p99 met it (a request without a first token missed it)."""
+        that met it (``outputs.slo_met``: the first token in time, no gap over the ITL bound;
+        a request without a first token missed it)."""
         with self._lock:
             ttft = np.asarray(self._ttft, dtype=np.float64) * 1000.0
             gaps = np.asarray(self._gaps, dtype=np.float64) * 1000.0
@@ -68,10 +70,8 @@ class LatencyTracker:
                 out[f"{name}_p{p:g}_ms".replace(".", "_")] = v
         out["itl_max_ms"] = float(gaps.max()) if len(gaps) else None
         if slo_ttft_ms is not None or slo_itl_ms is not None:
-            met = 0
-            for first, itl in requests:
-                ok = first is not None and (slo_ttft_ms is None or first * 1000.0 <= slo_ttft_ms)
-                ok = ok and (slo_itl_ms is None or itl is None or itl * 1000.0 <= slo_itl_ms)
-                met += ok
+            slo_ttft = None if slo_ttft_ms is None else slo_ttft_ms / 1000.0
+            slo_itl = None if slo_itl_ms is None else slo_itl_ms / 1000.0
+            met = sum(slo_met(first, itl_max, slo_ttft, slo_itl) for first, itl_max in requests)
             out["goodput"] = met / len(requests) if requests else None
         return out

@@ -131,9 +131,9 @@ class EngineRunner:
         result = result_from_times(
             self.name, workload, requests, first, end, counts, itl, start, npl, rate, stamps=stamps or None
         )
-        if not stream:  # each request's own ITL from its output; the series from the ticks
+        if not stream:  # each request's largest gap from its output; the series from the ticks
             result.request_itl = [
-                math.nan if o.timings.itl_p99 is None else o.timings.itl_p99 for o in outputs
+                math.nan if o.timings.itl_max is None else o.timings.itl_max for o in outputs
             ]
             result.itl_series = series
         result.decode_time = decode_after - decode_before
