@@ -13,7 +13,7 @@ from llamabatch import LLM, EngineConfig, SamplingParams
 from llamabatch._ffi.kv_types import kv_bytes_per_cell
 from llamabatch._ffi.model import Model
 from llamabatch.generate.kv_memory import plan_kv
-from llamabatch.generate.slot_count import MAX_SLOTS, MIN_CELLS_PER_SLOT, slots_for_kv
+from llamabatch.generate.slot_count import MAX_SLOTS, MIN_CELLS_PER_SLOT, MIN_UNIFIED_SLOTS, slots_for_kv
 from llamabatch.gguf.testing import PRESETS, model_path
 from llamabatch.runtime.telemetry import TickEvent
 
@@ -50,7 +50,8 @@ def test_never_more_sequences_than_the_kv_memory_holds(
     if n == 1:
         return  # one slot always: a request must run
     if unified:
-        assert n * MIN_CELLS_PER_SLOT <= n_ctx  # every slot 256+ cells of the buffer on average
+        # every slot 256+ cells of the buffer on average, or the small buffer's floor of slots
+        assert n * MIN_CELLS_PER_SLOT <= n_ctx or n <= MIN_UNIFIED_SLOTS
     elif n_ctx is not None:
         assert (n + n_prefixes) * MIN_CELLS_PER_SLOT <= n_ctx  # every stream 256+ cells
     elif budget is not None and stream_bytes > 0:
@@ -68,6 +69,12 @@ def test_the_tightest_bound_is_the_reason() -> None:
     assert batch.n_parallel == 16 and "n_batch" in batch.reason
     streams = slots_for_kv(unified=False, n_ctx=None, stream_bytes=10, budget=125, n_prefixes=2, n_batch=512)
     assert streams.n_parallel == 10 and "KV memory" in streams.reason
+
+
+def test_a_small_unified_buffer_still_runs_the_old_default_of_slots() -> None:
+    """``LLM(n_ctx=512)`` decoded 8 short requests together before slots followed the memory."""
+    small = slots_for_kv(unified=True, n_ctx=512, stream_bytes=0, budget=None, n_prefixes=0, n_batch=512)
+    assert small.n_parallel == MIN_UNIFIED_SLOTS and "share n_ctx 512" in small.reason
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +113,7 @@ def test_default_slots_fit_the_kv_plan(model_8k, n_ctx, kv_unified, budget, n_ba
     n_seq = resolved.n_seq_max
     assert 1 <= plan.n_parallel <= MAX_SLOTS and n_seq <= n_batch and n_seq <= plan.n_ctx
     if plan.kv_unified:
-        assert plan.n_parallel == 1 or plan.n_parallel * MIN_CELLS_PER_SLOT <= plan.n_ctx
+        assert plan.n_parallel <= MIN_UNIFIED_SLOTS or plan.n_parallel * MIN_CELLS_PER_SLOT <= plan.n_ctx
     elif kv_unified is None and budget is not None:  # per-stream chosen: it fits half the budget
         assert plan.n_ctx * kv_bytes_per_cell(model_8k) <= budget // 2
         assert plan.n_ctx == n_seq * 8192

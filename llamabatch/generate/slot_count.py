@@ -5,7 +5,8 @@ llama.cpp fixes a context's sequences (``n_seq_max``) when it is created, so the
 made at load; on the CPU a slot costs only its KV cells, so the count follows the memory:
 
 - **one unified buffer**: every slot gets at least :data:`MIN_CELLS_PER_SLOT` cells of
-  ``n_ctx`` on average (``n_ctx // MIN_CELLS_PER_SLOT``); a slot holds no cells of its own, and
+  ``n_ctx`` on average (``n_ctx // MIN_CELLS_PER_SLOT``), and there are never fewer than
+  :data:`MIN_UNIFIED_SLOTS`; a slot holds no cells of its own, and
   admission already starts a request only while its prompt fits the free cells, so more slots
   than fit at once just wait there (``README``, "KV cache layout, admission and preemption");
 - **one stream per sequence**: every stream is allocated whole, so the count is what the KV
@@ -32,6 +33,7 @@ __all__ = [
     "MAX_SLOTS",
     "MIN_CELLS_PER_SLOT",
     "MIN_PER_STREAM_SLOTS",
+    "MIN_UNIFIED_SLOTS",
     "SlotCount",
     "resolved_slots",
     "slots_for_kv",
@@ -43,6 +45,10 @@ __all__ = [
 MAX_SLOTS = 32
 #: the fewest KV cells a default slot may get (on average, in one unified buffer)
 MIN_CELLS_PER_SLOT = 256
+#: the fewest slots of one unified buffer: its slots hold no cells of their own and admission
+#: starts a request only while its prompt fits the free cells, so a small ``n_ctx`` still
+#: decodes several short requests together
+MIN_UNIFIED_SLOTS = 8
 #: the fewest slots for which the default layout takes one stream per sequence: below it one
 #: unified buffer serves more requests at once from the same memory
 MIN_PER_STREAM_SLOTS = 8
@@ -72,11 +78,14 @@ def slots_for_kv(
 
     Never fewer than one slot, never more sequences than ``n_batch``, and never more than the
     memory holds: ``n_ctx // MIN_CELLS_PER_SLOT`` sequences (pinned prefixes included for
-    streams), or ``budget // stream_bytes`` streams."""
+    streams; a unified buffer's slots hold no cells, so it gets at least ``MIN_UNIFIED_SLOTS``),
+    or ``budget // stream_bytes`` streams."""
     if unified:
         if n_ctx is None:
             raise ValueError("a unified KV cache's slots need its n_ctx")
         by_kv, kv_text = n_ctx // MIN_CELLS_PER_SLOT, f"{MIN_CELLS_PER_SLOT} cells each of n_ctx {n_ctx}"
+        if by_kv < MIN_UNIFIED_SLOTS:  # a small buffer still serves short requests together
+            by_kv, kv_text = MIN_UNIFIED_SLOTS, f"at least {MIN_UNIFIED_SLOTS} slots share n_ctx {n_ctx}"
     elif n_ctx is not None:
         by_kv = n_ctx // MIN_CELLS_PER_SLOT - n_prefixes
         kv_text = f"streams of {MIN_CELLS_PER_SLOT}+ cells in n_ctx {n_ctx}"
