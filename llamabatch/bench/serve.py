@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import sys
 
-from llamabatch.bench import latency, options
+from llamabatch.bench import images, latency, options
 from llamabatch.bench.generate import engine_settings, generation_report, run_workload
 from llamabatch.bench.plots import check_plotting, plot_results
 from llamabatch.bench.report import RunResult
@@ -79,11 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_engine_arguments(p)
     options.add_workload_arguments(p, npl_help="concurrent clients")
     options.add_run_arguments(p)
+    images.add_image_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
     """``llamabatch bench-serve``: run the workload against the server (and in-process with
     ``--compare in-process``), print the report, draw ``--plot``."""
+    if args.images is not None:  # chat requests with images: a workload of its own
+        return images.main(args)
     if args.plot:
         check_plotting()
     config = options.config_from_args(args)
