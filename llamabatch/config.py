@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from llamabatch.config_checks import batch_invariant_conflict, check_milliseconds, positive_int
+from llamabatch.config_checks import (
+    batch_invariant_conflict,
+    check_milliseconds,
+    lora_adapter_pairs,
+    positive_int,
+)
 from llamabatch.generate.spec_config import (
     add_spec_cli_args,
     spec_cli_argv,
@@ -60,44 +65,6 @@ CACHE_RAM_DEFAULT_MIB = 8192
 PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-
-
-def parse_lora_arg(spec: str) -> tuple[str, str]:
-    """``name=path`` (vLLM's form) or a bare ``path`` (llama-server's ``--lora FILE``: named by
-    the file's stem) as ``(name, path)``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
-    name, sep, path = spec.partition("=")
-    if not sep:
-        path, name = spec, os.path.splitext(os.path.basename(spec))[0]
-    name, path = name.strip(), path.strip()
-    if not name or not path:
-        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
-    return name, path
-
-
-def lora_adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
-    """``lora_adapters`` normalised: ``((name, path), ...)`` from a mapping ``{name: path}`` or
-    a sequence of ``--lora`` strings; a name at most once."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, os.PathLike)):
-        value = [value]
-    if isinstance(value, Mapping):
-        items = [(k, os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in value.items()]
-    elif isinstance(value, (list, tuple)):
-        items = [tuple(v) if isinstance(v, (list, tuple)) else parse_lora_arg(os.fspath(v)) for v in value]
-    else:
-        raise ValueError(f"lora_adapters must be a mapping {{name: path}}, got {type(value).__name__}")
-    out: dict[str, str] = {}
-    for item in items:
-        if len(item) != 2 or not all(isinstance(x, str) and x and "\0" not in x for x in item):
-            raise ValueError(f"lora_adapters: each adapter is a (name, path) pair of strings, got {item!r}")
-        name, path = item
-        if name in out:
-            raise ValueError(f"lora_adapters names {name!r} twice")
-        out[name] = path
-    return tuple(out.items())
 
 
 def positive_float(text: str) -> float:

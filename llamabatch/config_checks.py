@@ -5,7 +5,9 @@ model is loaded)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from llamabatch.validate import positive_int
 
@@ -14,6 +16,8 @@ __all__ = [
     "InvariantSettings",
     "batch_invariant_conflict",
     "check_milliseconds",
+    "lora_adapter_pairs",
+    "parse_lora_arg",
     "positive_int",
 ]
 
@@ -75,3 +79,44 @@ def check_milliseconds(name: str, value: object) -> None:
         not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")
     ):
         raise ValueError(f"{name} must be a positive number (ms) or None, got {value!r}")
+
+
+# -- lora_adapters -----------------------------------------------------------------------------
+
+
+def parse_lora_arg(spec: str) -> tuple[str, str]:
+    """``name=path`` (vLLM's form) or a bare ``path`` (llama-server's ``--lora FILE``: named by
+    the file's stem) as ``(name, path)``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path, name = spec, os.path.splitext(os.path.basename(spec))[0]
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError(f"--lora takes name=path or a file, got {spec!r}")
+    return name, path
+
+
+def lora_adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """``lora_adapters`` normalised: ``((name, path), ...)`` from a mapping ``{name: path}`` or
+    a sequence of ``--lora`` strings; a name at most once."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    if isinstance(value, Mapping):
+        items = [(k, os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [tuple(v) if isinstance(v, (list, tuple)) else parse_lora_arg(os.fspath(v)) for v in value]
+    else:
+        raise ValueError(f"lora_adapters must be a mapping {{name: path}}, got {type(value).__name__}")
+    out: dict[str, str] = {}
+    for item in items:
+        if len(item) != 2 or not all(isinstance(x, str) and x and "\0" not in x for x in item):
+            raise ValueError(f"lora_adapters: each adapter is a (name, path) pair of strings, got {item!r}")
+        name, path = item
+        if name in out:
+            raise ValueError(f"lora_adapters names {name!r} twice")
+        out[name] = path
+    return tuple(out.items())

@@ -41,7 +41,7 @@ from typing import Any
 
 from llamabatch._ffi.lora import LoraAdapter, set_adapters
 from llamabatch._ffi.model import Model
-from llamabatch.config import parse_lora_arg
+from llamabatch.config_checks import parse_lora_arg
 from llamabatch.errors import LoraLoadError
 from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, Verdict
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
