@@ -20,6 +20,7 @@ from llamabatch.errors import (
     QueueFull,
     RequestCancelled,
     RequestTooLarge,
+    SLOUnmet,
 )
 from llamabatch.generate.llm import LLM
 from llamabatch.generate.llm_engine import LLMEngine
@@ -67,6 +68,7 @@ __all__ = [
     "RequestStatus",
     "RequestTooLarge",
     "Reranker",
+    "SLOUnmet",
     "SamplingParams",
     "StepOutput",
     "TickEvent",

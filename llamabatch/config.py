@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llamabatch.config_checks import (
+    SLO_REJECT,
     batch_invariant_conflict,
     check_milliseconds,
     lora_adapter_pairs,
@@ -228,7 +229,8 @@ class EngineConfig(OptionsConfig):
             throughput and time to first token for a bounded inter-token latency.
         slo_ttft_ms, slo_itl_ms: service-level objectives in ms, on the time to first token
             and on every inter-token gap (default ``None``: none; per request: ``SamplingParams``):
-            the engine then schedules for goodput, see ``generate/slo.py``.
+            the engine then schedules for goodput, see ``generate/slo.py``. ``slo_reject``: refuse
+            (``SLOUnmet``, the server's 503) a request the queue predicts late (default ``False``).
         priority_aging: how many admissions make a waiting request gain one priority level
             on the requests queued after it (default 8; 0: no aging, strict priorities as
             vLLM). A request ``d`` levels behind the best priority arriving is overtaken
@@ -381,6 +383,7 @@ class EngineConfig(OptionsConfig):
     slo_itl_ms: float | None = field(
         default=None,
         metadata=flag("--slo-itl-ms", type=positive_float, help="SLO on every inter-token gap (ms)"),
+    slo_reject: bool = field(default=False, metadata=SLO_REJECT)
     )
     cache_ram: int | None = field(
         default=CACHE_RAM_DEFAULT_MIB,
@@ -517,7 +520,7 @@ class EngineConfig(OptionsConfig):
                 f"type_v={self.type_v}: a quantized V cache needs flash attention (flash_attn=False was "
                 "given; use flash_attn=None/'auto' or True, or a type_v of f16, bf16 or f32)"
             )
-        for name in ("prefix_cache", "kv_unified", "validate", "batch_invariant"):
+        for name in ("prefix_cache", "kv_unified", "validate", "batch_invariant", "slo_reject"):
             flag = getattr(self, name)
             if not isinstance(flag, bool) and not (name == "kv_unified" and flag is None):
                 choices = "True, False or None (chosen at load)" if name == "kv_unified" else "True or False"

@@ -5,6 +5,7 @@ model is loaded)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -79,6 +80,18 @@ def check_milliseconds(name: str, value: object) -> None:
         not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")
     ):
         raise ValueError(f"{name} must be a positive number (ms) or None, got {value!r}")
+
+
+#: ``EngineConfig.slo_reject``'s flag (``config.flag``'s shape)
+SLO_REJECT: dict[str, Any] = {
+    "cli": (
+        ("--slo-reject",),
+        {
+            "action": argparse.BooleanOptionalAction,
+            "help": "refuse a request that cannot meet its TTFT SLO (the server: 503 with Retry-After)",
+        },
+    )
+}
 
 
 # -- lora_adapters -----------------------------------------------------------------------------

@@ -51,6 +51,15 @@ class QueueFull(LlamaBatchError):
     """The request queue holds ``max_queue`` requests already."""
 
 
+class SLOUnmet(QueueFull):
+    """A request refused at submit because it cannot meet its TTFT SLO (``slo_reject``);
+    ``retry_after``: the seconds the queue ahead of it is predicted to take."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class PromptTooLong(LlamaBatchError, ValueError):
     """A prompt (plus ``max_tokens``) or an input text exceeds the per-sequence limit."""
 

@@ -171,6 +171,7 @@ DEFAULTS = {
     "target_itl_ms": None,
     "slo_ttft_ms": None,  # no SLO: scheduling as without (generate/slo.py)
     "slo_itl_ms": None,
+    "slo_reject": False,  # a request predicted late still waits (generate/slo.py: check_slo)
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
     "prefix_cache_dir": None,
     "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)

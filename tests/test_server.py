@@ -660,3 +660,18 @@ def test_serve_command_line(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully, then the engines close
         assert proc.wait(20) == 0
+
+
+def test_slo_reject_is_a_503_with_retry_after():
+    """With ``slo_reject``, a request the queue predicts late for its TTFT SLO is refused at
+    once: 503, ``Retry-After`` (whole seconds, at least 1), code ``slo_unmet``."""
+    with LLM(model_path("tiny"), n_ctx=2048, n_parallel=1, n_threads=THREADS, slo_reject=True) as engine:
+        with serve(create_app(engine, model_name="tiny")) as url:
+            late = {"model": "tiny", "prompt": "hi " * 50, "max_tokens": 2, "slo_ttft_ms": 0.001}
+            response = httpx.post(f"{url}/v1/completions", json=late, timeout=30)
+            assert response.status_code == 503, response.text
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["code"] == "slo_unmet"
+            in_time = {**late, "slo_ttft_ms": 6e5}
+            response = httpx.post(f"{url}/v1/completions", json=in_time, timeout=30)
+            assert response.status_code == 200, response.text

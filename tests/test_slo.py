@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
+from llamabatch.errors import QueueFull, SLOUnmet
 from llamabatch.generate.admission import PriorityAdmission
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget
 from llamabatch.generate.request import Request
-from llamabatch.generate.slo import SLOAdmission
+from llamabatch.generate.slo import SLOAdmission, check_slo
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
 from llamabatch.status import RequestStatus
 
@@ -211,6 +212,47 @@ def test_a_late_long_request_is_not_starved_by_a_flood_of_meetable_short_ones():
     # admitted as soon as the slots allow once it is overdue: at most one slot's turn later
     assert admissions <= patience + 2, admissions
     assert sum(r.status is RequestStatus.WAITING for r in rec.requests) > 5  # the flood still waits
+
+
+def test_slo_reject_refuses_exactly_the_requests_the_queue_makes_late():
+    policy = slo_policy(ttft_ms=60_000)
+    policy.reject = True
+    now = 1000.0
+    # two waiting prompts of 400 tokens: 0.412 s each at full speed
+    waiting, _ = _waiting(policy, [(400, None, 0.0), (400, None, 0.0)], now)
+    behind = Request(prompt(400, 7), greedy(4, slo_ttft_ms=1000))  # 0.824 + 0.412 s: late
+    behind.t_submitted = now
+    assert policy.refusal(behind, waiting, now) == pytest.approx(0.824)
+    roomier = Request(prompt(400, 8), greedy(4, slo_ttft_ms=1300))  # 1.236 s: in time
+    roomier.t_submitted = now
+    assert policy.refusal(roomier, waiting, now) is None
+    short = Request(prompt(100, 9), greedy(4, slo_ttft_ms=200))  # 0.112 s, and first
+    short.t_submitted = now
+    assert policy.refusal(short, waiting, now) is None
+    free = Request(prompt(400, 10), greedy(4))  # the engine's 60 s
+    free.t_submitted = now
+    assert policy.refusal(free, waiting, now) is None
+    with pytest.raises(SLOUnmet, match="TTFT SLO of 1000 ms") as refused:
+        check_slo(PriorityAdmission(), [], [behind]) or check_slo(policy, waiting, [behind])
+    assert refused.value.retry_after > 0.8 and isinstance(refused.value, QueueFull)
+    policy.reject = False  # off (the default): it waits
+    check_slo(policy, waiting, [behind])
+
+
+def test_slo_reject_through_the_engine():
+    from fake_llama import patch_llamabatch
+
+    from llamabatch import LLMEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        patch_llamabatch(mp)
+        with LLMEngine("fake.gguf", n_parallel=1, n_ctx=2048, n_batch=64, slo_reject=True) as engine:
+            engine.add_request(prompt(499, 1), greedy(2))
+            with pytest.raises(SLOUnmet):  # its own prompt alone cannot be computed in 1 us
+                engine.add_request(prompt(499, 2), greedy(2, slo_ttft_ms=0.001))
+            engine.add_request([1, 2, 3], greedy(2, slo_ttft_ms=60_000))
+            outputs = engine.run_until_complete()
+    assert len(outputs) == 2
 
 
 # -- attainment -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from llamabatch.generate.kv_cache import PinnedPrefix
 from llamabatch.generate.llm_engine import EngineHost, HostFacts, Prompt, engine_config
 from llamabatch.generate.lora_schedule import unload_adapter
 from llamabatch.generate.request import END_OF_STREAM, Channel, Request, RequestHandle, request_output
+from llamabatch.generate.slo import check_slo
 from llamabatch.outputs import Delta, RequestOutput
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.chat_template import render_chat
@@ -205,6 +206,7 @@ class LLM(HostFacts, ThreadedFacade):
                 worker.raise_if_closed()
                 if not block:
                     check_queue_room(loop.queued(), len(requests), max_queue)
+                    check_slo(loop.core.admission, [*loop.inbox, *loop.core.waiting], requests)
                     break
                 if loop.queued() + len(requests) <= max_queue:
                     break

@@ -27,6 +27,7 @@ from llamabatch.generate.lora_schedule import lora_params
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
+from llamabatch.generate.slo import check_slo
 from llamabatch.generate.slot_count import resolved_slots
 from llamabatch.generate.speculative import history_stats
 from llamabatch.generate.vision import media_prompt, vision_for, vision_stats
@@ -456,6 +457,7 @@ class LLMEngine(HostFacts):
         elif chat:
             raise ValueError(f"{', '.join(chat)}: only for a conversation (a list of chat messages)")
         requests = self._host.make_requests(prompt, params, request_id=request_id, priority=priority)
+        check_slo(core.admission, core.waiting, requests)
         core.add(requests)
         rid = requests[0].request_id
         self._by_id[rid] = requests

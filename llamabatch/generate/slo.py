@@ -29,17 +29,23 @@ Each request's attainment is in its ``metrics`` (``Timings.slo_met``), and the e
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from llamabatch._core.slots import SlotTable
+from llamabatch.errors import SLOUnmet
 from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, TickLimit, Verdict
 from llamabatch.generate.cost_model import LatencyBudget, TickFeatures
 from llamabatch.generate.priority import aged_priority
 from llamabatch.generate.request import Request
 from llamabatch.status import RequestStatus
 
-__all__ = ["DEFAULT_PATIENCE", "SLOAdmission"]
+__all__ = ["DEFAULT_PATIENCE", "SLOAdmission", "check_slo"]
+
+#: a waiting request's rank: aged priority, preempted first, tier (0 overdue, 1 in time,
+#: 2 late), its prefill time or arrival, arrival
+_Key = tuple[int, int, int, float, int]
 
 #: admissions a waiting request lets pass before it is served in arrival order
 DEFAULT_PATIENCE = 16
@@ -52,7 +58,8 @@ class SLOAdmission(DelegatingAdmission):
     """``inner``'s policy, scheduled for goodput under SLOs (see the module): ``ttft`` and
     ``itl`` (seconds, None: none) are the engine's SLOs, a request's own override them;
     ``aging`` is the queue's priority aging (``priority_aging``); ``patience``: the admissions
-    a waiting request lets pass before it goes first (see the module)."""
+    a waiting request lets pass before it goes first (see the module); ``reject``: refuse a
+    request predicted late at submit (``slo_reject``)."""
 
     def __init__(
         self,
@@ -64,8 +71,11 @@ class SLOAdmission(DelegatingAdmission):
         aging: int = 0,
         latency: LatencyBudget | None = None,
         patience: int = DEFAULT_PATIENCE,
+        reject: bool = False,
     ) -> None:
         super().__init__(inner)
+        #: refuse at submit a request predicted late (``slo_reject``, :func:`check_slo`)
+        self.reject = reject
         if patience < 1:
             raise ValueError(f"patience must be at least 1, got {patience!r}")
         self.patience = patience
@@ -129,21 +139,30 @@ class SLOAdmission(DelegatingAdmission):
             return
         # stamps of the requests waiting now only: the ones admitted or cancelled drop out
         n_admitted, stamps = self._n_admitted, self._stamps
-        self._stamps = stamps = {r.arrival: stamps.get(r.arrival, n_admitted) for r in waiting}
+        self._stamps = {r.arrival: stamps.get(r.arrival, n_admitted) for r in waiting}
         if len(waiting) < 2:
             return
-        aging = self.aging
-        ranked: list[tuple[tuple[int, int, int, float, int], Request]] = []
+        ranked = self._ranked(list(waiting), now)
+        waiting.clear()
+        waiting.extend(request for _, request, _ in ranked)
+
+    def _ranked(self, waiting: list[Request], now: float) -> list[tuple[_Key, Request, float]]:
+        """``waiting`` in the order of the module, each with its key and predicted prefill
+        time; the key's third member is 2 for a request predicted late."""
+        aging, stamps, n_admitted = self.aging, self._stamps, self._n_admitted
+        ranked: list[tuple[_Key, Request, float]] = []
         spans = [(len(r.prompt_tokens) + len(r.output_tokens), r) for r in waiting]
         seconds = self.prefill_seconds()
         estimates = {r.arrival: seconds(n) for n, r in spans}
-        overdue = {r.arrival for r in waiting if n_admitted - stamps[r.arrival] >= self.patience}
+        overdue = {
+            r.arrival for r in waiting if n_admitted - stamps.get(r.arrival, n_admitted) >= self.patience
+        }
         # the overdue go first; then the requests that can meet their TTFT SLO, shortest
         # first, each behind the ones before it; then the late, in arrival order
         queued = sum(estimates[a] for a in overdue)
         for _, request in sorted(spans, key=lambda x: (x[0], x[1].arrival)):
             estimate = estimates[request.arrival]
-            slo = request.slo[0]
+            slo = request.slo[0] if request.slo[0] is not None else self.ttft
             if request.arrival in overdue:
                 tier = 0
             elif slo is not None and (now - request.t_submitted) + queued + estimate > slo:
@@ -158,10 +177,25 @@ class SLOAdmission(DelegatingAdmission):
                 estimate if tier == 1 else float(request.arrival),
                 request.arrival,
             )
-            ranked.append((key, request))
+            ranked.append((key, request, estimate))
         ranked.sort(key=lambda x: x[0])
-        waiting.clear()
-        waiting.extend(request for _, request in ranked)
+        return ranked
+
+    def refusal(self, request: Request, waiting: Iterable[Request], now: float) -> float | None:
+        """Whether ``request``, queued now behind ``waiting``, is predicted late for its TTFT
+        SLO (``slo_reject``): None if not (or without one), else the seconds the requests
+        ranked ahead of it are predicted to take (a ``Retry-After``). The prediction counts
+        the waiting prompts and the cost model, not the running ones: it refuses only the
+        requests the queue already makes late."""
+        if request.slo[0] is None and self.ttft is None:
+            return None
+        ranked = self._ranked([*waiting, request], now)
+        ahead = 0.0
+        for key, other, estimate in ranked:
+            if other is request:
+                return ahead if key[2] == 2 else None
+            ahead += estimate
+        return None
 
     # -- admission and the tick -----------------------------------------------------------
 
@@ -223,3 +257,24 @@ class SLOAdmission(DelegatingAdmission):
         if self.active:
             self.latency.observe(features, elapsed)
         self.inner.observe(features, elapsed)
+
+
+def check_slo(policy: AdmissionPolicy, waiting: Iterable[Request], requests: Sequence[Request]) -> None:
+    """``SLOUnmet`` when ``policy`` (or one it wraps) is an :class:`SLOAdmission` that refuses
+    late requests (``slo_reject``) and ``requests`` (one prompt's completions), queued behind
+    ``waiting``, are predicted to miss their TTFT SLO (:meth:`SLOAdmission.refusal`)."""
+    while not isinstance(policy, SLOAdmission):
+        if not isinstance(policy, DelegatingAdmission):
+            return
+        policy = policy.inner
+    if not policy.reject or not requests:
+        return
+    request = requests[0]
+    retry_after = policy.refusal(request, waiting, time.perf_counter())
+    if retry_after is not None:
+        slo = request.slo[0] if request.slo[0] is not None else policy.ttft
+        raise SLOUnmet(
+            f"the request cannot meet its TTFT SLO of {(slo or 0.0) * 1000:g} ms: the requests ahead "
+            f"of it are predicted to take {retry_after * 1000:.0f} ms",
+            retry_after,
+        )

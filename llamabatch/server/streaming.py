@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams
+from llamabatch import LLM, EngineClosed, PromptTooLong, QueueFull, SamplingParams, SLOUnmet
 from llamabatch.server.protocol import (
     LOGPROB_FLOOR,
     APIError,
@@ -307,6 +307,9 @@ def error_response(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nobody is listening
     if isinstance(exc, PromptTooLong):
         return json_response(bad_request(str(exc), param=None, code="context_length_exceeded").body(), 400)
+    if isinstance(exc, SLOUnmet):  # predicted late: retry once the queue ahead has drained
+        error = APIError(503, f"the server is busy: {exc}", type="server_error", code="slo_unmet")
+        return json_response(error.body(), 503, {"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     if isinstance(exc, QueueFull):  # waiting helps: a 503 with Retry-After
         error = APIError(
             503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full"
