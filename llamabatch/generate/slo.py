@@ -22,6 +22,10 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   about ``patience`` admissions however many short ones keep arriving.
 - **Admission.** A request starts unless its stream would push every decode tick over the
   tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``.
+- **Refusal** (``slo_reject``, off by default). At submit, :func:`check_slo` refuses with
+  ``SLOUnmet`` a request that, ranked among the waiting ones, is predicted late for its TTFT
+  SLO (:meth:`SLOAdmission.refusal`; the running prompts are not counted, so only the
+  requests the queue already makes late are refused).
 
 Each request's attainment is in its ``metrics`` (``Timings.slo_met``), and the engine's
 ``stats()`` and ``/metrics`` count requests with an SLO and those that met it.
