@@ -210,3 +210,17 @@ def test_load_and_unload_at_run_time(tiny: Path, adapters: dict[str, Path]) -> N
 def test_batch_invariant_with_adapters_is_refused(tiny: Path, adapters: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM(tiny, lora_adapters={"a": adapters["a"]}, batch_invariant=True, n_ctx=256)
+
+
+def test_adapter_failing_to_load_at_admission_ends_its_request_as_error(
+    tiny: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(adapters["a"].read_bytes())
+    with LLM(tiny, lora_adapters={"gone": broken}, n_ctx=256) as llm:
+        broken.write_bytes(b"GGUF" + b"\0" * 40)  # replaced after it was checked: the load fails
+        base, failed = llm.generate(["x", "y"], [_greedy(), _greedy("gone")], use_tqdm=False)
+        assert base.outputs[0].finish_reason == "length"
+        assert failed.outputs[0].finish_reason == "error"
+        assert "'gone'" in str(failed.outputs[0].error) and "broken.gguf" in str(failed.outputs[0].error)
+        assert llm.generate(["x"], _greedy(), use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -204,7 +204,7 @@ def test_a_request_without_adapter_room_is_passed_over_then_waited_for() -> None
             return False
 
     scheduler = SimpleNamespace(registry=Registry())
-    policy = LoraAdmission(AdmissionPolicy(), scheduler, lambda r: None, patience=3)  # type: ignore[arg-type]
+    policy = LoraAdmission(AdmissionPolicy(), scheduler, lambda r, e: None, patience=3)  # type: ignore[arg-type]
     request = SimpleNamespace(params=SamplingParams(lora="a"), arrival=7, request_id="r")
     verdicts = [policy.admits(request, 4, None, [0]) for _ in range(5)]  # type: ignore[arg-type]
     assert verdicts == [Verdict.PASS] * 3 + [Verdict.STOP] * 2

@@ -89,3 +89,19 @@ def test_bad_lora_entries_are_400s(url: str, lora: object) -> None:
     response = _complete(url, lora=lora)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "lora"
+
+
+def test_adapter_failing_to_load_is_a_server_error_naming_it(
+    llm: LLM, url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    broken = tmp_path_factory.mktemp("broken") / "broken.gguf"
+    broken.write_bytes(make_lora(model_path("tiny"), broken, rank=4, seed=3).read_bytes())
+    llm.load_lora("broken", broken)
+    try:
+        broken.write_bytes(b"GGUF" + b"\0" * 40)  # replaced after it was checked: the load fails
+        response = _complete(url, model="broken")
+        assert response.status_code == 500, response.text
+        assert "'broken'" in response.json()["error"]["message"]
+    finally:
+        llm.unload_lora("broken")
+    assert _complete(url).status_code == 200

@@ -156,7 +156,7 @@ class EngineCore:
         #: every unfinished request (waiting or running), by its key (``Request.arrival``)
         self.requests: dict[int, Request] = {}
         self.counters = GenerationCounters()
-        self._aborts: list[Request] = []
+        self._aborts: list[tuple[Request, str | None]] = []
         self._n_admissions = 0
         self._events: list[CoreOutput] = []
         #: set by a closing driver (with ``Context.abort()``): an aborted decode is no error
@@ -205,10 +205,11 @@ class EngineCore:
         preempted = RequestStatus.PREEMPTED
         return len(self.waiting) - sum(1 for r in self.waiting if r.status is preempted)
 
-    def abort(self, request: Request) -> None:
-        """End ``request`` as ``"cancelled"`` at the start of the next step."""
+    def abort(self, request: Request, error: str | None = None) -> None:
+        """End ``request`` at the start of the next step: ``"cancelled"``, or ``"error"`` with
+        the message ``error`` when one is given."""
         if not request.done:
-            self._aborts.append(request)
+            self._aborts.append((request, error))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self._aborts or self.table.busy_slots)
@@ -258,15 +259,15 @@ class EngineCore:
 
     def _end_aborted(self) -> None:
         aborts, self._aborts = self._aborts, []
-        for request in aborts:
+        for request, error in aborts:
             if request.done:
                 continue
             slot = self.slots.slot_of(request)
             if slot >= 0:
-                self.finish(slot, "cancelled")
+                self.finish(slot, "cancelled" if error is None else "error", error)
             elif request in self.waiting:
                 self.waiting.remove(request)
-                self._end(request, "cancelled")
+                self._end(request, "cancelled" if error is None else "error", error)
 
     def _admit(self) -> None:
         """Admit waiting requests into idle slots, in the admission policy's order, while they

@@ -375,7 +375,8 @@ class AdapterSetStrategy:
 
 
 class LoraAdmission(DelegatingAdmission):
-    """``inner``'s policy; a request's adapters are loaded when it is admitted. A request whose
+    """``inner``'s policy; a request's adapters are loaded when it is admitted (one that fails
+    to load ends its request through ``on_error`` with a message naming it). A request whose
     set does not fit ``max_loras`` next to the running sets' is passed over (the requests
     behind it start) at most ``patience`` times; then admission stops at it until running
     requests free adapters, so it never waits forever. The switch cost is fitted from every
@@ -385,7 +386,7 @@ class LoraAdmission(DelegatingAdmission):
         self,
         inner: AdmissionPolicy,
         scheduler: LoraScheduler,
-        on_error: Callable[[Request], None],
+        on_error: Callable[[Request, str], None],
         patience: int = 8,
     ) -> None:
         super().__init__(inner)
@@ -415,8 +416,11 @@ class LoraAdmission(DelegatingAdmission):
             try:
                 registry.acquire(names)
             except (LoraLoadError, KeyError, OSError) as exc:
-                logger.error("llamabatch: request %s: %s", request.request_id, exc)
-                self.on_error(request)
+                # acquire loads in order and stops at the failing one: the first not loaded
+                failing = next((n for n in names if n not in registry.loaded), names[0])
+                message = f"LoRA adapter {failing!r} could not be loaded: {exc}"
+                logger.error("llamabatch: request %s: %s", request.request_id, message)
+                self.on_error(request, message)
                 return Verdict.PASS
         return self.inner.admits(request, n_prompt, table, busy)
 
