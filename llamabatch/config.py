@@ -251,7 +251,6 @@ class EngineConfig(OptionsConfig):
             (``generate/batch_invariant.py``); ``kv_unified=True``, ``flash_attn=False``, an
             ``f32`` cache or ``n_gpu_layers != 0`` with it are refused, and so, at load, is a
             model whose matrices are F32/F16/BF16. Default ``False``.
-
         lora_adapters: LoRA adapters by name, ``{name: path}`` (or ``name=path`` / ``path``
             strings, as ``--lora``); a request picks them with ``SamplingParams(lora=...)``.
             Each file is checked against the model at load (``gguf/check_lora.py``).
@@ -383,8 +382,8 @@ class EngineConfig(OptionsConfig):
     slo_itl_ms: float | None = field(
         default=None,
         metadata=flag("--slo-itl-ms", type=positive_float, help="SLO on every inter-token gap (ms)"),
-    slo_reject: bool = field(default=False, metadata=SLO_REJECT)
     )
+    slo_reject: bool = field(default=False, metadata=SLO_REJECT)
     cache_ram: int | None = field(
         default=CACHE_RAM_DEFAULT_MIB,
         metadata=flag(
@@ -444,7 +443,6 @@ class EngineConfig(OptionsConfig):
             "or draft (a draft model: --model-draft); --draft-max N drafts per step at most",
         ),
     )
-
     mmproj: str | None = field(
         default=None,
         metadata=flag("--mmproj", metavar="PATH", help="image encoder + projector GGUF (vision)"),
@@ -644,6 +642,8 @@ class EngineConfig(OptionsConfig):
                 argv += spec_cli_argv(value)
             elif name == "flash_attn":
                 argv += [main, "on" if value is True else "off" if value is False else "auto"]
+            elif name == "lora_adapters":
+                argv += [item for adapter, path in value for item in (main, f"{adapter}={path}")]
             elif name == "strategy" and not isinstance(value, str):
                 raise ValueError("a strategy object has no command-line form")
             else:

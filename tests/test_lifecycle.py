@@ -177,13 +177,20 @@ DEFAULTS = {
     "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)
     "speculative_config": None,  # off; {"method": "ngram" | "draft_model", ...} (generate/spec_config.py)
     "batch_invariant": False,  # outputs may depend on the batch (generate/batch_invariant.py)
+    "mmproj": None,  # no image encoder (generate/vision.py)
+    "allow_remote_images": False,  # data URLs only (prompts/images.py)
+    "max_image_bytes": 20 << 20,
+    "max_image_pixels": 16 << 20,
+    "max_images_per_request": 8,
+    "lora_adapters": (),  # no LoRA adapter (generate/lora_schedule.py)
+    "max_loras": None,
 }
 
 
 def test_config_defaults_and_frozen():
     config = EngineConfig()
     assert dataclasses.asdict(config) == DEFAULTS
-    assert config.n_prefixes == 4 and config.n_seq_max == 12
+    assert config.n_prefixes == 4 and config.n_seq_max == 5  # n_parallel=None counts 1 until the load
     assert EngineConfig(kv_unified=False).n_prefixes == 0
     assert EngineConfig(kv_unified=True, prefix_cache=False).n_prefixes == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -341,6 +348,7 @@ def test_bench_keeps_its_on_off_flags():
         EngineConfig(n_ctx=1024, n_parallel=2, n_batch=64, n_ubatch=32, chunk_size=16, max_queue=7),
         EngineConfig(strategy="balanced", n_threads=2, n_threads_batch=3, n_gpu_layers=-1, flash_attn=True),
         EngineConfig(kv_unified=True, prefix_cache=False, flash_attn=False),
+        EngineConfig(lora_adapters={"a": "/x/a.gguf", "b": "/x/b.gguf"}, max_loras=1, mmproj="/x/mm.gguf"),
     ],
 )
 def test_from_cli_args_round_trips(config):
