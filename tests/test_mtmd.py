@@ -100,3 +100,17 @@ def test_missing_file(vision_files, tmp_path):
             MtmdContext(model, bad)
     finally:
         model.close()
+
+
+def test_encode_many_equals_one_by_one_encodes(mtmd):
+    """Images encoded in ``mtmd_batch`` runs give each image the embeddings a lone encode gives
+    (this projector, LLaVA's, takes one image per run; the runs and their order still hold)."""
+    images = [(_image(10 + i, 20 + 3 * i, 30), f"m{i}") for i in range(3)]
+    text = " ".join(mtmd.marker for _ in images)
+    chunks = [c for c in mtmd.tokenize(text, images) if isinstance(c, ImageChunk)]
+    many = mtmd.encode_many([chunks[2], chunks[0], chunks[1], chunks[0]])
+    alone = [mtmd.encode(c) for c in (chunks[2], chunks[0], chunks[1], chunks[0])]
+    assert len(many) == 4
+    for got, want in zip(many, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert mtmd.encode_many([]) == []

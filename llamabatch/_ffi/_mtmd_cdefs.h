@@ -73,3 +73,12 @@ int32_t mtmd_tokenize(const mtmd_context * ctx, mtmd_input_chunks * output, cons
                       const mtmd_bitmap * const * bitmaps, size_t n_bitmaps);
 int32_t mtmd_encode_chunk(mtmd_context * ctx, const mtmd_input_chunk * chunk);
 float * mtmd_get_output_embd(mtmd_context * ctx);
+
+/* several images' encodes in one encoder graph, where the projector supports it; a batch
+ * belongs to its context and does not own its chunks */
+typedef struct mtmd_batch mtmd_batch;
+mtmd_batch * mtmd_batch_init(mtmd_context * ctx);
+void mtmd_batch_free(mtmd_batch * batch);
+int32_t mtmd_batch_add_chunk(mtmd_batch * batch, const mtmd_input_chunk * chunk);
+int32_t mtmd_batch_encode(mtmd_batch * batch);
+float * mtmd_batch_get_output_embd(mtmd_batch * batch, const mtmd_input_chunk * chunk);

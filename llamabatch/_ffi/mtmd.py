@@ -290,6 +290,42 @@ class MtmdContext:
                 .copy()
             )
 
+    def encode_many(self, chunks: list[ImageChunk]) -> list[np.ndarray]:
+        """The embeddings of every chunk, as :meth:`encode` gives them, in order, encoded in
+        ``mtmd_batch`` runs: libmtmd puts several images into one encoder graph where the
+        projector supports it (and up to its token budget); otherwise every run holds one image.
+        Raises RuntimeError when the encoder fails."""
+        ffi, lib = self._ffi, self._lib
+        out: list[np.ndarray] = []
+        pending = list(chunks)
+        with self._lock:
+            while pending:
+                batch = ffi.gc(lib.mtmd_batch_init(self.ptr), lib.mtmd_batch_free)
+                run: list[ImageChunk] = []
+                for chunk in pending:
+                    code = lib.mtmd_batch_add_chunk(batch, chunk.handle)
+                    if code == 0:
+                        run.append(chunk)
+                    elif code in (2, 3) and run:  # full, or another kind of image: next run
+                        break
+                    else:
+                        raise RuntimeError(f"libmtmd could not batch the image (error {code})")
+                if lib.mtmd_batch_encode(batch) != 0:
+                    raise RuntimeError("libmtmd could not encode the images")
+                for chunk in run:
+                    embd = lib.mtmd_batch_get_output_embd(batch, chunk.handle)
+                    if embd == ffi.NULL:
+                        raise RuntimeError("libmtmd returned no embeddings for an image of the batch")
+                    n = chunk.n_tokens * self.n_embd
+                    out.append(
+                        np.frombuffer(ffi.buffer(embd, n * 4), dtype=np.float32)
+                        .reshape(chunk.n_tokens, self.n_embd)
+                        .copy()
+                    )
+                ffi.release(batch)
+                pending = pending[len(run) :]
+        return out
+
     def non_causal(self, chunk: ImageChunk) -> bool:
         """Whether the text model must attend over the whole image at once while decoding it
         (Gemma 3): its embeddings then go into one decode, with the causal mask off."""
