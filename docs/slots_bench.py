@@ -85,9 +85,9 @@ def main() -> None:
     p.add_argument("--bb", type=Path, default=ANCHORS / "llama-batched-bench")
     p.add_argument("--bb-args", default="", help="more llama-batched-bench flags, e.g. '-fa on'")
     args = p.parse_args()
-    print(
-        "| shape | npl | llama-batched-bench t/s | ours, n_ctx given | ratio | ours, no n_ctx | ratio | slots |"
-    )
+    columns = ["shape", "npl", "llama-batched-bench t/s", "ours, n_ctx given", "ratio"]
+    columns += ["ours, no n_ctx", "ratio"]
+    print("| " + " | ".join([*columns, "slots"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         npp, ntg = (int(x) for x in shape.split("+"))

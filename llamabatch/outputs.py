@@ -64,9 +64,7 @@ class Timings:
     slo_met: bool | None = None
 
 
-def slo_met(
-    ttft: float | None, itl_max: float | None, slo_ttft: float | None, slo_itl: float | None
-) -> bool:
+def slo_met(ttft: float | None, itl_max: float | None, slo_ttft: float | None, slo_itl: float | None) -> bool:
     """Whether a request met an SLO (seconds; a bound of None always holds): its first token
     within ``slo_ttft`` (a request without one missed it) and no gap between its tokens over
     ``slo_itl`` (``itl_max``, its largest gap; None or NaN: under 2 tokens, no gap). The one
