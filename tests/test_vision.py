@@ -333,3 +333,60 @@ def test_cancelling_a_held_request(vision_files):
         assert finished[again] == "length"
     finally:
         engine.close()
+
+
+def test_images_of_several_requests_go_to_the_encoder_together(vision_files, llm, monkeypatch):
+    """Requests admitted together hand their images to the encoder thread as one group (in
+    ``mtmd_batch`` runs), each encoded once, with the answers each gets alone."""
+    from llamabatch._ffi.mtmd import MtmdContext
+
+    groups: list[int] = []
+    real = MtmdContext.encode_runs
+
+    def spy(self, chunks):
+        groups.append(len(chunks))
+        return real(self, chunks)
+
+    seeds = (90, 91, 92)
+    alone = [llm.generate(_ask(_image(s)), GREEDY)[0].outputs[0].token_ids for s in seeds]
+    monkeypatch.setattr(MtmdContext, "encode_runs", spy)
+    model, mmproj = vision_files
+    with LLM(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=4, n_threads=1) as engine:
+        outs = engine.generate([_ask(_image(s)) for s in seeds], GREEDY, use_tqdm=False)
+        stats = engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert groups and groups[0] == 3 and sum(groups) == 3
+    assert stats.encoder_encoded == 3 and stats.encoder_cache_hits == 0
+
+
+def test_a_failing_group_encode_ends_only_the_request_whose_image_fails(vision_files, monkeypatch):
+    """A group's batched encode failing falls back to one encode per image: the image that
+    fails alone ends its own request; the other request of the group is answered."""
+    from llamabatch._ffi.mtmd import MtmdContext
+    from llamabatch.prompts.images import image_key
+
+    bad = image_key(_image(61))
+    groups: list[int] = []
+
+    def failing_runs(self, chunks):
+        groups.append(len(chunks))
+        raise RuntimeError("libmtmd could not encode the images")
+        yield  # a generator, as the real one
+
+    model, mmproj = vision_files
+    with LLM(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=2, n_threads=1) as engine:
+        mtmd = engine.core.vision.mtmd
+        encode = mtmd.encode
+
+        def encode_unless_bad(chunk):
+            if chunk.key == bad:
+                raise RuntimeError("libmtmd could not encode the image (error 1)")
+            return encode(chunk)
+
+        monkeypatch.setattr(MtmdContext, "encode_runs", failing_runs)
+        monkeypatch.setattr(mtmd, "encode", encode_unless_bad)
+        good, failed = engine.generate([_ask(_image(60)), _ask(_image(61))], GREEDY, use_tqdm=False)
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 6
+    assert failed.outputs[0].finish_reason == "error"
+    assert "could not encode the image" in (failed.outputs[0].error or "")
+    assert groups == [2]

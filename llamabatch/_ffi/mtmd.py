@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,15 +292,21 @@ class MtmdContext:
             )
 
     def encode_many(self, chunks: list[ImageChunk]) -> list[np.ndarray]:
-        """The embeddings of every chunk, as :meth:`encode` gives them, in order, encoded in
-        ``mtmd_batch`` runs: libmtmd puts several images into one encoder graph where the
-        projector supports it (and up to its token budget); otherwise every run holds one image.
-        Raises RuntimeError when the encoder fails."""
+        """The embeddings of every chunk, as :meth:`encode` gives them, in order (see
+        :meth:`encode_runs`). Raises RuntimeError when the encoder fails."""
+        return [embd for run in self.encode_runs(chunks) for embd in run]
+
+    def encode_runs(self, chunks: list[ImageChunk]) -> Iterator[list[np.ndarray]]:
+        """Encode ``chunks`` in order, in ``mtmd_batch`` runs: libmtmd puts several images
+        into one encoder graph where the projector supports it (up to its token budget),
+        otherwise a run holds one image. Yields each run's embeddings as it is done, so a
+        caller can hand out the first images before the last are encoded. Raises
+        RuntimeError when the encoder fails."""
         ffi, lib = self._ffi, self._lib
-        out: list[np.ndarray] = []
         pending = list(chunks)
-        with self._lock:
-            while pending:
+        while pending:
+            out: list[np.ndarray] = []
+            with self._lock:
                 batch = ffi.gc(lib.mtmd_batch_init(self.ptr), lib.mtmd_batch_free)
                 run: list[ImageChunk] = []
                 for chunk in pending:
@@ -323,8 +330,8 @@ class MtmdContext:
                         .copy()
                     )
                 ffi.release(batch)
-                pending = pending[len(run) :]
-        return out
+            pending = pending[len(run) :]
+            yield out
 
     def non_causal(self, chunk: ImageChunk) -> bool:
         """Whether the text model must attend over the whole image at once while decoding it

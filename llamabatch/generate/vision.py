@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -299,21 +300,62 @@ class Vision:
                 self._cache.move_to_end(chunk.key)
                 self.counters.cache_hits += 1
                 return cached
-        import time
-
         t0 = time.perf_counter()
         embd = self.mtmd.encode(chunk)
+        self._store(chunk.key, embd, time.perf_counter() - t0)
+        return embd
+
+    def _store(self, key: str, embd: np.ndarray, seconds: float) -> None:
+        """Count an encode of ``seconds`` and cache its embeddings (LRU, bounded)."""
         with self._lock:
             self.counters.encoded += 1
-            self.counters.encode_seconds += time.perf_counter() - t0
+            self.counters.encode_seconds += seconds
             if 0 < embd.nbytes <= self.cache_bytes:
-                self._cache[chunk.key] = embd
+                self._cache[key] = embd
                 self.counters.cache_bytes += embd.nbytes
                 while self.counters.cache_bytes > self.cache_bytes:
                     _, old = self._cache.popitem(last=False)
                     self.counters.cache_bytes -= old.nbytes
                     self.counters.cache_evictions += 1
-        return embd
+
+    def _encode_group(self, group: list[ImageChunk], futures: list[Future[np.ndarray]]) -> None:
+        """On the encoder thread: encode ``group`` (held prompts' images, several requests')
+        in ``mtmd_batch`` runs, each future answered as its run is done. When a run fails, its
+        images and the rest are encoded one by one, so an image's error reaches only the
+        requests that have it. A lone image takes :meth:`embeddings`' path."""
+        done = 0
+        try:
+            t0 = time.perf_counter()
+            for run in self.mtmd.encode_runs(group) if len(group) > 1 else ():
+                share = (time.perf_counter() - t0) / max(len(run), 1)
+                for embd in run:
+                    self._store(group[done].key, embd, share)
+                    futures[done].set_result(embd)
+                    done += 1
+                t0 = time.perf_counter()
+        except Exception:
+            pass  # the images not answered yet go one by one below
+        for chunk, future in zip(group[done:], futures[done:], strict=True):
+            try:
+                future.set_result(self.embeddings(chunk))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _pending_images(self, first: ImageChunk) -> list[ImageChunk]:
+        """``first`` and the held prompts' images still to compute that no encode runs for and
+        the cache does not hold, once each: one group for the encoder thread."""
+        group = [first]
+        seen = {first.key}
+        with self._lock:
+            cached = set(self._cache)
+        for hold in self._holds.values():
+            for at, chunk in hold.request.media.images:
+                key = chunk.key
+                if at + chunk.n_tokens > hold.pos and key not in seen and key not in cached:
+                    if key not in self._encoding:
+                        group.append(chunk)
+                        seen.add(key)
+        return group
 
     def ready_embeddings(self, chunk: ImageChunk, wait: bool) -> np.ndarray | None:
         """The image's embeddings from the encoder cache, or from its encode on the encoder
@@ -329,7 +371,12 @@ class Vision:
                     return cached
             if self._encoder is None:
                 self._encoder = ThreadPoolExecutor(1, thread_name_prefix="llamabatch-image-encoder")
-            future = self._encoding[chunk.key] = self._encoder.submit(self.embeddings, chunk)
+            group = self._pending_images(chunk)
+            futures: list[Future[np.ndarray]] = [Future() for _ in group]
+            for image, pending in zip(group, futures, strict=True):
+                self._encoding[image.key] = pending
+            self._encoder.submit(self._encode_group, group, futures)
+            future = futures[0]
         if not wait and not future.done():
             return None
         del self._encoding[chunk.key]
@@ -458,7 +505,6 @@ class Vision:
     def _decode(self, core: Any, hold: ImageHold, pos0: int, decode: Any) -> None:
         """Run ``decode`` (of ``hold``'s positions from ``pos0``); when the KV cache has no
         room, evict idle cached prefixes and retry."""
-        import time
 
         t0 = time.perf_counter()
         while True:
