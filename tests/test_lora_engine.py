@@ -194,7 +194,7 @@ def test_load_and_unload_at_run_time(tiny: Path, adapters: dict[str, Path]) -> N
         assert llm.lora_adapters() == {"a": str(adapters["a"])}
         first = llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)[0].outputs[0].token_ids
         llm.unload_lora("a")
-        assert llm.core.lora.stats()["lora_loaded"] == []
+        assert llm.stats().lora_loaded == ()
         with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
             llm.generate([PROMPTS[1]], _greedy("a"), use_tqdm=False)
         with pytest.raises(KeyError):
@@ -224,3 +224,24 @@ def test_adapter_failing_to_load_at_admission_ends_its_request_as_error(
         assert failed.outputs[0].finish_reason == "error"
         assert "'gone'" in str(failed.outputs[0].error) and "broken.gguf" in str(failed.outputs[0].error)
         assert llm.generate(["x"], _greedy(), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_lora_stats_in_llm_stats_and_metrics(tiny: Path, adapters: dict[str, Path]) -> None:
+    pytest.importorskip("prometheus_client")
+    from llamabatch.runtime.metrics import PrometheusListener
+
+    with LLM(tiny, lora_adapters=adapters, n_parallel=2, n_ctx=512) as llm:
+        params = [_greedy("a"), _greedy(), _greedy({"a": 0.5, "b": 1.0})]
+        llm.generate(["x", "y", "z"], params, use_tqdm=False)
+        stats = llm.stats()
+        assert stats.lora_switches >= 2 and stats.lora_loads == 2
+        assert set(stats.lora_loaded) == {"a", "b"}
+        assert stats.lora_requests == {"a": 1, "(base)": 1, "a*0.5+b": 1}
+        assert stats.lora_switch_seconds >= 0.0
+        metrics = PrometheusListener(model_name="tiny")
+        metrics.attach(llm, "tiny")
+        text = metrics.generate_latest().decode()
+    assert 'llamabatch:lora_switches_total{model_name="tiny"}' in text
+    assert 'llamabatch:lora_loaded_adapters{model_name="tiny"} 2.0' in text
+    assert 'llamabatch:lora_requests_total{adapter_set="a*0.5+b",model_name="tiny"} 1.0' in text
+    assert "llamabatch:lora_switch_seconds{" in text

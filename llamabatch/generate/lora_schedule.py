@@ -60,6 +60,7 @@ __all__ = [
     "SwitchCost",
     "install_lora",
     "lora_params",
+    "lora_stats",
     "parse_lora_arg",
     "unload_adapter",
 ]
@@ -67,6 +68,8 @@ __all__ = [
 #: a request's adapter set, as ``SamplingParams.lora`` holds it; ``()``: the base model
 AdapterSet = tuple[tuple[str, float], ...]
 BASE: AdapterSet = ()
+#: the most adapter sets counted apart in ``GenerationStats.lora_requests``
+MAX_COUNTED_SETS = 64
 
 
 class LoraRegistry:
@@ -250,6 +253,8 @@ class LoraScheduler:
         self.switched = False  # the applied set changed since the last decode
         self._ran: AdapterSet | None = None
         self.n_switches = 0
+        #: admitted requests by adapter set label (``set_label``)
+        self.requests: dict[str, int] = {}
         #: how a set is put on the context (tests pass a fake)
         self.set_on_context: Callable[[Any, list[Any], list[float]], None] = set_adapters
 
@@ -313,16 +318,35 @@ class LoraScheduler:
         self.switch.observe(features, elapsed, self.switched)
         self.switched = False
 
+    def count_admission(self, key: AdapterSet) -> None:
+        """Count an admitted request of ``key`` (``GenerationStats.lora_requests``)."""
+        label = set_label(key)
+        if label not in self.requests and len(self.requests) >= MAX_COUNTED_SETS:
+            label = "(other)"  # scales are the client's: the labels stay bounded
+        self.requests[label] = self.requests.get(label, 0) + 1
+
     def stats(self) -> dict[str, Any]:
+        """``GenerationStats``' ``lora_*`` fields."""
         reg = self.registry
         return {
             "lora_switches": self.n_switches,
             "lora_switch_seconds": self.switch.seconds,
             "lora_switches_measured": self.switch.n_measured,
-            "lora_loaded": list(reg.loaded),
+            "lora_loaded": tuple(reg.loaded),
             "lora_loads": reg.loads,
             "lora_unloads": reg.unloads,
+            "lora_requests": dict(self.requests),
         }
+
+
+def set_label(key: AdapterSet) -> str:
+    """``key`` as a metrics label: ``"a"``, ``"a*0.5+b"``; ``"(base)"`` for no adapter."""
+    return "+".join(name if scale == 1.0 else f"{name}*{scale:g}" for name, scale in key) or "(base)"
+
+
+def lora_stats(scheduler: LoraScheduler | None) -> dict[str, Any]:
+    """``GenerationStats``' ``lora_*`` fields of ``scheduler`` (empty without LoRA: the defaults)."""
+    return scheduler.stats() if scheduler is not None else {}
 
 
 class _SubsetView:
@@ -427,6 +451,7 @@ class LoraAdmission(DelegatingAdmission):
     def admitted(self, request: Request) -> None:
         self._passed.pop(request.arrival, None)
         self.scheduler.registry.use(request.params.lora, +1)
+        self.scheduler.count_admission(request.params.lora)
         self.inner.admitted(request)
 
     def released(self, request: Request) -> None:

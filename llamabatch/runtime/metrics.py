@@ -257,6 +257,7 @@ class PrometheusListener:
         yield from _spec_counters(sources, CounterMetricFamily)
         yield from _restore_skipped(sources, CounterMetricFamily)
         yield from _layout_switches(sources, CounterMetricFamily)
+        yield from _lora(sources, CounterMetricFamily, GaugeMetricFamily)
 
     def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
         def family(kind: Any, key: str, doc: str) -> Any:
@@ -395,6 +396,47 @@ def _layout_switches(sources: list[tuple[Any, str]], counter: Any) -> Iterator[A
         for reason, n in sorted((_get(stats, "layout_switch_reasons") or {}).items()):
             family.add_metric([name, reason], n)
     yield family
+
+
+_LORA_COUNTERS = {
+    "lora_switches": "Changes of the context's LoRA adapter set.",
+    "lora_loads": "LoRA adapters loaded into llama.cpp.",
+    "lora_unloads": "LoRA adapters unloaded (least recently used, or unregistered).",
+}
+
+
+def _lora(sources: list[tuple[Any, str]], counter: Any, gauge: Any) -> Iterator[Any]:
+    """LoRA adapters (``GenerationStats.lora_*``): switches, the fitted switch cost, the
+    adapters loaded, and admissions by adapter set; engines without LoRA report nothing."""
+    label = ["model_name"]
+    counters = {key: counter(PREFIX + key, doc, labels=label) for key, doc in _LORA_COUNTERS.items()}
+    seconds = gauge(
+        PREFIX + "lora_switch_seconds",
+        "Fitted extra seconds of a tick after the LoRA adapter set changed.",
+        labels=label,
+    )
+    loaded = gauge(PREFIX + "lora_loaded_adapters", "LoRA adapters loaded into llama.cpp now.", labels=label)
+    requests = counter(
+        PREFIX + "lora_requests",
+        "Admitted requests by LoRA adapter set ((base): none).",
+        labels=["model_name", "adapter_set"],
+    )
+    for source, name in sources:
+        try:
+            stats = source.stats()
+        except Exception:  # a closed engine: nothing to report
+            continue
+        by_set = _get(stats, "lora_requests")
+        if not by_set:  # no LoRA, or nothing admitted yet
+            continue
+        for key, family in counters.items():
+            family.add_metric([name], _get(stats, key))
+        seconds.add_metric([name], _get(stats, "lora_switch_seconds"))
+        loaded.add_metric([name], len(_get(stats, "lora_loaded") or ()))
+        for adapter_set, n in sorted(by_set.items()):
+            requests.add_metric([name, adapter_set], n)
+    yield from counters.values()
+    yield from (seconds, loaded, requests)
 
 
 def _on_request(m: _ModelMetrics, event: RequestEvent) -> None:

@@ -251,6 +251,18 @@ class GenerationStats:
     #: finished requests that had an SLO, and those that met it (goodput: their ratio)
     slo_requests: int = 0
     slo_met: int = 0
+    # -- LoRA adapters (``lora_adapters``, ``generate/lora_schedule.py``) --
+    #: changes of the context's adapter set, the fitted extra seconds of a tick after one (a
+    #: prior until ``lora_switches_measured`` > 0), adapters loaded into llama.cpp now (least
+    #: recently used first), loads and unloads, and admissions by adapter set (``"a"``,
+    #: ``"a*0.5+b"``; ``"(base)"``: none; past 64 sets, ``"(other)"``)
+    lora_switches: int = 0
+    lora_switch_seconds: float = 0.0
+    lora_switches_measured: int = 0
+    lora_loaded: tuple[str, ...] = ()
+    lora_loads: int = 0
+    lora_unloads: int = 0
+    lora_requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
