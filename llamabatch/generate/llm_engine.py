@@ -23,7 +23,7 @@ from llamabatch.generate.batch_invariant import check_weight_types
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.layout_switch import LayoutFollower
-from llamabatch.generate.lora_schedule import lora_params
+from llamabatch.generate.lora_schedule import lora_params, lora_stats
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
@@ -315,6 +315,7 @@ class EngineHost:
             slo_met=c.slo_met,
             **history_stats(core.spec),
             **vision_stats(self.vision),
+            **lora_stats(core.lora),
         )
 
     def when_quiet(self) -> bool:
