@@ -105,3 +105,40 @@ def test_adapter_failing_to_load_is_a_server_error_naming_it(
     finally:
         llm.unload_lora("broken")
     assert _complete(url).status_code == 200
+
+
+def test_bare_file_adapters_apply_to_every_request_that_selects_none(llm: LLM) -> None:
+    # llama-server applies --lora FILE adapters to every request at scale 1
+    base, a = _expected(llm, ()), _expected(llm, "a")
+    with serve(create_app(llm, model_name="tiny", lora_applied=["a"])) as applied_url:
+        assert _complete(applied_url).json()["choices"][0]["text"] == a
+        assert _complete(applied_url, model="a").json()["choices"][0]["text"] == a
+        assert _complete(applied_url, lora=[]).json()["choices"][0]["text"] == base
+        assert _complete(applied_url, lora=[{"id": 0, "scale": 0.0}]).json()["choices"][0]["text"] == base
+        assert _complete(applied_url, model="b").json()["choices"][0]["text"] == _expected(llm, "b")
+    with pytest.raises(ValueError, match=r"lora_applied.*'zzz'"):
+        create_app(llm, model_name="tiny", lora_applied=["zzz"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "applied"),
+    [
+        (["--lora", "x/sql.gguf", "--lora", "chat=c.gguf"], ("sql",)),
+        (["--lora", "x/sql.gguf", "--lora", "y/more.gguf"], ("sql", "more")),
+        (["--lora", "x/sql.gguf", "--lora-init-without-apply"], ()),
+        (["--lora", "chat=c.gguf"], ()),
+        ([], ()),
+    ],
+)
+def test_serve_applies_bare_file_adapters_unless_init_without_apply(
+    argv: list[str], applied: tuple[str, ...]
+) -> None:
+    import argparse
+
+    from llamabatch.server.cli import add_arguments
+    from llamabatch.server.lora import applied_adapters
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-m", "model.gguf", *argv])
+    assert applied_adapters(args.lora_adapters, args.lora_init_without_apply) == applied

@@ -43,6 +43,7 @@ from llamabatch.runtime.metrics import PrometheusListener
 from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits
+from llamabatch.server.lora import applied_lora
 from llamabatch.server.offload import Offload, WorkLimits
 from llamabatch.server.protocol import APIError
 from llamabatch.server.state import OpenAIServer
@@ -68,6 +69,7 @@ def create_app(
     rerank_model_name: str | None = None,
     client_policy: ClientPolicy | None = None,
     work_limits: WorkLimits | None = None,
+    lora_applied: Sequence[str] = (),
 ) -> Starlette:
     """The OpenAI-compatible Starlette app over ``llm`` and/or ``embedder`` (not closed by it).
 
@@ -95,6 +97,8 @@ def create_app(
             ignored, half the queue per client.
         work_limits: the worker threads and per-request time budget of the CPU-heavy steps
             (``offload.WorkLimits``; default: 2 threads per pool, 30 s).
+        lora_applied: names of ``llm``'s LoRA adapters a request that selects none by
+            ``"model"`` or ``"lora"`` runs with, at scale 1 (llama-server's ``--lora FILE``).
     """
     server = OpenAIServer(
         llm,
@@ -108,6 +112,7 @@ def create_app(
         rerank_model_name=rerank_model_name,
         offload=Offload(work_limits),
     )
+    server.lora_applied = applied_lora(llm, lora_applied)
     ep = server.endpoint
 
     def handler(

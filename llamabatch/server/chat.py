@@ -64,7 +64,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
         prepare.params_pool(body),
         sampling_params,
         body,
-        lora=request_lora(body, list(llm.lora_adapters())),
+        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
         chat=True,
         prompt_tokens=len(tokens),
         n_ctx_seq=llm.n_ctx_seq,

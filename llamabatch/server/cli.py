@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_FORMATS,
         help="auto: <think> blocks go to reasoning_content; none: they stay in the content",
     )
+    parser.add_argument(
+        "--lora-init-without-apply",
+        action="store_true",
+        help="load bare --lora FILE adapters without applying them to every request (llama-server's)",
+    )
     # the engine's options, generated from EngineConfig (llama-server's names and aliases)
     EngineConfig.add_cli_args(
         parser.add_argument_group("generation engine (LLM)"),
@@ -210,6 +215,7 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from llamabatch.server.app import create_app
+        from llamabatch.server.lora import applied_adapters
         from llamabatch.server.offload import shorten_gil_waits
     except ImportError as exc:
         print(
@@ -253,6 +259,7 @@ def main(args: argparse.Namespace) -> int:
             )
         app = create_app(
             llm,
+            lora_applied=applied_adapters(args.lora_adapters, args.lora_init_without_apply),
             embedder=embedder,
             reranker=reranker,
             rerank_model_name=args.rerank_model_name,

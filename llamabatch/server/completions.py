@@ -56,7 +56,7 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         pool,
         sampling_params,
         body,
-        lora=request_lora(body, list(llm.lora_adapters())),
+        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
         chat=False,
         prompt_tokens=max(map(len, token_prompts)),
         n_ctx_seq=llm.n_ctx_seq,

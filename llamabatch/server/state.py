@@ -57,6 +57,8 @@ class OpenAIServer:
         )
         self.api_key = api_key
         self.chat_template = chat_template
+        #: adapters a request that selects none runs with (``server/lora.py``)
+        self.lora_applied: tuple[str, ...] = ()
         self.created = now()
         if metrics is None:
             metrics = PrometheusListener()
