@@ -94,3 +94,31 @@ def test_same_tokens_other_adapter_are_computed_again() -> None:
         while core.has_unfinished():
             core.step()
         assert again.reused_tokens == expected, lora
+
+
+def test_room_is_counted_without_a_prefix_of_another_adapter_set() -> None:
+    """Admission counts as reusable only a prefix computed under the request's own set: one
+    under another set is computed again, so its cells must be found (evicting) up front."""
+    core, _context, _model = make_core(n_parallel=3, n_ctx=96, prefix_cache=True, cache_ram=None)
+    shared = [1, *range(2, 31)]  # 30 tokens (the fake vocabulary: ids below 64)
+
+    def run(tokens: list[int], lora: Any, max_tokens: int) -> Request:
+        request = Request(tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, lora=lora))
+        core.add([request])
+        return request
+
+    for tokens, lora in ((shared, "a"), ([63, *range(33, 62)], ())):  # two idle 30-token caches
+        run(tokens, lora, 1)
+        while core.has_unfinished():
+            core.step()
+    runner = run([2, *range(40, 59)], (), 40)  # 20 tokens, running: 16 cells free
+    core.step()
+    # 55 tokens under the base model: slot 0's 30 are adapter "a"'s, not reusable
+    late = run([*shared, *range(35, 60)], (), 2)
+    core.step()
+    assert core.counters.evictions == 2  # both idle caches, not only the unrelated one
+    assert core.counters.decode_retries == 0 and core.counters.preemptions == 0
+    while core.has_unfinished():
+        core.step()
+    assert late.finish_reason == runner.finish_reason == "length"
+    assert late.reused_tokens == 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -295,7 +295,7 @@ class EngineCore:
             ):
                 i += 1
                 continue
-            if not self._make_room(tokens):
+            if not self._make_room(tokens, request.params.lora):
                 blocked = request
                 break
             verdict = policy.admits(request, len(tokens), table, [s for s, _ in self.slots.busy()])
@@ -327,7 +327,7 @@ class EngineCore:
             self._admit()
         else:  # the blocked request takes the freed slot itself
             tokens = blocked.tokens_to_compute()
-            if self._make_room(tokens):
+            if self._make_room(tokens, blocked.params.lora):
                 waiting.remove(blocked)
                 self._launch(blocked, tokens)
 
@@ -341,14 +341,15 @@ class EngineCore:
         self._start(request, tokens)
         return True
 
-    def _make_room(self, tokens: list[int]) -> bool:
-        """Whether ``tokens`` can start now: with a unified KV cache its uncached tokens must
-        fit the free cells (plus the watermark); idle cached prefixes are evicted (least
-        recently used first) to make room. A request always starts when nothing runs."""
+    def _make_room(self, tokens: list[int], tag: Hashable = ()) -> bool:
+        """Whether ``tokens`` (under the adapter set ``tag``) can start now: with a unified KV
+        cache its uncached tokens must fit the free cells (plus the watermark); idle cached
+        prefixes are evicted (least recently used first) to make room. A request always
+        starts when nothing runs."""
         table = self.table
         if not table.kv_unified or not table.busy_slots:
             return True
-        source, n_cached = table.best_prefix(tokens) if self.kv.reuse else (-1, 0)
+        source, n_cached = self.kv.best_prefix(tokens, tag) if self.kv.reuse else (-1, 0)
         need = len(tokens) - min(n_cached, len(tokens) - 1) + self.watermark
         # Prompts admitted but not computed yet (this step's too) will take cells as well.
         need += sum(table.n_pending(s) for s in range(self.n_parallel))
