@@ -83,12 +83,12 @@ class EngineHost:
             self.kv_plan, config = plan_config(self.model, self.config)
             self.config = config
             self.context, self.core = build_engine(self.model, config, self.telemetry)
+            #: images (``--mmproj``): their prompts and positions (``generate/vision.py``)
+            self.vision = self.core.vision = vision_for(self.model, config, self.context)
             #: the KV layout following the workload (``generate/layout_switch.py``)
             self.layout = LayoutFollower(self.config_asked, self.kv_plan)
             if self.layout.enabled:
                 self.telemetry.add_listener(self.layout.watcher)
-            #: images (``--mmproj``): their prompts and positions (``generate/vision.py``)
-            self.vision = self.core.vision = vision_for(self.model, config, self.context)
         except BaseException:
             self.model.close()
             raise
