@@ -1,6 +1,6 @@
 """Deterministic GGUF mutants, and a subprocess harness that loads, tokenizes and runs each one.
 
-Used by ``tests/test_fuzz_gguf.py`` and ``tests/test_gguf_check.py``.
+Used by ``tests/gguf/test_fuzz_gguf.py`` and ``tests/gguf/test_gguf_check.py``.
 
 * :class:`GGUF` is an editable GGUF (key-value pairs and tensors) with its own serializer, so a
   mutant can hold what ``gguf.GGUFWriter`` refuses to write (duplicate tensors, raw invalid

@@ -212,7 +212,7 @@ class PeakMemory:
 
 class MemoryGrowth:
     """RSS after 2,000 short requests against RSS after 100 (tiny model): must stay flat
-    (``tests/test_bench.py`` fails above 1.05)."""
+    (``tests/bench/test_bench.py`` fails above 1.05)."""
 
     timeout = 300
 

@@ -3,7 +3,7 @@
  * Hand-written on purpose: only what the project calls, and the types, fields and enum
  * values those calls need. Structs end in `...;` so the C compiler fills in the real
  * layout from the vendored llama.h and checks every field named here (llama.h changes its
- * structs often). tests/test_ffi_cdefs.py fails if a name here is missing from the
+ * structs often). tests/ffi/test_ffi_cdefs.py fails if a name here is missing from the
  * vendored header, or if no code in llamabatch/ uses it (add a declaration together with
  * its first caller).
  */

@@ -2,7 +2,7 @@
 
 :func:`rss_after_requests` serves short requests through one :class:`llamabatch.LLM` and
 records the resident set size after given request counts (the target: RSS after 2,000
-requests within 5% of RSS after 100). Used by ``tests/test_bench.py`` and the asv suite.
+requests within 5% of RSS after 100). Used by ``tests/bench/test_bench.py`` and the asv suite.
 """
 
 from __future__ import annotations

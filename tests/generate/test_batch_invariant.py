@@ -245,7 +245,7 @@ def test_explicit_per_stream_types_are_kept(smollm2_path):
 
 
 def _reproduction():
-    path = Path(__file__).resolve().parent.parent / "docs" / "batch_invariance.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "batch_invariance.py"
     spec = importlib.util.spec_from_file_location("batch_invariance_doc", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

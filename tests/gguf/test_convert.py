@@ -25,7 +25,7 @@ from llamabatch.bench.runners.llama_cpp import load_llama_cpp  # noqa: E402
 from llamabatch.cli import main  # noqa: E402
 from llamabatch.gguf.convert import cached_conversion, convert_bert  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SENTENCES = DATA / "sentences_en.txt"
 REFERENCE = DATA / "minilm_reference.npy"
 MIN_COSINE = 0.999

@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
+from test_server import serve
+
 from llamabatch import LLM, SamplingParams
 from llamabatch.server import create_app
 from llamabatch.testing import make_lora, model_path
-from tests.test_server import serve
 
 PROMPT = "The cat sat on"
 

@@ -532,7 +532,7 @@ def test_server_answers_stray_bracket_patterns(tmp_path: Path) -> None:
     pytest.importorskip("starlette")
     from llamabatch.gguf.testing import model_path
 
-    template = Path(__file__).parent / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    template = Path(__file__).parents[1] / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

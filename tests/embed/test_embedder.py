@@ -27,7 +27,7 @@ from llamabatch.cli import main
 from llamabatch.gguf.testing import english_sentences, model_path
 from llamabatch.runtime.telemetry import EmbedPackEvent
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SENTENCES = DATA / "sentences_en.txt"
 REFERENCE = DATA / "minilm_reference.npy"
 MIN_COSINE = 0.999

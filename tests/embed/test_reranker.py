@@ -33,7 +33,7 @@ from llamabatch.gguf.testing_reranker import (  # noqa: E402
     reranker_path,
 )
 
-REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
+REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "reranker_reference.json").read_text())
 ALL_PAIRS = [tuple(p) for p in REFERENCE["pairs"]]
 LOGITS = np.array(REFERENCE["logits"], dtype=np.float64)[:, 0]
 TOLERANCE = 1e-3

@@ -24,7 +24,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from llamabatch.server import create_app  # noqa: E402
 
-TEMPLATE = (Path(__file__).parent / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
+TEMPLATE = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
@@ -198,9 +199,7 @@ def test_reasoning_content(tmp_path):
     """DeepSeek R1's template opens ``<think>`` in the prompt: the answer (never closed by the
     random model) is ``reasoning_content``, streamed and not, and the same both ways."""
     path = tmp_path / "tiny-r1.gguf"
-    template = (
-        Path(__file__).parent / "data" / "chat_templates" / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
-    )
+    template = TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
     testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=template.read_text())
     with LLM(path, n_ctx=1024, n_parallel=1, n_threads=1) as llm, serve(create_app(llm)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

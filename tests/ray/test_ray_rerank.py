@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 from llamabatch.gguf.testing_reranker import PAIRS, reranker_path  # noqa: E402
 from llamabatch.ray import Rerank, RowError, rerank  # noqa: E402
 
-REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
+REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "reranker_reference.json").read_text())
 LOGITS = np.array(REFERENCE["logits"])[:, 0]
 OPTIONS = {"n_threads": 1, "activation_fn": "identity"}
 

@@ -19,7 +19,7 @@ from llamabatch.toolcalls.stream import ChatOutputParser
 
 jsonschema = pytest.importorskip("jsonschema")
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 WEATHER = {
     "type": "object",
     "properties": {

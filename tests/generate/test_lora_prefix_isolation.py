@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fake_llama import make_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamabatch.generate.request import Request
 from llamabatch.params import SamplingParams
-from tests.fake_llama import make_core
 
 SETS = ((), "a", "b", {"a": 0.5})
 

@@ -107,8 +107,9 @@ def test_smollm2_greedy_with_adapter_equals_llama_cpp(smol_lora: tuple[Path, Pat
     round an F32 matrix (the adapter's) differently for one row than for several, so with
     batch-mates of its set a near tie may go the other way (README: LoRA adapters)."""
     pytest.importorskip("llama_cpp")
+    from test_real_model import single_sequence_greedy
+
     from llamabatch.bench.runners.llama_cpp import load_llama_cpp
-    from tests.test_real_model import single_sequence_greedy
 
     base, adapter = smol_lora
     n = 16

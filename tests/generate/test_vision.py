@@ -211,7 +211,7 @@ def test_text_streams_decode_between_image_slices(vision_files, llm):
 def _data_url(seed: int) -> str:
     import base64
 
-    from tests.test_vision_anchor import _png
+    from test_vision_anchor import _png
 
     return "data:image/png;base64," + base64.b64encode(_png(seed)).decode()
 

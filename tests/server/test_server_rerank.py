@@ -27,7 +27,7 @@ pytest.importorskip("tokenizers")
 
 from llamabatch.gguf.testing_reranker import PAIRS, reranker_path  # noqa: E402
 
-REFERENCE = json.loads((Path(__file__).resolve().parent / "data" / "reranker_reference.json").read_text())
+REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "reranker_reference.json").read_text())
 LOGITS = np.array(REFERENCE["logits"])[:, 0]
 
 

@@ -3,7 +3,7 @@
 Each case is a file made from the project's own models by ``tests/gguf_mutants.py``; the cases
 of issue 11 (files that killed the process inside llama.cpp) come first. Checking runs in this
 process: the validator rejects these files before llama.cpp reads them. The fuzz suite
-(``tests/test_fuzz_gguf.py``) runs mutants in child processes instead.
+(``tests/gguf/test_fuzz_gguf.py``) runs mutants in child processes instead.
 """
 
 from __future__ import annotations
