@@ -255,8 +255,20 @@ class PrometheusListener:
 
         yield from self._gauges(sources, GaugeMetricFamily)
         yield from _spec_counters(sources, CounterMetricFamily)
-        yield from _restore_skipped(sources, CounterMetricFamily)
-        yield from _layout_switches(sources, CounterMetricFamily)
+        yield from _by_reason(
+            sources,
+            CounterMetricFamily,
+            "ram_cache_restore_skipped",
+            "Host-RAM prompt states matched but not loaded (the prompt computed), by reason.",
+            "ram_cache_restore_skipped",
+        )
+        yield from _by_reason(
+            sources,
+            CounterMetricFamily,
+            "layout_switches",
+            "Context rebuilds with another KV layout / flash attention, by reason.",
+            "layout_switch_reasons",
+        )
         yield from _lora(sources, CounterMetricFamily, GaugeMetricFamily)
 
     def _gauges(self, sources: list[tuple[Any, str]], gauge: Any) -> Iterator[Any]:
@@ -363,37 +375,17 @@ def _spec_counters(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any
     yield per_pos
 
 
-def _restore_skipped(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any]:
-    """Host-RAM prompt states that matched best and were not loaded, by reason
-    (``GenerationStats.ram_cache_restore_skipped``)."""
-    family = counter(
-        PREFIX + "ram_cache_restore_skipped",
-        "Host-RAM prompt states matched but not loaded (the prompt computed), by reason.",
-        labels=["model_name", "reason"],
-    )
+def _by_reason(
+    sources: list[tuple[Any, str]], counter: Any, metric: str, doc: str, field_name: str
+) -> Iterator[Any]:
+    """A counter by reason, from a ``{reason: n}`` field of each source's ``stats()``."""
+    family = counter(PREFIX + metric, doc, labels=["model_name", "reason"])
     for source, name in sources:
         try:
             stats = source.stats()
         except Exception:  # a closed engine: nothing to report
             continue
-        for reason, n in sorted((_get(stats, "ram_cache_restore_skipped") or {}).items()):
-            family.add_metric([name, reason], n)
-    yield family
-
-
-def _layout_switches(sources: list[tuple[Any, str]], counter: Any) -> Iterator[Any]:
-    """Context rebuilds for another KV layout, by reason (``GenerationStats.layout_switch_reasons``)."""
-    family = counter(
-        PREFIX + "layout_switches",
-        "Context rebuilds with another KV layout / flash attention, by reason.",
-        labels=["model_name", "reason"],
-    )
-    for source, name in sources:
-        try:
-            stats = source.stats()
-        except Exception:  # a closed engine: nothing to report
-            continue
-        for reason, n in sorted((_get(stats, "layout_switch_reasons") or {}).items()):
+        for reason, n in sorted((_get(stats, field_name) or {}).items()):
             family.add_metric([name, reason], n)
     yield family
 
