@@ -7,11 +7,7 @@ message is accepted and rendered."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,8 @@ from llamabatch import LLM, testing
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 jsonschema = pytest.importorskip("jsonschema")
+
+from test_server import serve  # noqa: E402 (after the skips: it needs the server extra)
 
 from llamabatch.server import create_app  # noqa: E402
 
@@ -39,26 +37,6 @@ TOOLS = [
     },
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@contextmanager
-def serve(app) -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
