@@ -44,7 +44,7 @@ from llamabatch.server import chat, completions, embeddings, models, rerank, tok
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits
 from llamabatch.server.lora import applied_lora
-from llamabatch.server.offload import Offload, WorkLimits
+from llamabatch.server.offload import Offload, WorkLimits, lower_engine_priority
 from llamabatch.server.protocol import APIError
 from llamabatch.server.state import OpenAIServer
 from llamabatch.server.streaming import json_response
@@ -96,7 +96,9 @@ def create_app(
             client may have in flight (``server/client_policy.py``); default: priorities
             ignored, half the queue per client.
         work_limits: the worker threads and per-request time budget of the CPU-heavy steps
-            (``offload.WorkLimits``; default: 2 threads per pool, 30 s).
+            (``offload.WorkLimits``; default: 2 threads per pool, 30 s), and how many
+            niceness levels those threads, and ``embedder``'s and ``reranker``'s engine
+            threads, run below ``llm``'s (default 10; raised on those threads here).
         lora_applied: names of ``llm``'s LoRA adapters a request that selects none by
             ``"model"`` or ``"lora"`` runs with, at scale 1 (llama-server's ``--lora FILE``).
     """
@@ -112,6 +114,7 @@ def create_app(
         rerank_model_name=rerank_model_name,
         offload=Offload(work_limits),
     )
+    lower_engine_priority((embedder, reranker), server.offload.limits.nice)
     server.lora_applied = applied_lora(llm, lora_applied)
     ep = server.endpoint
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llamabatch.config import EngineConfig
+from llamabatch.runtime.thread_priority import DEFAULT_WORKER_NICE, MAX_NICE
 from llamabatch.toolcalls import TOOL_CALL_PARSERS
 from llamabatch.toolcalls.reasoning import REASONING_FORMATS
 
@@ -171,12 +172,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="threads of each pool of CPU-heavy steps (prepare, grammar, rerank, encode; default 2)",
     )
+    w.add_argument(
+        "--worker-nice",
+        type=_worker_nice,
+        default=DEFAULT_WORKER_NICE,
+        metavar="N",
+        help="niceness levels the threads of those pools, and the reranker's and embedder's engine "
+        "threads, run below the generation engine's (Linux; 0: the same priority; default "
+        f"{DEFAULT_WORKER_NICE})",
+    )
 
 
 def _positive_float(value: str) -> float:
     number = float(value)
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return number
+
+
+def _worker_nice(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= MAX_NICE:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_NICE}], got {value}")
     return number
 
 
@@ -312,10 +329,10 @@ def _limits(args: argparse.Namespace) -> Any:
 
 
 def _work_limits(args: argparse.Namespace) -> Any:
-    """The app's ``WorkLimits`` from ``--work-timeout-s`` and ``--work-threads``."""
+    """The app's ``WorkLimits`` from ``--work-timeout-s``, ``--work-threads`` and ``--worker-nice``."""
     from llamabatch.server.offload import WorkLimits
 
-    return WorkLimits(timeout_s=args.work_timeout_s, threads=args.work_threads)
+    return WorkLimits(timeout_s=args.work_timeout_s, threads=args.work_threads, nice=args.worker_nice)
 
 
 #: seconds from SIGTERM (or Ctrl-C) to a forced exit (status 1) when the graceful shutdown

@@ -21,6 +21,11 @@ logits row) gives it up and takes it back, dozens of times per tick. While a poo
 Python, taking it back waits for the interpreter's switch interval, 5 ms by default: a tick of
 a millisecond took tens. ``llamabatch serve`` shortens the interval
 (:func:`shorten_gil_waits`).
+
+They share the CPUs too: the pools' threads, and a served reranker's or embedder's engine
+thread (:func:`lower_engine_priority`), run ``WorkLimits.nice`` levels below the generation
+engine's thread (``--worker-nice``, default 10), so clients' bulk work takes the CPUs the
+decodes leave idle rather than slowing every stream.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -35,6 +41,8 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from llamabatch.errors import EngineClosed
+from llamabatch.runtime.thread_priority import DEFAULT_WORKER_NICE, MAX_NICE, lower_thread_priority
 from llamabatch.server.protocol import APIError
 
 logger = logging.getLogger("llamabatch.server")
@@ -49,6 +57,7 @@ __all__ = [
     "RequestWork",
     "WorkAbandoned",
     "WorkLimits",
+    "lower_engine_priority",
     "run_step",
     "shorten_gil_waits",
     "small_work",
@@ -89,10 +98,14 @@ class WorkLimits:
     Args:
         timeout_s: wall-clock seconds one request's steps may take in all (``--work-timeout-s``).
         threads: worker threads of each pool (``--work-threads``).
+        nice: niceness levels the pools' threads run below the engine threads (``--worker-nice``;
+            ``runtime/thread_priority.py``): clients' bulk work takes the CPUs only when the
+            decodes leave them idle. 0: the same priority.
     """
 
     timeout_s: float = 30.0
     threads: int = 2
+    nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
@@ -101,6 +114,8 @@ class WorkLimits:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 1 <= self.threads <= 64:
             raise ValueError(f"threads must be an int in [1, 64], got {self.threads!r}")
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= MAX_NICE:
+            raise ValueError(f"nice must be an int in [0, {MAX_NICE}], got {self.nice!r}")
 
 
 class WorkAbandoned(BaseException):
@@ -155,11 +170,13 @@ class _Job:
 class WorkPool:
     """Up to ``threads`` daemon threads (started when work comes) running queued steps in
     order; abandoned steps are interrupted, and a thread still busy with one is replaced
-    (at most ``threads`` such: never more than ``2 * threads`` threads in all)."""
+    (at most ``threads`` such: never more than ``2 * threads`` threads in all). Each thread
+    runs ``nice`` levels below the main thread (``runtime/thread_priority.py``)."""
 
-    def __init__(self, name: str, threads: int) -> None:
+    def __init__(self, name: str, threads: int, nice: int = 0) -> None:
         self.name = name
         self.threads = threads
+        self.nice = nice
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: set[_Job] = set()
@@ -244,6 +261,7 @@ class WorkPool:
             return job
 
     def _serve(self) -> None:
+        lower_thread_priority(self.nice)
         while True:
             try:
                 job = self._next()
@@ -319,7 +337,7 @@ class Offload:
 
     def __init__(self, limits: WorkLimits | None = None) -> None:
         self.limits = limits if limits is not None else WorkLimits()
-        self.pools = {name: WorkPool(name, self.limits.threads) for name in POOLS}
+        self.pools = {name: WorkPool(name, self.limits.threads, self.limits.nice) for name in POOLS}
         self.closed = False
 
     def close(self) -> None:
@@ -331,7 +349,7 @@ class Offload:
     def reopen(self) -> None:
         """New pools after ``close`` (an app served again, e.g. by a second test client)."""
         if self.closed:
-            self.pools = {name: WorkPool(name, self.limits.threads) for name in POOLS}
+            self.pools = {name: WorkPool(name, self.limits.threads, self.limits.nice) for name in POOLS}
             self.closed = False
 
     def request(
@@ -406,6 +424,22 @@ class RequestWork:
             "a request's %s step ran past its %g s budget (--work-timeout-s): abandoned", pool, budget
         )
         raise work_timeout_error(budget)
+
+
+def lower_engine_priority(engines: Iterable[Any], nice: int) -> None:
+    """Run each of ``engines``' worker threads (an ``Embedder``'s, a ``Reranker``'s: bulk work
+    that clients choose) ``nice`` levels below the main thread, the generation engine's
+    priority; the OpenMP and ggml threads each starts for its decodes from then on inherit it
+    (see ``runtime/thread_priority.py``). ``None`` entries and closed engines are skipped."""
+    if nice == 0:
+        return
+    for engine in engines:
+        if engine is None:
+            continue
+        try:
+            engine.call(functools.partial(lower_thread_priority, nice))
+        except EngineClosed:
+            logger.debug("%s is closed: its thread's priority is left as it is", type(engine).__name__)
 
 
 def small_work(texts: Iterable[Any], max_chars: int = SMALL_STEP_CHARS) -> bool:
