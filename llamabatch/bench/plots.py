@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_plotting", "plot_results"]
+__all__ = ["check_plotting", "plot_attainment", "plot_results"]
 
 
 def check_plotting() -> None:
@@ -53,6 +53,47 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], t
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.minorticks_off()
     axes[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_attainment(
+    rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str = "", *, key: str = "server"
+) -> Path:
+    """Draw SLO attainment (``goodput``: the share of requests meeting the SLO, in %) and
+    total tokens/s against the arrival rate (``rate``), one line per ``rows[key]`` (the
+    server); write ``path``. Rows without ``goodput`` are left out of the attainment panel."""
+    check_plotting()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (attained, tokens) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        series.setdefault(str(row[key]), []).append(row)
+    for name, points in series.items():
+        points = sorted(points, key=lambda r: r["rate"])
+        scored = [p for p in points if p.get("goodput") is not None]
+        attained.plot(
+            [p["rate"] for p in scored], [100.0 * p["goodput"] for p in scored], marker="o", label=name
+        )
+        tokens.plot(
+            [p["rate"] for p in points], [p["total_tokens_per_s"] for p in points], marker="o", label=name
+        )
+    attained.set_ylabel("requests meeting the SLO (%)")
+    attained.set_ylim(-3, 103)
+    tokens.set_ylabel("total tokens/s")
+    for ax in (attained, tokens):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.grid(True, alpha=0.3)
+    attained.legend(fontsize="small")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
