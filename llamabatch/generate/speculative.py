@@ -247,6 +247,7 @@ class Speculator:
         self._decodes = 0
         self._draft_ticks = 0  # ticks given drafts so far
         self._evidence = 0.0  # ticks given drafts, exponentially weighted (see _probe)
+        self._lessons_held = True  # every draft of the first lessons was accepted (see _probe)
         self._states: dict[int, _SpecState] = {}
         #: what drafting has cost, measured: exploration stays within it (``spec_ledger``)
         self.ledger = SpecLedger(
@@ -428,13 +429,20 @@ class Speculator:
         exploring = self._draft_ticks < policy.explore_ticks
         if not self.ledger.allows_exploration():  # exploring has cost its share: it waits
             return ks
-        if any(ks) or free <= 0 or (not exploring and self._evidence >= policy.probe_below):
+        # a lesson drafts its full size while the lessons before it held: chosen lengths of a
+        # token or two would leave the cost of long drafts a guess nothing corrects (and long
+        # drafts never chosen); where drafts fail, the next lessons are as short as probes
+        full_lesson = exploring and self._lessons_held
+        if free <= 0 or (any(ks) and not full_lesson) or (not exploring and self._evidence >= policy.probe_below):
             return ks
         best = max(range(len(gains)), key=lambda r: gains[r][0] if gains[r] else 0.0, default=None)
         if best is None or not gains[best] or gains[best][0] < policy.probe_gain:
             return ks
         ks = list(ks)
-        ks[best] = min(free, sum(g >= policy.probe_gain for g in gains[best])) if exploring else 1
+        if full_lesson:
+            ks[best] = max(ks[best], min(free - sum(ks) + ks[best], len(gains[best])))
+        else:
+            ks[best] = min(free, sum(g >= policy.probe_gain for g in gains[best])) if exploring else 1
         return ks
 
     def _fixed_length(self, request: Request) -> bool:
@@ -563,6 +571,8 @@ class Speculator:
         self.accepted += n_acc
         self.acceptance.observe(st.acc(st.cls), d, n_acc, st.cls)
         self.ledger.accepted(n_acc)
+        if self._draft_ticks <= self.policy.explore_ticks and n_acc < d:
+            self._lessons_held = False
 
     def _book_drafts(self, drafts: int, rows: int) -> None:
         """Open the ledger's account of the tick just decoded with ``drafts`` draft tokens

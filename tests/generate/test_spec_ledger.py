@@ -63,3 +63,40 @@ def test_the_ledger_books_losses_and_gains_against_recent_decode_time():
     ledger.accepted(4)  # four tokens (40 ms of ticks) for 10 ms more: 30 ms gained
     ledger.settle()
     assert ledger.loss == pytest.approx(-0.01) and ledger.allows_exploration()
+
+
+
+def test_the_first_lessons_draft_their_full_size_while_they_hold():
+    # the lessons (2, 4, 8, 16 drafts) teach the cost model what long drafts cost: a lesson cut
+    # to the token or two an early guess chooses (on a real CPU the first decodes page the
+    # weights in and make every guess dear) left long drafts unpriced and never chosen
+    spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, OracleDrafter(None, 0.0))
+    holds = [[0.9**i for i in range(1, 40)]]
+    assert spec._probe([1], holds, free=4) == [4]
+    spec._draft_ticks = 1
+    assert spec._probe([1], holds, free=8) == [8]
+    spec._lessons_held = False  # a lesson failed: the next ones are probes, the choice stands
+    assert spec._probe([1], holds, free=16) == [1]
+    assert spec._probe([0], holds, free=16) == [sum(g >= spec.policy.probe_gain for g in holds[0])]
+    spec._draft_ticks = spec.policy.explore_ticks  # lessons over: a chosen length stands
+    spec._lessons_held = True
+    assert spec._probe([1], holds, free=16) == [1]
+
+
+def test_lessons_stop_growing_where_drafts_fail():
+    for p_wrong, first in ((0.0, [2, 4, 8, 16]), (1.0, [2])):
+        core, ctx, model = make_core(n_parallel=1, n_batch=128, n_ctx=1024)
+        ctx.cost, ctx.batch_jump, core.clock = CPU_COST, CPU_JUMP, ctx.clock
+        core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, OracleDrafter(model, p_wrong))
+        rec = Recorder(core, ctx, model)
+        (r,) = rec.new(prompt(16, 100), greedy(60))
+        lessons = []
+        while core.has_unfinished() and len(lessons) < 4:
+            rec.step()
+            if core.table.n_draft_tokens:
+                lessons.append(core.table.n_draft_tokens)
+        rec.run()
+        rec.check_done(r)
+        assert lessons[: len(first)] == first, (p_wrong, lessons)
+        if p_wrong:
+            assert max(lessons) <= 2, lessons
