@@ -433,7 +433,8 @@ class Speculator:
         # token or two would leave the cost of long drafts a guess nothing corrects (and long
         # drafts never chosen); where drafts fail, the next lessons are as short as probes
         full_lesson = exploring and self._lessons_held
-        if free <= 0 or (any(ks) and not full_lesson) or (not exploring and self._evidence >= policy.probe_below):
+        settled = not exploring and self._evidence >= policy.probe_below
+        if free <= 0 or (any(ks) and not full_lesson) or settled:
             return ks
         best = max(range(len(gains)), key=lambda r: gains[r][0] if gains[r] else 0.0, default=None)
         if best is None or not gains[best] or gains[best][0] < policy.probe_gain:

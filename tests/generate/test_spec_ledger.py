@@ -65,7 +65,6 @@ def test_the_ledger_books_losses_and_gains_against_recent_decode_time():
     assert ledger.loss == pytest.approx(-0.01) and ledger.allows_exploration()
 
 
-
 def test_the_first_lessons_draft_their_full_size_while_they_hold():
     # the lessons (2, 4, 8, 16 drafts) teach the cost model what long drafts cost: a lesson cut
     # to the token or two an early guess chooses (on a real CPU the first decodes page the
@@ -87,7 +86,8 @@ def test_lessons_stop_growing_where_drafts_fail():
     for p_wrong, first in ((0.0, [2, 4, 8, 16]), (1.0, [2])):
         core, ctx, model = make_core(n_parallel=1, n_batch=128, n_ctx=1024)
         ctx.cost, ctx.batch_jump, core.clock = CPU_COST, CPU_JUMP, ctx.clock
-        core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, OracleDrafter(model, p_wrong))
+        drafter = OracleDrafter(model, p_wrong)
+        core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, drafter)
         rec = Recorder(core, ctx, model)
         (r,) = rec.new(prompt(16, 100), greedy(60))
         lessons = []
