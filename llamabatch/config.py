@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llamabatch.config_checks import (
     SLO_REJECT,
     batch_invariant_conflict,
+    check_merge_lora,
     check_milliseconds,
     lora_adapter_pairs,
     positive_int,
@@ -258,6 +259,11 @@ class EngineConfig(OptionsConfig):
             are unloaded; never one a running request uses). Default: as many as
             ``lora_adapters`` names, 0 (LoRA off) when none; give it to load adapters at run
             time (``LLM.load_lora``) without any at start.
+        merge_lora: merge the one adapter of ``lora_adapters`` into the model's weights at
+            load (``gguf/merge_lora.py``: a merged GGUF, adapted tensors as F16, cached under
+            ``$XDG_CACHE_HOME/llamabatch/merged``) and serve that: no per-token adapter cost and
+            no switches; a request naming the adapter or none runs the merged weights, one asking
+            for another adapter or scale is refused. Needs exactly one adapter. Default ``False``.
 
     Raises:
         ValueError: an option out of range, of the wrong type, or options that do not fit
@@ -489,6 +495,14 @@ class EngineConfig(OptionsConfig):
             help="the most LoRA adapters loaded at once (default: as many as --lora names)",
         ),
     )
+    merge_lora: bool = field(
+        default=False,
+        metadata=flag(
+            "--merge-lora",
+            action=argparse.BooleanOptionalAction,
+            help="merge the one --lora adapter into the weights at load and serve the merged model",
+        ),
+    )
 
     def __post_init__(self) -> None:
         from llamabatch.strategies import get_strategy
@@ -503,6 +517,7 @@ class EngineConfig(OptionsConfig):
             raise ValueError(f"max_loras must be an int >= 0 or None, got {max_loras!r}")
         if max_loras == 0 and self.lora_adapters:
             raise ValueError("max_loras=0 switches LoRA off, but lora_adapters names adapters")
+        check_merge_lora(self.merge_lora, self.lora_adapters, max_loras)
 
         for name in ("n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))
@@ -569,7 +584,10 @@ class EngineConfig(OptionsConfig):
 
     @property
     def n_loras(self) -> int:
-        """``max_loras`` resolved: as many as ``lora_adapters`` names when not given (0: off)."""
+        """``max_loras`` resolved: as many as ``lora_adapters`` names when not given (0: off;
+        0 with ``merge_lora``, whose adapter is in the weights)."""
+        if self.merge_lora:
+            return 0
         return self.max_loras if self.max_loras is not None else len(self.lora_adapters)
 
     @property

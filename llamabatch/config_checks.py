@@ -133,3 +133,21 @@ def lora_adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"lora_adapters names {name!r} twice")
         out[name] = path
     return tuple(out.items())
+
+
+def check_merge_lora(merge_lora: Any, adapters: tuple[tuple[str, str], ...], max_loras: Any) -> None:
+    """``merge_lora`` needs exactly one adapter and no ``max_loras`` (nothing loads at run time)."""
+    if not isinstance(merge_lora, bool):
+        raise ValueError(f"merge_lora must be True or False, got {merge_lora!r}")
+    if not merge_lora:
+        return
+    if len(adapters) != 1:
+        raise ValueError(
+            f"merge_lora=True merges exactly one LoRA adapter into the weights, but lora_adapters "
+            f"names {len(adapters)}; give one, or serve several unmerged (merge_lora=False)"
+        )
+    if max_loras is not None:
+        raise ValueError(
+            f"max_loras={max_loras!r} does not apply with merge_lora=True: the merged model loads no "
+            "adapters at run time"
+        )

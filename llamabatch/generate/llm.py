@@ -521,6 +521,8 @@ class LLM(HostFacts, ThreadedFacade):
         llama.cpp when a request uses it, at most ``max_loras`` at once. Needs an engine made
         with ``lora_adapters`` or ``max_loras``."""
         lora = self._host.core.lora
+        if self._host.merged_lora is not None:
+            raise ValueError("this LLM serves one adapter merged into its weights (merge_lora=True)")
         if lora is None:
             raise ValueError("this LLM has no LoRA adapters: make it with lora_adapters= or max_loras=")
         lora.registry.register(name, path)
@@ -530,7 +532,10 @@ class LLM(HostFacts, ThreadedFacade):
         self.worker.call(lambda: unload_adapter(self._host.core, name))
 
     def lora_adapters(self) -> dict[str, str]:
-        """The adapters requests may name: ``{name: file}``."""
+        """The adapters requests may name: ``{name: file}`` (with ``merge_lora``, the merged one)."""
+        merged = self._host.merged_lora
+        if merged is not None:
+            return {merged.name: str(merged.adapter)}
         lora = self._host.core.lora
         return {name: str(path) for name, path in lora.registry.names().items()} if lora is not None else {}
 

@@ -23,6 +23,7 @@ from llamabatch.generate.batch_invariant import check_weight_types
 from llamabatch.generate.core import EngineCore, build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.layout_switch import LayoutFollower
+from llamabatch.generate.lora_merge import merge_on_load, merged_params
 from llamabatch.generate.lora_schedule import lora_params, lora_stats
 from llamabatch.generate.priority import check_priority
 from llamabatch.generate.request import Channel, Request
@@ -67,6 +68,10 @@ class EngineHost:
     def __init__(self, model_path: str | os.PathLike[str], config: EngineConfig) -> None:
         #: the config as given, before the load resolved what it left open
         self.config_asked = self.config = config
+        #: the adapter merged into the weights (``merge_lora``, ``generate/lora_merge.py``)
+        self.merged_lora = merge_on_load(model_path, config) if config.merge_lora else None
+        if self.merged_lora is not None:
+            model_path = self.merged_lora.path
         self.model = Model(
             model_path, n_gpu_layers=config.n_gpu_layers, load_mode=config.load_mode, validate=config.validate
         )
@@ -218,6 +223,7 @@ class EngineHost:
             params, self.model.n_vocab, n_parallel=self.n_parallel, max_mb=self.config.max_request_memory_mb
         )
         spec = self.config.speculative_config
+        params = merged_params(self.merged_lora, params)
         params = lora_params(self.core.lora, params, spec.get("method") if spec else None)
         media = media_prompt(self.vision, prompt, self.n_ctx_seq, params.max_tokens)
         tokens, text = (media.tokens, media.text) if media is not None else self.prompt_tokens(prompt, params)
