@@ -24,6 +24,15 @@ typedef struct mtmd_context mtmd_context;
 typedef struct mtmd_bitmap mtmd_bitmap;
 typedef struct mtmd_input_chunk mtmd_input_chunk;
 typedef struct mtmd_input_chunks mtmd_input_chunks;
+typedef struct mtmd_image_tokens mtmd_image_tokens;
+
+/* an image embedding's M-RoPE position (temporal, width, height sections; z unused) */
+struct mtmd_decoder_pos {
+    uint32_t t;
+    uint32_t x;
+    uint32_t y;
+    uint32_t z;
+};
 
 typedef struct mtmd_input_text {
     const char * text;
@@ -66,6 +75,9 @@ enum mtmd_input_chunk_type mtmd_input_chunk_get_type(const mtmd_input_chunk * ch
 const llama_token * mtmd_input_chunk_get_tokens_text(const mtmd_input_chunk * chunk, size_t * n_tokens_output);
 size_t mtmd_input_chunk_get_n_tokens(const mtmd_input_chunk * chunk);
 llama_pos mtmd_input_chunk_get_n_pos(const mtmd_input_chunk * chunk);
+const mtmd_image_tokens * mtmd_input_chunk_get_tokens_image(const mtmd_input_chunk * chunk);
+struct mtmd_decoder_pos mtmd_image_tokens_get_decoder_pos(const mtmd_image_tokens * image_tokens,
+                                                          llama_pos pos_0, size_t i);
 mtmd_input_chunk * mtmd_input_chunk_copy(const mtmd_input_chunk * chunk);
 void mtmd_input_chunk_free(mtmd_input_chunk * chunk);
 

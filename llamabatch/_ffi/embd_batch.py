@@ -7,6 +7,10 @@ second segment its own token-type row (:mod:`llamabatch.reranker`).
 
 The arrays are allocated once (cffi owns them) and reused; ``address`` is what
 ``Context.encode_address`` / ``decode_address`` take.
+
+An M-RoPE model (Qwen-VL) reads ``n_pos_per_embd`` position values per vector of an
+embedding batch, section-major: ``pos[j * n_tokens + i]`` is section ``j`` of entry ``i``,
+the stride being the batch's current ``n_tokens``; so every ``add`` lays the sections out anew.
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ __all__ = ["EmbdBatch"]
 
 
 class EmbdBatch:
-    """One ``llama_batch`` of up to ``capacity`` input vectors of ``n_embd`` floats; every
-    entry belongs to one sequence and is an output."""
+    """One ``llama_batch`` of up to ``capacity`` input vectors of ``n_embd`` floats, each
+    with ``n_pos_per_embd`` position values (4 for an M-RoPE model); every entry belongs to
+    one sequence and is an output."""
 
-    def __init__(self, capacity: int, n_embd: int) -> None:
-        if capacity < 1 or n_embd < 1:
-            raise ValueError("capacity and n_embd must be >= 1")
+    def __init__(self, capacity: int, n_embd: int, n_pos_per_embd: int = 1) -> None:
+        if capacity < 1 or n_embd < 1 or n_pos_per_embd < 1:
+            raise ValueError("capacity, n_embd and n_pos_per_embd must be >= 1")
         self.capacity = capacity
         self.n_embd = n_embd
+        self.n_pos_per_embd = n_pos_per_embd
         self._struct = ffi.new("llama_batch *")
         self._embd = ffi.new("float[]", capacity * n_embd)
-        self._pos = ffi.new("int32_t[]", capacity)
+        self._pos = ffi.new("int32_t[]", capacity * n_pos_per_embd)
         self._n_seq_id = ffi.new("int32_t[]", capacity)
         self._seq_storage = ffi.new("int32_t[]", capacity)
         self._seq_id = ffi.new("int32_t *[]", capacity + 1)
@@ -48,6 +54,8 @@ class EmbdBatch:
         # numpy views over the C arrays (written in place)
         self.embd = np.frombuffer(ffi.buffer(self._embd), dtype=np.float32).reshape(capacity, n_embd)
         self.pos = np.frombuffer(ffi.buffer(self._pos), dtype=np.int32)
+        #: every entry's position values, entry-major (laid out section-major into ``pos``)
+        self._sections = np.zeros((n_pos_per_embd, capacity), dtype=np.int32)
         self.seq = np.frombuffer(ffi.buffer(self._seq_storage), dtype=np.int32)
         np.frombuffer(ffi.buffer(self._n_seq_id), dtype=np.int32)[:] = 1
         self._logits_view = np.frombuffer(ffi.buffer(self._logits), dtype=np.int8)
@@ -66,16 +74,33 @@ class EmbdBatch:
         """Empty the batch."""
         self._struct.n_tokens = 0
 
-    def add(self, vectors: np.ndarray, seq_id: int, pos0: int = 0, outputs: bool = True) -> None:
-        """Append one sequence: ``vectors`` ``(n, n_embd)`` at positions ``pos0..pos0+n-1``;
+    def add(
+        self,
+        vectors: np.ndarray,
+        seq_id: int,
+        pos0: int = 0,
+        outputs: bool = True,
+        positions: np.ndarray | None = None,
+    ) -> None:
+        """Append one sequence: ``vectors`` ``(n, n_embd)`` at positions ``pos0..pos0+n-1``,
+        or at ``positions`` ``(n_pos_per_embd, n)`` (required when ``n_pos_per_embd`` > 1);
         ``outputs`` False: no output rows for them (an image's embeddings computed into the
         KV cache only)."""
         n = int(vectors.shape[0])
         start = self.n_tokens
         if start + n > self.capacity:
             raise ValueError(f"batch is full (capacity {self.capacity})")
+        if positions is None:
+            if self.n_pos_per_embd > 1:
+                raise ValueError(f"this batch takes {self.n_pos_per_embd} position values per vector")
+            self._sections[0, start : start + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        else:
+            if positions.shape != (self.n_pos_per_embd, n):
+                raise ValueError(f"positions must be ({self.n_pos_per_embd}, {n}), not {positions.shape}")
+            self._sections[:, start : start + n] = positions
+        end = start + n
+        self.pos[: self.n_pos_per_embd * end] = self._sections[:, :end].ravel()
         self.embd[start : start + n] = vectors
-        self.pos[start : start + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq[start : start + n] = seq_id
         self._logits_view[start : start + n] = 1 if outputs else 0
         self._struct.n_tokens = start + n

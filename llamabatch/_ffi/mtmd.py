@@ -30,7 +30,10 @@ from llamabatch._ffi.model import Model
 from llamabatch.errors import ModelLoadError
 from llamabatch.validate import check_positive_int
 
-__all__ = ["ImageChunk", "MtmdContext", "TextChunk", "mtmd_available"]
+__all__ = ["MROPE_SECTIONS", "ImageChunk", "MtmdContext", "TextChunk", "mtmd_available"]
+
+#: position values per embedding of an M-RoPE model (temporal, height, width, unused)
+MROPE_SECTIONS = 4
 
 _lock = threading.Lock()
 _loaded: list[Any] = []  # (ffi, lib) once loaded
@@ -126,8 +129,7 @@ class MtmdContext:
     Raises:
         FileNotFoundError: no such file.
         ModelLoadError: libmtmd rejected the file (the reason it logged), or it has no vision
-            encoder, or its model needs M-RoPE positions (Qwen-VL), which llamabatch does not
-            place yet.
+            encoder.
         ImportError: this llama.cpp build has no libmtmd.
     """
 
@@ -161,12 +163,9 @@ class MtmdContext:
         if not lib.mtmd_support_vision(ptr):
             self.close()
             raise ModelLoadError(str(self.path), "the projector has no vision encoder (audio only?)")
-        if lib.mtmd_decode_use_mrope(ptr):
-            self.close()
-            raise ModelLoadError(
-                str(self.path),
-                "this model places image tokens with M-RoPE positions (Qwen-VL), not supported yet",
-            )
+        #: whether the text model places image embeddings by M-RoPE (Qwen-VL): each takes
+        #: :data:`MROPE_SECTIONS` position values, and an image fewer positions than embeddings
+        self.mrope: bool = bool(lib.mtmd_decode_use_mrope(ptr))
         #: the media marker a prompt carries where an image goes (``<__media__>``)
         self.marker: str = ffi.string(lib.mtmd_default_marker()).decode()
         #: the width of an image embedding (the text model's input width)
@@ -332,6 +331,22 @@ class MtmdContext:
                 ffi.release(batch)
             pending = pending[len(run) :]
             yield out
+
+    def mrope_positions(self, chunk: ImageChunk, pos0: int) -> np.ndarray:
+        """The M-RoPE positions of the image's embeddings placed from ``pos0``: an int32
+        array ``(MROPE_SECTIONS, n_tokens)``, rows temporal, height, width and an unused zero
+        row, as an embedding batch takes them (section-major)."""
+        ffi, lib = self._ffi, self._lib
+        out = np.zeros((MROPE_SECTIONS, chunk.n_tokens), dtype=np.int32)
+        image = lib.mtmd_input_chunk_get_tokens_image(chunk.handle)
+        if image == ffi.NULL:
+            raise ValueError("the chunk is not an image")
+        for i in range(chunk.n_tokens):
+            # asked relative to 0: the same offsets whether libmtmd adds its pos_0 or not
+            p = lib.mtmd_image_tokens_get_decoder_pos(image, 0, i)
+            out[0, i], out[1, i], out[2, i] = p.t, p.y, p.x
+        out[:3] += np.int32(pos0)
+        return out
 
     def non_causal(self, chunk: ImageChunk) -> bool:
         """Whether the text model must attend over the whole image at once while decoding it

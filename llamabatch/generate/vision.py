@@ -21,6 +21,14 @@ sliced: it goes into one batch with the causal mask off, as llama.cpp's mtmd-hel
 it. Then the slot table records those positions as cached and computes the text after the
 last image as any prompt. An image that fails (encoder, decode) ends its request only.
 
+Positions are llama.cpp's (what ``seq_rm``/``seq_cp`` and the slot table count), not KV
+cells. An M-RoPE model (Qwen-VL) places an image's ``n_tokens`` embeddings at 4-value
+positions (temporal, height, width: libmtmd's grid) sharing one temporal position, and the
+text after it continues ``n_pos`` positions on (the larger side of the grid): such an image
+takes ``n_pos`` table positions for its ``n_tokens`` cells. As its cells share one temporal
+position, a slice in progress is counted in rows (:attr:`ImageHold.row`) and the image's
+positions enter the table only whole; a prefix that ends inside it restarts it.
+
 The image encoder runs on a thread of its own (one at a time): while other streams decode,
 a held prompt whose image is being encoded waits for it without holding up their ticks; with
 none decoding, the engine thread waits for it. Embeddings are kept in an encoder cache keyed
@@ -44,7 +52,7 @@ import numpy as np
 from llamabatch._core.slots import SlotState
 from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.embd_batch import EmbdBatch
-from llamabatch._ffi.mtmd import ImageChunk, MtmdContext, TextChunk
+from llamabatch._ffi.mtmd import MROPE_SECTIONS, ImageChunk, MtmdContext, TextChunk
 from llamabatch.errors import KVCacheFull, PromptTooLong
 from llamabatch.prompts.images import ImageLimits, image_key, load_image
 
@@ -76,8 +84,8 @@ def is_media_prompt(prompt: object) -> bool:
 @dataclass(frozen=True, eq=False)
 class MediaPrompt(Mapping[str, Any]):
     """A tokenized prompt with images: ``tokens`` (one id per position; stand-ins, negative,
-    at an image's positions), ``images`` (each image's first position and its chunk) and
-    ``end`` (the position after the last image). A prompt as ``generate`` takes one: read as a
+    at an image's ``n_pos`` positions), ``images`` (each image's first position and its
+    chunk) and ``end`` (the position after the last image). A prompt as ``generate`` takes one: read as a
     mapping it is vLLM's form, ``{"prompt": text, "multi_modal_data": {"image": chunks}}``."""
 
     text: str
@@ -131,14 +139,18 @@ class VisionCounters:
 class ImageHold:
     """A running request whose prompt's positions up to its last image are being computed
     (the slot table does not plan its slot meanwhile): ``start``, the first position computed
-    here; ``pos``, the next one."""
+    here; ``pos``, the next one; ``row``, the embeddings computed of the M-RoPE image at
+    ``pos`` (its positions are passed only when all are in)."""
 
     request: Any
     slot: int
     start: int
     pos: int
+    row: int = 0
     #: the image being computed: its key and embeddings (kept: the cache may drop them)
     embd: tuple[str, np.ndarray] | None = None
+    #: the M-RoPE positions of the image at ``mrope[0]`` (``(MROPE_SECTIONS, n_tokens)``)
+    mrope: tuple[int, np.ndarray] | None = None
 
 
 class HoldStrategy:
@@ -259,28 +271,30 @@ class Vision:
         chunks = self.mtmd.tokenize(text, decoded)
         tokens: list[int] = []
         spans: list[tuple[int, ImageChunk]] = []
+        extra_cells = 0  # an M-RoPE image holds more KV cells than positions
         for chunk in chunks:
             if isinstance(chunk, TextChunk):
                 tokens.extend(chunk.tokens)
             else:
-                if chunk.n_pos != chunk.n_tokens:
+                if chunk.n_pos < 1 or (chunk.n_pos != chunk.n_tokens and not self.mtmd.mrope):
                     raise ValueError(
-                        "an image whose positions differ from its embeddings (M-RoPE) is not supported"
+                        f"libmtmd gave an image {chunk.n_pos} positions for {chunk.n_tokens} embeddings"
                     )
+                extra_cells += max(chunk.n_tokens - chunk.n_pos, 0)
                 if chunk.n_tokens > self.n_batch and self.mtmd.non_causal(chunk):
                     raise ValueError(
                         f"an image of {chunk.n_tokens} embeddings needs one decode with bidirectional "
                         f"attention, more than n_batch={self.n_batch}: raise n_batch"
                     )
                 spans.append((len(tokens), chunk))
-                tokens.extend(self.stand_ins(chunk.key, chunk.n_tokens))
-        end = spans[-1][0] + spans[-1][1].n_tokens if spans else 0
+                tokens.extend(self.stand_ins(chunk.key, chunk.n_pos))
+        end = spans[-1][0] + spans[-1][1].n_pos if spans else 0
         if end >= len(tokens):
             raise ValueError("a prompt must have text after its last image (the answer starts from text)")
-        if len(tokens) + max_tokens > n_ctx_seq:
+        if len(tokens) + extra_cells + max_tokens > n_ctx_seq:
             raise PromptTooLong(
-                f"prompt of {len(tokens)} positions (images included) + max_tokens {max_tokens} exceeds the "
-                f"per-request context of {n_ctx_seq} tokens"
+                f"prompt of {len(tokens) + extra_cells} KV cells (images included) + max_tokens {max_tokens} "
+                f"exceeds the per-request context of {n_ctx_seq} tokens"
             )
         return MediaPrompt(text, tokens, spans, end)
 
@@ -351,7 +365,7 @@ class Vision:
         for hold in self._holds.values():
             for at, chunk in hold.request.media.images:
                 key = chunk.key
-                if at + chunk.n_tokens > hold.pos and key not in seen and key not in cached:
+                if at + chunk.n_pos > hold.pos and key not in seen and key not in cached:
                     if key not in self._encoding:
                         group.append(chunk)
                         seen.add(key)
@@ -387,15 +401,15 @@ class Vision:
         ``request``'s prompt): the positions the slot holds for the slot table's ``start``.
         A prompt with images to compute is held (:class:`ImageHold`): the slot table does not
         plan it while :meth:`tick` computes its positions up to its last image, slice by
-        slice. An image that needs bidirectional attention restarts at its first position
-        when ``reused`` falls inside it."""
+        slice. An image that needs bidirectional attention, or M-RoPE positions, restarts at
+        its first position when ``reused`` falls inside it."""
         self._holds.pop(slot, None)
         media: MediaPrompt | None = request.media
         if media is None:
             return reused
         start = reused
         for first, chunk in media.images:
-            if first < start < first + chunk.n_tokens and self.mtmd.non_causal(chunk):
+            if first < start < first + chunk.n_pos and (self.mtmd.mrope or self.mtmd.non_causal(chunk)):
                 start = first
         self.counters.images += len(media.images)
         if start >= media.end:
@@ -469,7 +483,7 @@ class Vision:
         for first, chunk in media.images:
             if room >= 0 and done >= room:
                 break
-            if first + chunk.n_tokens <= hold.pos:
+            if first + chunk.n_pos <= hold.pos:
                 continue
             if hold.pos < first:  # the text before this image
                 n = first - hold.pos if room < 0 else min(first - hold.pos, room - done)
@@ -494,12 +508,19 @@ class Vision:
                 hold.embd = (chunk.key, ready)
             embd = hold.embd[1]
             non_causal = self.mtmd.non_causal(chunk)
-            left = first + chunk.n_tokens - hold.pos
+            mrope = self.mtmd.mrope
+            row = hold.row if mrope else hold.pos - first
+            left = chunk.n_tokens - row
             # a bidirectional image goes whole into one decode: it is never sliced
             n = left if room < 0 or non_causal else min(left, room - done)
-            self._decode_image(core, hold, embd[hold.pos - first : hold.pos - first + n], non_causal)
-            hold.pos += n
+            self._decode_image(core, hold, first, chunk, embd, row, row + n, non_causal)
             done += n
+            if not mrope:
+                hold.pos += n
+            elif row + n < chunk.n_tokens:
+                hold.row = row + n
+            else:  # the image is whole: the text after it starts n_pos positions on
+                hold.pos, hold.row = first + chunk.n_pos, 0
         return done
 
     def _decode(self, core: Any, hold: ImageHold, pos0: int, decode: Any) -> None:
@@ -511,31 +532,70 @@ class Vision:
             try:
                 decode()
                 break
-            except KVCacheFull:
-                core.context.seq_rm(hold.slot, pos0, -1)
-                if not core.kv.evict_one():
-                    raise
-                core.counters.evictions += 1
+            except KVCacheFull as full:
+                self._make_room(core, hold, pos0, full)
         self.counters.image_decode_seconds += time.perf_counter() - t0
 
-    def _decode_image(self, core: Any, hold: ImageHold, rows: np.ndarray, non_causal: bool) -> None:
+    @staticmethod
+    def _make_room(core: Any, hold: ImageHold, pos0: int, full: KVCacheFull) -> None:
+        """After a decode found the KV cache full (``full``): drop ``hold``'s positions from
+        ``pos0`` (a failed decode may have kept its first micro-batches) and evict an idle
+        cached prefix; raise ``full`` when there is none."""
+        core.context.seq_rm(hold.slot, pos0, -1)
+        if not core.kv.evict_one():
+            raise full
+        core.counters.evictions += 1
+
+    def _image_positions(self, hold: ImageHold, first: int, chunk: ImageChunk) -> np.ndarray:
+        """The M-RoPE positions of the image at ``first`` (kept while it is computed)."""
+        if hold.mrope is None or hold.mrope[0] != first:
+            hold.mrope = (first, self.mtmd.mrope_positions(chunk, first))
+        return hold.mrope[1]
+
+    def _decode_image(
+        self,
+        core: Any,
+        hold: ImageHold,
+        first: int,
+        chunk: ImageChunk,
+        embd: np.ndarray,
+        lo: int,
+        hi: int,
+        non_causal: bool,
+    ) -> None:
+        """Decode the image's embedding rows ``[lo, hi)`` (the image starts at position
+        ``first``) into ``hold``'s slot, in batches of at most ``n_batch``. With M-RoPE the
+        rows carry the grid's positions and all share one temporal position, so a KV cache
+        found full drops the image's rows decoded so far and computes them again."""
         context: Context = core.context
+        mrope = self.mtmd.mrope
+        sections = MROPE_SECTIONS if mrope else 1
         batch = self._batch
-        if batch is None or batch.n_embd != rows.shape[1]:
-            batch = self._batch = EmbdBatch(self.n_batch, int(rows.shape[1]))
+        if batch is None or batch.n_embd != embd.shape[1] or batch.n_pos_per_embd != sections:
+            batch = self._batch = EmbdBatch(self.n_batch, int(embd.shape[1]), sections)
+        positions = self._image_positions(hold, first, chunk) if mrope else None
         if non_causal:
             self.mtmd.set_causal_attn(context, False)
+        t0 = time.perf_counter()
         try:
-            for i in range(0, len(rows), self.n_batch):
+            i = lo
+            while i < hi:
+                j = min(hi, i + self.n_batch)
                 batch.clear()
-                batch.add(rows[i : i + self.n_batch], hold.slot, pos0=hold.pos + i, outputs=False)
-                self._decode(
-                    core,
-                    hold,
-                    hold.pos + i,
-                    lambda: check_decode(context.decode_address(batch.address), "llama_decode (image)"),
-                )
+                if positions is not None:
+                    batch.add(embd[i:j], hold.slot, outputs=False, positions=positions[:, i:j])
+                else:
+                    batch.add(embd[i:j], hold.slot, pos0=first + i, outputs=False)
+                try:
+                    check_decode(context.decode_address(batch.address), "llama_decode (image)")
+                except KVCacheFull as full:
+                    self._make_room(core, hold, first if mrope else first + i, full)
+                    if mrope:
+                        i = 0
+                    continue
+                i = j
         finally:
+            self.counters.image_decode_seconds += time.perf_counter() - t0
             if non_causal:
                 self.mtmd.set_causal_attn(context, True)
 

@@ -34,7 +34,7 @@ from llamabatch.gguf.testing_llama import (
 )
 from llamabatch.gguf.testing_lora import LORA_TARGETS, lora_ranks, make_lora
 from llamabatch.gguf.testing_swa import SWASpec, make_swa_model
-from llamabatch.gguf.testing_vision import VisionSpec, make_vision_model
+from llamabatch.gguf.testing_vision import QWEN2VL_TEXT, VisionSpec, make_vision_model
 
 __all__ = [
     "BOS_ID",
@@ -48,6 +48,7 @@ __all__ = [
     "N_SPECIAL_TOKENS",
     "PAIR_PRESETS",
     "PRESETS",
+    "QWEN2VL_TEXT",
     "UNK_ID",
     "DraftPair",
     "ModelSpec",

@@ -305,13 +305,19 @@ _FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F1
 
 
 def write_llama_gguf(
-    path: str | os.PathLike[str], spec: ModelSpec, *, chat_template: str | None = CHATML_TEMPLATE
+    path: str | os.PathLike[str],
+    spec: ModelSpec,
+    *,
+    chat_template: str | None = CHATML_TEMPLATE,
+    rope_sections: tuple[int, int, int, int] | None = None,
 ) -> Path:
     """Write a random-weight Llama GGUF for ``spec`` to ``path`` and return the path.
 
     The file appears atomically (written next to ``path``, then renamed). Tensors are generated
     and written one at a time, so peak memory is about one tensor, not the whole model.
     ``chat_template`` becomes ``tokenizer.chat_template`` (ChatML by default; None: no template).
+    ``rope_sections`` (rotation pairs per M-RoPE section: temporal, height, width, unused)
+    makes it a Qwen2-VL text model (architecture ``qwen2vl``, same tensors as Llama's).
     """
     import gguf
 
@@ -319,7 +325,13 @@ def write_llama_gguf(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     plan = _tensor_plan(spec)
 
-    writer = gguf.GGUFWriter(str(tmp), arch="llama")
+    if rope_sections is not None and (
+        len(rope_sections) != 4 or min(rope_sections) < 0 or sum(rope_sections) * 2 > spec.head_dim
+    ):
+        raise ValueError(
+            f"rope_sections must be 4 counts summing to at most head_dim / 2 = {spec.head_dim // 2}"
+        )
+    writer = gguf.GGUFWriter(str(tmp), arch="llama" if rope_sections is None else "qwen2vl")
     try:
         writer.add_name(spec.name)
         writer.add_file_type(_FILE_TYPES[spec.dtype])
@@ -334,6 +346,8 @@ def write_llama_gguf(
         writer.add_layer_norm_rms_eps(_RMS_EPS)
         writer.add_rope_dimension_count(spec.head_dim)
         writer.add_rope_freq_base(_ROPE_FREQ_BASE)
+        if rope_sections is not None:
+            writer.add_rope_dimension_sections(list(rope_sections))
 
         add_test_vocab(writer, spec.n_vocab)
         writer.add_add_space_prefix(True)

@@ -3,7 +3,9 @@ prompts through llama-server ``--mmproj`` (built from the pinned commit into
 ``~/.cache/llamabatch-anchors``; the test skips without it) and through ``LLM``: greedy
 tokens identical, and the first token's log-probs equal to 5e-3 (alone they agree to 1e-6; a
 text stream in the same batches moves ggml's CPU rounding by about 1e-3). Our side runs
-twice: images computed whole, and in slices of 4 positions, each beside a text stream."""
+twice: images computed whole, and in slices of 4 positions, each beside a text stream. Both
+vision models: LLaVA's (1-D positions) and Qwen2-VL's (M-RoPE positions: an image of 12
+embeddings takes 4 positions, sliced by rows)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pytest
 
 from llamabatch import LLM, SamplingParams
 from llamabatch._ffi.mtmd import mtmd_available
-from llamabatch.testing import make_vision_model
+from llamabatch.testing import QWEN2VL_TEXT, VisionSpec, make_vision_model
 
 ANCHORS = Path.home() / ".cache" / "llamabatch-anchors"
 
@@ -64,10 +66,18 @@ def _post(port: int, path: str, body: dict) -> dict:
         return dict(json.load(resp))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    model, mmproj = make_vision_model(tmp_path_factory.mktemp("vlm-anchor"))
-    port = 19000 + os.getpid() % 1000
+SPECS = {
+    "llava": VisionSpec(),
+    "qwen2vl": VisionSpec(projector="qwen2vl_merger", text=QWEN2VL_TEXT, image_size=16, patch_size=4),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def reference(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, list[dict]]:
+    model, mmproj = make_vision_model(tmp_path_factory.mktemp("vlm-anchor"), SPECS[request.param])
+    port = 19000 + os.getpid() % 1000 + sorted(SPECS).index(request.param)
     server = subprocess.Popen(
         [str(ANCHORS / "llama-server"), "-m", str(model), "--mmproj", str(mmproj), "--port", str(port),
          "-t", "1", "-c", "1024", "-np", "1", "--no-warmup"],
