@@ -37,6 +37,7 @@ CASES = [
     (0, "<__media__>\nWhat is in the image?"),
     (1, "Look: <__media__> describe it."),
     (2, "<__media__>\nHello"),
+    (3, "First <__media__> then <__media__>\nCompare them."),
 ]
 N = 8
 
@@ -56,6 +57,11 @@ def _png(seed: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(rows))
         + chunk(b"IEND", b"")
     )
+
+
+def _images(seed: int, prompt: str) -> list[bytes]:
+    """The images of a case: one per marker, seeds from ``seed`` on."""
+    return [_png(seed + i) for i in range(prompt.count("<__media__>"))]
 
 
 def _post(port: int, path: str, body: dict) -> dict:
@@ -101,7 +107,7 @@ def reference(
             body = {
                 "prompt": {
                     "prompt_string": prompt.replace("<__media__>", marker),
-                    "multimodal_data": [base64.b64encode(_png(seed)).decode()],
+                    "multimodal_data": [base64.b64encode(png).decode() for png in _images(seed, prompt)],
                 },
                 "n_predict": N,
                 "temperature": 0,
@@ -125,8 +131,9 @@ def test_greedy_answers_equal_llama_server(reference, chunk_size: int) -> None:
         for (seed, prompt), answer in zip(CASES, answers, strict=True):
             # a text stream beside it: with chunk_size=4 the image is computed in slices around it
             text = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            images = {"prompt": prompt, "multi_modal_data": {"image": _images(seed, prompt)}}
             outs = llm.generate(
-                ["Once upon a time", {"prompt": prompt, "multi_modal_data": {"image": _png(seed)}}],
+                ["Once upon a time", images],
                 [text, params],
                 use_tqdm=False,
             )
