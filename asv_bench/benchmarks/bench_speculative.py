@@ -15,8 +15,9 @@ The defaults (``{"method": "ngram"}`` alone, ``{"method": "suffix"}`` alone):
   quote their input (repeat a function, add a docstring to it, copy a paragraph), 200 tokens.
 - ``DraftsThatFail``: the 135M random model on a repeated passage, sampled at temperature 1
   (seeded): drafts are found and almost all rejected; the target is >= 0.98.
-- ``RetrySameAnswer``: ``suffix``: the same prompt asked a second time; the speed-up of the
-  second request's decode (its drafts come from the first answer).
+- ``RetrySameAnswer``: ``suffix``: the same chat request to SmolLM2 asked a second time (a
+  200-token story); the speed-up of the second request's decode (its drafts come from the
+  first answer).
 - ``EightStreams``: 8 concurrent streams of the 135M random model; the target is >= 0.97.
 
 Each ``track_speedup`` is generation tokens/s (after the first token) with speculation over
@@ -160,6 +161,8 @@ _PARAGRAPH = (
     "sheet of brown water. The farmers moved their animals to the hill behind the church, "
     "where the old stone wall kept the wind off, and waited for the rain to stop."
 )
+#: a request whose greedy answer runs past 200 tokens (SmolLM2-135M-Instruct), asked twice
+RETRY_REQUEST = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 QUOTING_CHATS = [
     f"Repeat this function exactly, without changes:\n\n{_FUNCTION}",
     f"Add a docstring to this function and return the whole function:\n\n{_FUNCTION}",
@@ -208,12 +211,16 @@ class RetrySameAnswer:
     timeout = 300
 
     def setup(self) -> None:
-        self.model = str(model_path("135m"))
-        text = " ".join(english_sentences(8))
-        self.prompts = [text, text]
+        # the real model: its greedy answer repeats token for token whatever the batch shapes
+        # (a random model's near-ties flip between a tick with drafts and one without, and its
+        # "same answer" soon is not)
+        from llamabatch.testing import real_model_path
+
+        self.model = str(real_model_path())
+        self.prompts = [chatml(RETRY_REQUEST)] * 2
 
     def track_speedup(self) -> float:
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=200)
         suffix = {"method": "suffix"}
         plain = _decode_rate(self.model, self.prompts, params, None, last_only=True)
         return _decode_rate(self.model, self.prompts, params, suffix, last_only=True) / plain
