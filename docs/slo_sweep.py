@@ -3,6 +3,7 @@ on the same model and settings, each alone on the machine in turn. The figures a
 README's "Service-level objectives" section.
 
     python docs/slo_sweep.py [--quick] [-m MODEL] [--out DIR]
+    python docs/slo_sweep.py --from-json DIR/slo-sweep.json --out DIR   # redraw only
 
 The held-out heavy mix: short chats and 1,200-token documents (``--mix 64:128,1200:64``,
 bench-serve's syntax), Poisson arrivals at every ``--rates`` point, streamed over HTTP by
@@ -476,6 +477,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
     p.add_argument("--no-drop-page-cache", action="store_true", help="keep the libraries' cached pages")
     p.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib not needed)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="SLO-SWEEP.json",
+        help="run nothing: rewrite the table and the plot of an earlier run's JSON into --out",
+    )
     args = p.parse_args(argv)
     if args.rates is None:
         args.rates = list(QUICK_RATES if args.quick else FULL_RATES)
@@ -486,8 +494,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with signals_as_exit():
-        results = sweep(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+    else:
+        with signals_as_exit():
+            results = sweep(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     for path in write_results(results, args.out, plot=not args.no_plot):
         print(f"wrote {path}", file=sys.stderr)
     print(markdown(results))

@@ -95,6 +95,10 @@ def test_write_results(sweep, tmp_path):
     assert [p.name for p in paths] == ["slo-sweep.json", "slo-sweep.md", "slo-sweep.png"]
     text = paths[1].read_text()
     assert "SLO met %" in text and " 2.00x | >= 1.5x | yes |" in text and "llama-server" in text
+    # redrawn from the JSON alone, into another directory
+    again = tmp_path / "again"
+    assert sweep.main(["--from-json", str(paths[0]), "--out", str(again)]) == 0
+    assert (again / "slo-sweep.md").read_text() == text and (again / "slo-sweep.png").stat().st_size > 0
 
 
 def test_measure_one_point_against_a_server(sweep, tiny_path):
