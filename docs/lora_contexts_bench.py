@@ -74,6 +74,7 @@ class Slots:
 
     def __init__(self, context: Context, n: int) -> None:
         self.context, self.n = context, n
+        self.prompt = [token % context.model.n_vocab for token in PROMPT]  # any model's vocabulary
         self.pool = BatchPool(max(context.n_batch, len(PROMPT) * n), n)
         self.pos = [0] * n
 
@@ -81,7 +82,7 @@ class Slots:
         self.context.memory_clear()
         batch = self.pool.acquire()
         for seq in range(self.n):
-            batch.add_sequence(PROMPT, seq, 0)
+            batch.add_sequence(self.prompt, seq, 0)
             self.pos[seq] = len(PROMPT)
         check_decode(self.context.decode_address(batch.address))
         self.pool.release(batch)
@@ -90,7 +91,7 @@ class Slots:
         """One decode of one token per sequence; its seconds."""
         batch = self.pool.acquire()
         for seq in range(self.n):
-            batch.add(PROMPT[self.pos[seq] % len(PROMPT)], self.pos[seq], seq, True)
+            batch.add(self.prompt[self.pos[seq] % len(PROMPT)], self.pos[seq], seq, True)
             self.pos[seq] += 1
         t0 = time.perf_counter()
         check_decode(self.context.decode_address(batch.address))
