@@ -517,7 +517,7 @@ class EngineConfig(OptionsConfig):
             raise ValueError(f"max_loras must be an int >= 0 or None, got {max_loras!r}")
         if max_loras == 0 and self.lora_adapters:
             raise ValueError("max_loras=0 switches LoRA off, but lora_adapters names adapters")
-        check_merge_lora(self.merge_lora, self.lora_adapters, max_loras)
+        check_merge_lora(self.merge_lora, self.lora_adapters, max_loras, self.batch_invariant)
 
         for name in ("n_batch", "chunk_size", "max_queue", "max_request_memory_mb"):
             check_positive_int(name, getattr(self, name))

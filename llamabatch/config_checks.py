@@ -135,8 +135,11 @@ def lora_adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out.items())
 
 
-def check_merge_lora(merge_lora: Any, adapters: tuple[tuple[str, str], ...], max_loras: Any) -> None:
-    """``merge_lora`` needs exactly one adapter and no ``max_loras`` (nothing loads at run time)."""
+def check_merge_lora(
+    merge_lora: Any, adapters: tuple[tuple[str, str], ...], max_loras: Any, batch_invariant: Any = False
+) -> None:
+    """``merge_lora`` needs exactly one adapter and no ``max_loras`` (nothing loads at run time);
+    its F16 matrices are what ``batch_invariant=True`` refuses."""
     if not isinstance(merge_lora, bool):
         raise ValueError(f"merge_lora must be True or False, got {merge_lora!r}")
     if not merge_lora:
@@ -150,4 +153,9 @@ def check_merge_lora(merge_lora: Any, adapters: tuple[tuple[str, str], ...], max
         raise ValueError(
             f"max_loras={max_loras!r} does not apply with merge_lora=True: the merged model loads no "
             "adapters at run time"
+        )
+    if batch_invariant is True:
+        raise ValueError(
+            "merge_lora=True writes the adapted matrices as F16, which batch_invariant=True refuses "
+            "(its kernels need quantized matrices): use one or the other"
         )

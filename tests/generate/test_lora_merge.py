@@ -91,6 +91,8 @@ def test_merge_lora_option_errors(tiny: Path, adapters: dict[str, Path], tmp_pat
         LLM(tiny, lora_adapters=adapters, merge_lora=True, **OPTIONS)
     with pytest.raises(ValueError, match="max_loras=2 does not apply"):
         EngineConfig(lora_adapters={"a": "a.gguf"}, max_loras=2, merge_lora=True)
+    with pytest.raises(ValueError, match="batch_invariant=True refuses"):
+        EngineConfig(lora_adapters={"a": "a.gguf"}, merge_lora=True, batch_invariant=True)
     with pytest.raises(ValueError, match="merge_lora must be True or False"):
         EngineConfig(lora_adapters={"a": "a.gguf"}, merge_lora="yes")
     with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
