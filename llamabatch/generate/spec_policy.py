@@ -241,9 +241,15 @@ class SpecCostModel:
     17 tokens 38 ms. A line through all ticks would put the second token's jump on every
     draft and make one stream's drafts look four times dearer than they are; so one-token
     ticks are a running mean of their own, and ticks of more tokens fit the linear
-    :class:`DecodeCostModel` (see ``decode_cost_model``). Same ``predict`` and ``observe``."""
+    :class:`DecodeCostModel` (see ``decode_cost_model``). Same ``predict`` and ``observe``.
 
-    def __init__(self) -> None:
+    Ticks of more than ``fit_tokens`` tokens (a prompt's chunks) are left out of the fit: the
+    drafts' ticks are small, a line through a few of them and a 512-token chunk is set by the
+    chunk (the first one of a context also pays for its compute buffers: 3 s where the next
+    took 1, which once priced a draft token at 100 ms and stopped drafting on a looping text)."""
+
+    def __init__(self, fit_tokens: int = 128) -> None:
+        self.fit_tokens = fit_tokens
         #: ticks of two tokens or more
         self.multi = decode_cost_model()
         #: seconds of a one-token tick (exponentially weighted), and how many were measured
@@ -255,6 +261,8 @@ class SpecCostModel:
         if features.tokens <= 1:
             self.single = seconds if not self.n_single else self.single + 0.1 * (seconds - self.single)
             self.n_single += 1
+            return
+        if features.tokens > self.fit_tokens:
             return
         multi = self.multi
         # the first decodes unclipped: they set the scale the clip works from

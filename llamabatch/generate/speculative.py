@@ -235,7 +235,7 @@ class Speculator:
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
         #: the decode cost model, fitted on every decode of the engine (``observe``)
-        self.cost = SpecCostModel()
+        self.cost = SpecCostModel(fit_tokens=2 * self.policy.max_batch_tokens)
         self.acceptance = AcceptanceModel(self.k, self.policy, getattr(drafter, "class_priors", None))
         #: whether drafting itself costs (a draft model: lengths are chosen before drafting,
         #: its time per step is measured); n-gram lookups are free and made first
