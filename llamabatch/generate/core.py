@@ -295,7 +295,7 @@ class EngineCore:
             ):
                 i += 1
                 continue
-            if not self._make_room(tokens, request.params.lora):
+            if not self._make_room(tokens, request.params.lora, request.media):
                 blocked = request
                 break
             verdict = policy.admits(request, len(tokens), table, [s for s, _ in self.slots.busy()])
@@ -327,7 +327,7 @@ class EngineCore:
             self._admit()
         else:  # the blocked request takes the freed slot itself
             tokens = blocked.tokens_to_compute()
-            if self._make_room(tokens, blocked.params.lora):
+            if self._make_room(tokens, blocked.params.lora, blocked.media):
                 waiting.remove(blocked)
                 self._launch(blocked, tokens)
 
@@ -341,19 +341,22 @@ class EngineCore:
         self._start(request, tokens)
         return True
 
-    def _make_room(self, tokens: list[int], tag: Hashable = ()) -> bool:
-        """Whether ``tokens`` (under the adapter set ``tag``) can start now: with a unified KV
-        cache its uncached tokens must fit the free cells (plus the watermark); idle cached
-        prefixes are evicted (least recently used first) to make room. A request always
-        starts when nothing runs."""
+    def _make_room(self, tokens: list[int], tag: Hashable = (), media: Any = None) -> bool:
+        """Whether ``tokens`` (under the adapter set ``tag``; with images: ``media``) can
+        start now: with a unified KV cache its uncached tokens must fit the free cells (plus
+        the watermark; M-RoPE images count their cells, see ``vision.extra_cells``); idle
+        cached prefixes are evicted (least recently used first) to make room. A request
+        always starts when nothing runs."""
         table = self.table
         if not table.kv_unified or not table.busy_slots:
             return True
         source, n_cached = self.kv.best_prefix(tokens, tag) if self.kv.reuse else (-1, 0)
-        need = len(tokens) - min(n_cached, len(tokens) - 1) + self.watermark
+        kept = min(n_cached, len(tokens) - 1)
+        need = len(tokens) - kept + self.watermark
         # Prompts admitted but not computed yet (this step's too) will take cells as well.
         need += sum(table.n_pending(s) for s in range(self.n_parallel))
-        while table.cells_free < need:
+        vision = self.vision
+        while table.cells_free < need + (vision.extra_cells(self, media, kept) if vision else 0):
             if not self.kv.evict_one(keep=source):
                 return False
             self.counters.evictions += 1
@@ -364,17 +367,19 @@ class EngineCore:
         leader_slot = self.slots.slot_of(leader) if leader is not None else -1
         placement = self.kv.place(tokens, leader_slot, request.params.lora)
         slot = placement.slot
-        reused = self.vision.prefill(self, slot, request, placement.reused_tokens) if self.vision else None
-        self.table.start(slot, tokens, placement.reused_tokens if reused is None else reused)
+        reused = placement.reused_tokens
+        if self.vision:  # an image the reused prefix ends inside may be computed again
+            reused = self.vision.prefill(self, slot, request, reused)
+        self.table.start(slot, tokens, reused)
         self.slots.assign(slot, request)
         request.transition(RequestStatus.RUNNING)
         self.admission.admitted(request)
         request.admitted_order = self._n_admissions
         self._n_admissions += 1
         if request.n_preemptions:
-            self.counters.recomputed_tokens += len(tokens) - placement.reused_tokens
+            self.counters.recomputed_tokens += len(tokens) - reused
         else:
-            request.reused_tokens = placement.reused_tokens
+            request.reused_tokens = reused
             request.t_admitted = time.perf_counter()
 
     # -- the tick -------------------------------------------------------------------------

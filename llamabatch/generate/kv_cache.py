@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,9 @@ class KVCache:
     store: PrefixStore | None = None
     #: the most bytes a prefix file's state may have per token (bigger files are refused unread)
     state_bytes_per_token: int = 1 << 20
+    #: the KV cells a state holding these tokens takes beyond their positions, with those
+    #: the sequences hold beyond theirs (M-RoPE images: ``Vision.state_cells``; None: none)
+    extra_cells: Callable[[np.ndarray], int] | None = None
     _free_pin_seqs: list[int] = field(init=False)
     #: prompts (their tokens' bytes) waiting for a restore's room -> the checks they waited
     _restore_waits: dict[bytes, int] = field(init=False, default_factory=dict)
@@ -430,7 +433,8 @@ class KVCache:
         pending = sum(table.n_pending(s) for s in range(table.n_parallel))
         source, shared = self.best_prefix(tokens)
         keep = source if self.ram is not None and shared >= self.ram.block else -1
-        while table.cells_free - pending < len(tokens):
+        extra = self.extra_cells or (lambda _: 0)
+        while table.cells_free - pending < len(tokens) + extra(tokens):
             if self.evict_one(keep=keep):
                 continue
             if keep < 0 or keep >= table.n_parallel or table.state(keep) != SlotState.IDLE:

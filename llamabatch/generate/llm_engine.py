@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Hashable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from typing_extensions import Unpack
@@ -90,6 +91,8 @@ class EngineHost:
             self.context, self.core = build_engine(self.model, config, self.telemetry)
             #: images (``--mmproj``): their prompts and positions (``generate/vision.py``)
             self.vision = self.core.vision = vision_for(self.model, config, self.context)
+            if self.vision is not None:  # a saved state's M-RoPE images hold more cells
+                self.core.kv.extra_cells = partial(self.vision.state_cells, self.core)
             #: the KV layout following the workload (``generate/layout_switch.py``)
             self.layout = LayoutFollower(self.config_asked, self.kv_plan)
             if self.layout.enabled:

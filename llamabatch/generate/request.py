@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llamabatch.generate.detok import IncrementalDetokenizer, StopMatcher
+from llamabatch.generate.image_cells import prompt_cells
 from llamabatch.outputs import CompletionOutput, Delta, FinishReason, RequestOutput, Timings, Usage, slo_met
 from llamabatch.params import SamplingParams
 from llamabatch.status import STATUS_EDGES, InvalidTransition, RequestStatus
@@ -152,12 +153,13 @@ class OutputState:
         assert reason is not None
         itl = itl_figures(request)
         ttft_met, itl_met, slo_met = slo_attainment(request.slo, ttft, itl[2], reason)
+        n_prompt, n_reused = prompt_usage(request)
         self.output = CompletionOutput(
             request_id=request.request_id,
             text="".join(self.text_parts),
             token_ids=list(request.output_tokens),
             finish_reason=reason,
-            usage=Usage(len(request.prompt_tokens), len(request.output_tokens), request.reused_tokens),
+            usage=Usage(n_prompt, len(request.output_tokens), n_reused),
             timings=Timings(
                 queue_wait,
                 ttft,
@@ -413,6 +415,16 @@ class Request:
 
     def wait(self, timeout: float | None) -> bool:
         return self.state.wait(timeout)
+
+
+def prompt_usage(request: Request) -> tuple[int, int]:
+    """The prompt's tokens and those reused, as usage reports them: an M-RoPE image counts
+    its embeddings (its KV cells, as llama-server counts it), not its positions."""
+    n, reused = len(request.prompt_tokens), request.reused_tokens
+    media = request.media
+    if media is None or len(media.tokens) != n:
+        return n, reused
+    return prompt_cells(media, n), prompt_cells(media, reused)
 
 
 def request_output(requests: list[Request]) -> RequestOutput:

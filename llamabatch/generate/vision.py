@@ -54,6 +54,7 @@ from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.embd_batch import EmbdBatch
 from llamabatch._ffi.mtmd import MROPE_SECTIONS, ImageChunk, MtmdContext, TextChunk
 from llamabatch.errors import KVCacheFull, PromptTooLong
+from llamabatch.generate.image_cells import ImageCells, prompt_cells
 from llamabatch.prompts.images import ImageLimits, image_key, load_image
 
 __all__ = [
@@ -217,6 +218,8 @@ class Vision:
         self._lock = threading.Lock()
         self._batch: EmbdBatch | None = None
         self._holds: dict[int, ImageHold] = {}
+        #: the M-RoPE images prompts carry: the KV cells the slot table's positions miss
+        self.cells = ImageCells()
         #: encodes running beside the engine thread's decodes, by image key
         self._encoding: dict[str, Future[np.ndarray]] = {}
         self._encoder: ThreadPoolExecutor | None = None
@@ -296,7 +299,9 @@ class Vision:
                 f"prompt of {len(tokens) + extra_cells} KV cells (images included) + max_tokens {max_tokens} "
                 f"exceeds the per-request context of {n_ctx_seq} tokens"
             )
-        return MediaPrompt(text, tokens, spans, end)
+        media = MediaPrompt(text, tokens, spans, end)
+        self.cells.note(media)
+        return media
 
     def stand_ins(self, key: str, n: int) -> list[int]:
         """The ids an image's ``n`` positions hold in the slot table: negative, from its key."""
@@ -419,6 +424,20 @@ class Vision:
             core.table.trim(slot, start)
         self._holds[slot] = ImageHold(request, slot, start, start)
         return start
+
+    def extra_cells(self, core: Any, media: MediaPrompt | None, kept: int) -> int:
+        """The KV cells admitting ``media`` (None: a prompt without images) from position
+        ``kept`` takes beyond the positions the slot table counts, with those the sequences
+        and held prompts take beyond theirs (``image_cells.py``; 0 without M-RoPE)."""
+        if not self.mtmd.mrope:
+            return 0
+        held = [(hold.request.media, hold.start) for hold in self._holds.values()]
+        return self.cells.beyond_positions(core.table, held, media, kept)
+
+    def state_cells(self, core: Any, tokens: Sequence[int]) -> int:
+        """The KV cells loading a saved state of ``tokens`` takes beyond their positions,
+        with those the sequences and held prompts take beyond theirs (0 without M-RoPE)."""
+        return self.cells.in_tokens(tokens) + self.extra_cells(core, None, 0) if self.mtmd.mrope else 0
 
     @property
     def holds(self) -> dict[int, ImageHold]:
@@ -656,9 +675,10 @@ def media_prompt(
     if vision is None:
         raise ValueError("this prompt has images (multi_modal_data), but the engine has no mmproj (--mmproj)")
     if isinstance(prompt, MediaPrompt):  # tokenized already (a chat's images)
-        if len(prompt.tokens) + max_tokens > n_ctx_seq:
+        n_cells = prompt_cells(prompt, len(prompt.tokens))
+        if n_cells + max_tokens > n_ctx_seq:
             raise PromptTooLong(
-                f"prompt of {len(prompt.tokens)} positions (images included) + max_tokens {max_tokens} "
+                f"prompt of {n_cells} KV cells (images included) + max_tokens {max_tokens} "
                 f"exceeds the per-request context of {n_ctx_seq} tokens"
             )
         return prompt

@@ -102,6 +102,7 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
                 }
             )
         n_completion = sum(o.usage.completion_tokens for o in result.outputs)
+        first = result.outputs[0].usage
         return dumps_json(
             {
                 "id": new_id("chatcmpl"),
@@ -109,7 +110,8 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
                 "created": now(),
                 "model": server.model_name,
                 "choices": choices,
-                "usage": usage(len(tokens), n_completion, result.outputs[0].usage.reused_tokens),
+                # the engine's count: an M-RoPE image counts its embeddings, not its positions
+                "usage": usage(first.prompt_tokens, n_completion, first.reused_tokens),
             }
         )
 

@@ -139,6 +139,7 @@ def test_greedy_answers_equal_llama_server(reference, chunk_size: int) -> None:
             )
             ours = outs[1].outputs[0]
             assert ours.token_ids == answer["tokens"], (seed, prompt)
+            assert ours.usage.prompt_tokens == answer["tokens_evaluated"]  # an image: its n_tokens
             theirs = {p["id"]: p["logprob"] for p in answer["completion_probabilities"][0]["top_logprobs"]}
             assert ours.logprobs is not None
             for token, logprob in theirs.items():
