@@ -30,6 +30,7 @@ is built in: only a starting guess the fit replaces.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ __all__ = [
     "SpecPolicy",
     "choose_draft_lengths",
     "decode_cost_model",
+    "read_between",
     "tick_cost",
 ]
 
@@ -233,46 +235,93 @@ class DraftTimer:
 
 
 class SpecCostModel:
-    """The speculator's decode cost model: ``llama_decode``'s time by batch, with ticks of one
-    token apart from the rest.
+    """The speculator's decode cost model: ``llama_decode``'s time by the tick's tokens.
 
-    A one-token decode runs other kernels than a batch of several (matrix-vector products
-    where a batch has matrix-matrix ones): on a 2-core CPU one token costs 8 ms, two 17 ms,
-    17 tokens 38 ms. A line through all ticks would put the second token's jump on every
-    draft and make one stream's drafts look four times dearer than they are; so one-token
-    ticks are a running mean of their own, and ticks of more tokens fit the linear
-    :class:`DecodeCostModel` (see ``decode_cost_model``). Same ``predict`` and ``observe``.
+    On a CPU the cost is not a line: one token runs matrix-vector kernels (10 ms for the 135M
+    model on 2 cores), two tokens the matrix ones (20 ms), then each token adds less (5 tokens
+    34 ms, 9 tokens 57, 17 tokens 85, 30 tokens 131). A line fitted where drafts run (10 to
+    15 tokens) put a one-token draft at 34 ms, so short drafts never ran again to correct it;
+    a line through a prompt's 512-token chunks (the first one also paying for the compute
+    buffers) once priced a draft token at 100 ms. So the measured seconds are kept by size:
+    one-token ticks a running mean of their own, ticks of 2, 3-4, 5-8, ... tokens the running
+    mean of their tokens and seconds, and a tick's time is read between the sizes measured
+    (never falling with more tokens; past the largest, along the last step's slope). Until a
+    second size is measured, the linear :class:`DecodeCostModel` (``decode_cost_model``)
+    stands in: with no ticks of drafts seen, drafts look cheap and the first lessons measure
+    them. Ticks of more than ``fit_tokens`` tokens or with fewer logits rows than half their
+    tokens (a prompt's chunks) are left out: the drafts' ticks are small, and all rows."""
 
-    Ticks of more than ``fit_tokens`` tokens (a prompt's chunks) are left out of the fit: the
-    drafts' ticks are small, a line through a few of them and a 512-token chunk is set by the
-    chunk (the first one of a context also pays for its compute buffers: 3 s where the next
-    took 1, which once priced a draft token at 100 ms and stopped drafting on a looping text)."""
-
-    def __init__(self, fit_tokens: int = 128) -> None:
+    def __init__(self, fit_tokens: int = 128, weight: float = 0.1) -> None:
         self.fit_tokens = fit_tokens
-        #: ticks of two tokens or more
+        self.weight = weight
+        #: the stand-in until two sizes are measured
         self.multi = decode_cost_model()
         #: seconds of a one-token tick (exponentially weighted), and how many were measured
         self.single = 0.0
         self.n_single = 0
+        #: by size class (``(tokens - 1).bit_length()``): running means of [tokens, seconds]
+        self.sizes: dict[int, list[float]] = {}
+        self._points: list[tuple[float, float]] | None = None  # (tokens, seconds), rising
 
     def observe(self, features: TickFeatures, seconds: float) -> None:
-        """Fit one measured decode (attended cells are left out: see ``Speculator.observe``)."""
-        if features.tokens <= 1:
-            self.single = seconds if not self.n_single else self.single + 0.1 * (seconds - self.single)
-            self.n_single += 1
+        """Count one measured decode (attended cells are left out: see ``Speculator.observe``)."""
+        if not math.isfinite(seconds) or seconds < 0:
             return
-        if features.tokens > self.fit_tokens:
+        w = self.weight
+        if features.tokens <= 1:
+            self.single = seconds if not self.n_single else self.single + w * (seconds - self.single)
+            self.n_single += 1
+            self._points = None
+            return
+        if features.tokens > self.fit_tokens or 2 * features.outputs < features.tokens:
             return
         multi = self.multi
         # the first decodes unclipped: they set the scale the clip works from
         multi.clip = CLIP if multi.n_observed >= 8 else math.inf
         multi.observe(TickFeatures(features.tokens, features.outputs, 0.0), seconds)
+        size = self.sizes.get((features.tokens - 1).bit_length())
+        if size is None:
+            self.sizes[(features.tokens - 1).bit_length()] = [float(features.tokens), seconds]
+        else:
+            size[0] += w * (features.tokens - size[0])
+            size[1] += w * (seconds - size[1])
+        self._points = None
+
+    def points(self) -> list[tuple[float, float]]:
+        """The measured (tokens, seconds) by size, rising in both (empty: fewer than two)."""
+        if self._points is None:
+            raw = sorted((t, s) for t, s in self.sizes.values())
+            if self.n_single:
+                raw.insert(0, (1.0, self.single))
+            points: list[tuple[float, float]] = []
+            for t, s in raw:
+                points.append((t, max(s, points[-1][1]) if points else s))
+            self._points = points if len(points) >= 2 else []
+        return self._points
+
+    def seconds(self, tokens: int) -> float | None:
+        """The predicted seconds of a tick of ``tokens`` tokens from the sizes measured (None
+        until two are)."""
+        points = self.points()
+        return read_between(points, tokens) if points else None
 
     def predict(self, features: TickFeatures) -> float:
         if features.tokens <= 1 and self.n_single:
             return self.single
-        return self.multi.predict(features)
+        sized = self.seconds(features.tokens)
+        return self.multi.predict(features) if sized is None else sized
+
+
+def read_between(points: Sequence[tuple[float, float]], tokens: int) -> float:
+    """Seconds for ``tokens`` read between measured (tokens, seconds) ``points`` (two or more,
+    rising): linear between neighbours, past the last along the last step's slope."""
+    if tokens <= points[0][0]:
+        return points[0][1] * max(tokens, 0) / points[0][0]
+    for (t0, s0), (t1, s1) in itertools.pairwise(points):
+        if tokens <= t1:
+            return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
+    (t0, s0), (t1, s1) = points[-2], points[-1]
+    return s1 + (s1 - s0) / max(t1 - t0, 1e-9) * (tokens - t1)
 
 
 def decode_cost_model() -> DecodeCostModel:
@@ -304,6 +353,9 @@ def tick_cost(
     unified = table.kv_unified
     single = None
     if isinstance(model, SpecCostModel):
+        points = model.points()
+        if points:  # measured by size: read there (as measured now)
+            return lambda d: read_between(points, n_decode + prefill + d)
         single = model.single if model.n_single else None
         model = model.multi
     # the model is linear: its coefficients once, then arithmetic (called ~60 times a tick)

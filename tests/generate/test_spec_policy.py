@@ -331,3 +331,20 @@ def test_prompt_chunks_do_not_price_the_drafts():
         model.observe(TickFeatures(tokens, outputs, 0.0), ms / 1000)
     for tokens, _, ms in lessons:
         assert model.predict(TickFeatures(tokens, tokens, 0.0)) == pytest.approx(ms / 1000, rel=0.3)
+
+
+def test_the_draft_cost_follows_the_cpu_curve_not_a_line():
+    # measured on a 2-core CPU (looping text, 135M model): one token 10 ms, the lessons, then
+    # drafts of 10 to 15 tokens; a line through them put a one-token draft at 34 ms (3x a
+    # tick, so short drafts never ran to show they cost 20)
+    model = SpecCostModel()
+    for tokens, ms in [(1, 10.0), (2, 20.0), (3, 27.7), (5, 33.5), (9, 57.3), (17, 85.4)] + [
+        (11, 61.0),
+        (14, 72.0),
+    ] * 20:
+        model.observe(TickFeatures(tokens, tokens, 0.0), ms / 1000)
+    assert model.predict(TickFeatures(2, 2, 0.0)) == pytest.approx(0.020, rel=0.15)
+    assert model.predict(TickFeatures(4, 4, 0.0)) == pytest.approx(0.031, rel=0.15)
+    assert model.predict(TickFeatures(12, 12, 0.0)) == pytest.approx(0.065, rel=0.15)
+    assert model.predict(TickFeatures(30, 30, 0.0)) == pytest.approx(0.131, rel=0.25)  # (past the last)
+    assert model.predict(TickFeatures(1, 1, 0.0)) == pytest.approx(0.010)
