@@ -299,6 +299,10 @@ class SpecCostModel:
             self._points = points if len(points) >= 2 else []
         return self._points
 
+    def largest_size(self) -> int:
+        """The most tokens a measured size holds (its class's upper bound; 0: none)."""
+        return 1 << max(self.sizes) if self.sizes else 0
+
     def seconds(self, tokens: int) -> float | None:
         """The predicted seconds of a tick of ``tokens`` tokens from the sizes measured (None
         until two are)."""

@@ -379,6 +379,7 @@ class Speculator:
                 st.cls = classes.get(r.arrival, 0)
             gains = [self.acceptance.gains(st.acc(st.cls), len(d.tokens), st.cls) for (_, _, st), d in found]
             ks = self._probe(choose_draft_lengths(gains, n_decode, cost, free, policy.margin), gains, free)
+            ks = self._size_lesson(ks, gains, free, n_decode)
             sets = [(c, k, d) for (c, d), k in zip(found, ks, strict=True)]
         else:  # a draft model: choose first, then draft what was chosen
             gains = [
@@ -444,6 +445,26 @@ class Speculator:
             ks[best] = max(ks[best], min(free - sum(ks) + ks[best], len(gains[best])))
         else:
             ks[best] = min(free, sum(g >= policy.probe_gain for g in gains[best])) if exploring else 1
+        return ks
+
+    def _size_lesson(self, ks: list[int], gains: list[list[float]], free: int, n_decode: int) -> list[int]:
+        """``ks``, or twice the largest tick size measured so far for the likeliest draft, where
+        its drafts hold (``probe_gain`` at that length) and exploration has budget: the cost
+        past the largest size measured is read along the last step's slope, and on a CPU each
+        token costs less in a bigger batch (a retried answer drafted 2 tokens a tick, its
+        cost read from 2- and 3-token ticks, where 64 were right and cheaper per token)."""
+        largest = self.cost.largest_size()
+        exploring = self._draft_ticks < self.policy.explore_ticks
+        if largest < 2 or exploring or not self.ledger.allows_exploration():
+            return ks
+        best = max(range(len(gains)), key=lambda r: len(gains[r]), default=None)
+        if best is None:
+            return ks
+        want = min(2 * largest - n_decode, len(gains[best]), free - sum(ks) + ks[best])
+        if want <= ks[best] or n_decode + want <= largest or gains[best][want - 1] < self.policy.probe_gain:
+            return ks
+        ks = list(ks)
+        ks[best] = want
         return ks
 
     def _fixed_length(self, request: Request) -> bool:

@@ -11,6 +11,7 @@ from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
 from test_speculative_fake import OracleDrafter
 
+from llamabatch.generate.cost_model import TickFeatures
 from llamabatch.generate.spec_ledger import SpecLedger
 from llamabatch.generate.speculative import Speculator
 
@@ -100,3 +101,18 @@ def test_lessons_stop_growing_where_drafts_fail():
         assert lessons[: len(first)] == first, (p_wrong, lessons)
         if p_wrong:
             assert max(lessons) <= 2, lessons
+
+
+def test_a_size_never_measured_is_measured_once_where_drafts_hold():
+    # past the largest tick measured the cost is read along the last step's slope, dearer than
+    # a CPU's (each token costs less in a bigger batch): one tick of twice that size measures it
+    spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, OracleDrafter(None, 0.0))
+    spec._draft_ticks = spec.policy.explore_ticks  # the first lessons are over
+    for tokens, ms in ((1, 9.0), (2, 20.0), (3, 27.0)):
+        spec.cost.observe(TickFeatures(tokens, tokens, 0.0), ms / 1000)
+    holds, fails = [[0.99**i for i in range(1, 64)]], [[0.6**i for i in range(1, 64)]]
+    assert spec._size_lesson([2], holds, free=64, n_decode=1) == [7]  # a tick of 8 tokens
+    assert spec._size_lesson([2], fails, free=64, n_decode=1) == [2]
+    spec.cost.observe(TickFeatures(8, 8, 0.0), 0.045)
+    assert spec._size_lesson([2], holds, free=64, n_decode=1) == [15]
+    assert spec._size_lesson([2], holds, free=4, n_decode=1) == [2]  # (no room for it)
