@@ -390,3 +390,19 @@ def test_a_failing_group_encode_ends_only_the_request_whose_image_fails(vision_f
     assert failed.outputs[0].finish_reason == "error"
     assert "could not encode the image" in (failed.outputs[0].error or "")
     assert groups == [2]
+
+
+@pytest.mark.parametrize(
+    ("n_threads", "cores", "overlap"), [(1, {0, 1}, True), (2, {0, 1}, False), (2, {0, 1, 2, 3}, True)]
+)
+def test_encodes_run_beside_decodes_only_where_the_cores_hold_both(
+    vision_files, monkeypatch, n_threads, cores, overlap
+):
+    # on 2 cores an encode beside a decode made ggml's spinning threads take turns (bulk
+    # captioning at 0.85x llama-server's serial pace): there the engine waits for the encoder
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores, raising=False)
+    model, mmproj = vision_files
+    with LLM(str(model), mmproj=str(mmproj), n_threads=n_threads, n_parallel=2, n_ctx=1024) as llm:
+        assert llm.core.vision.overlap is overlap
+        out = llm.generate([_ask(_image(0))], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert out[0].outputs[0].finish_reason == "length"
