@@ -184,6 +184,7 @@ DEFAULTS = {
     "max_images_per_request": 8,
     "lora_adapters": (),  # no LoRA adapter (generate/lora_schedule.py)
     "max_loras": None,
+    "merge_lora": False,  # adapters applied per tick, not merged at load (generate/lora_merge.py)
 }
 
 
