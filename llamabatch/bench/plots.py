@@ -53,13 +53,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], t
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.minorticks_off()
     axes[0].legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, path, title)
 
 
 def plot_attainment(
@@ -98,6 +92,13 @@ def plot_attainment(
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
     attained.legend(fontsize="small")
+    return _save(fig, path, title)
+
+
+def _save(fig: Any, path: str | os.PathLike[str], title: str) -> Path:
+    """Title, lay out, write and close ``fig``."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()
