@@ -464,8 +464,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("-np", "--n-parallel", type=options.positive_int, default=8)
     p.add_argument("-c", "--n-ctx", type=options.positive_int, default=16384)
     p.add_argument("-t", "--threads", type=options.positive_int, default=2)
-    p.add_argument("--ours-args", default="", help="more flags for llamabatch serve (one string; --ours-args=--no-kv-unified)")
-    p.add_argument("--llama-server-args", default="", help="more flags for llama-server (one string; --llama-server-args='-fa on')")
+    p.add_argument(
+        "--ours-args",
+        default="",
+        help="more flags for llamabatch serve (one string; --ours-args=--no-kv-unified)",
+    )
+    p.add_argument(
+        "--llama-server-args",
+        default="",
+        help="more flags for llama-server (one string; --llama-server-args='-fa on')",
+    )
     p.add_argument(
         "--llama-server-dir",
         type=Path,
