@@ -9,13 +9,11 @@ request shows in its metrics and in ``stats()``.
 from __future__ import annotations
 
 import statistics
-import threading
 
 import pytest
+from long_prompt_run import N_LONG, run_long_prompt
 
-from llamabatch import LLM, SamplingParams, TickEvent, testing
-
-N_LONG = 900
+from llamabatch import testing
 
 
 @pytest.fixture(scope="module")
@@ -24,30 +22,8 @@ def small_path():
 
 
 def _run(path, slo_itl_ms):
-    ticks: list[TickEvent] = []
-    lock = threading.Lock()
-
-    def listen(event):
-        if isinstance(event, TickEvent):
-            with lock:
-                ticks.append(event)
-
-    config = {"n_parallel": 4, "n_ctx": 8192, "n_threads": 1, "chunk_size": 512}
-    with LLM(path, **config, slo_ttft_ms=600_000, slo_itl_ms=slo_itl_ms) as llm:
-        llm.add_listener(listen)
-        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-        streams = [llm.submit([10 + i, 20, 30, 40], params) for i in range(3)]
-        while True:  # the streams decode before the long prompt arrives
-            with lock:
-                if sum(t.decode_tokens >= 3 for t in ticks) >= 20:
-                    break
-            threading.Event().wait(0.005)
-        long_prompt = [(7 * i) % 200 + 5 for i in range(N_LONG)]
-        long = llm.submit(long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-        outputs = [handle.result().outputs[0] for handle in [*streams, long]]
-        stats = llm.stats()
-    mixed = [t for t in ticks if t.prefill_tokens and t.decode_tokens >= 3]
-    return mixed, outputs, stats
+    run = run_long_prompt(path, slo_ttft_ms=600_000, slo_itl_ms=slo_itl_ms)
+    return run.mixed, run.outputs, run.stats
 
 
 def test_prefill_is_sliced_only_under_a_tight_itl_slo(small_path):
