@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from serve_process import free_port, serve_command, wait_until_healthy
 
-from llamabatch.gguf.testing import model_path
 from llamabatch.server.client_policy import ClientPolicy, ClientPriority, client_of
 
 httpx = pytest.importorskip("httpx")
@@ -80,53 +78,21 @@ def test_default_share_and_client_identity():
 # -- the real server ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def serve(log: Path, *flags: str) -> Iterator[str]:
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "llamabatch",
-        "serve",
-        "-m",
-        str(model_path("tiny")),
-        "--port",
-        str(port),
-        "-np",
-        "1",
-        "-c",
-        "16384",
-        "-t",
-        "1",
-        "--max-queue",
-        str(MAX_QUEUE),
-        "--forwarded-allow-ips",
-        "127.0.0.1",
-        "--no-access-log",
-        *flags,
-    ]
+    port = free_port()
+    command = serve_command(
+        port,
+        *("-np", "1", "-c", "16384", "-t", "1", "--max-queue", str(MAX_QUEUE)),
+        *("--forwarded-allow-ips", "127.0.0.1", "--no-access-log", *flags),
+    )
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text(errors="replace")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, url, lambda: log.read_text(errors="replace"))
         yield url
         assert proc.poll() is None, log.read_text(errors="replace")
         assert "Traceback" not in log.read_text(errors="replace")

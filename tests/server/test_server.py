@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_process import free_port, serve_command, wait_until_healthy
 
 from llamabatch import LLM, Embedder, SamplingParams
 from llamabatch.gguf.testing import english_sentences, model_path
@@ -615,45 +615,17 @@ def test_tokenize_and_detokenize(base_url, llm):
 
 
 def test_serve_command_line(tmp_path):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    command = [
-        sys.executable,
-        "-m",
-        "llamabatch",
-        "serve",
-        "-m",
-        str(model_path("tiny")),
-        "--port",
-        str(port),
-        "-np",
-        "2",
-        "-c",
-        "1024",
-        "-t",
-        "1",
-        "--served-model-name",
-        "cli",
-        "--log-level",
-        "warning",
-    ]
+    port = free_port()
+    command = serve_command(
+        port,
+        *("-np", "2", "-c", "1024", "-t", "1", "--served-model-name", "cli", "--log-level", "warning"),
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd()
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}", lambda: proc.stdout.read().decode())
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(model="cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert r.model == "cli" and r.usage.completion_tokens == 3

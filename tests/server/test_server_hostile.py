@@ -22,7 +22,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,8 +31,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from llamabatch.gguf.testing import model_path
+from serve_process import free_port, serve_command, wait_until_healthy
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -68,12 +66,6 @@ class Server:
         assert "Traceback" not in self.log_text(), self.log_text()[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def server(running_server: Server) -> Server:
     """The module's server, its log read from this test's start."""
@@ -83,28 +75,13 @@ def server(running_server: Server) -> Server:
 
 @pytest.fixture(scope="module")
 def running_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "llamabatch",
-        "serve",
-        "-m",
-        str(model_path("tiny")),
-        "--port",
-        str(port),
-        "-np",
-        str(N_PARALLEL),
-        "-c",
-        str(N_CTX),
-        "-t",
-        "1",
-        "--max-queue",
-        str(MAX_QUEUE),
-        "--log-level",
-        "info",  # the access log: the client address it shows is checked
-    ]
+    command = serve_command(
+        port,
+        *("-np", str(N_PARALLEL), "-c", str(N_CTX), "-t", "1", "--max-queue", str(MAX_QUEUE)),
+        *("--log-level", "info"),  # the access log: the client address it shows is checked
+    )
     if not BASELINE:
         command += ["--timeout", str(TIMEOUT_S), "--max-body-mb", str(MAX_BODY_MB)]
     with open(log, "wb") as out:
@@ -113,16 +90,7 @@ def running_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
         )
     srv = Server(proc, f"http://127.0.0.1:{port}", port, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, srv.log_text()
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, srv.url, srv.log_text)
         yield srv
     finally:
         proc.terminate()
