@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 from hostile_cases import issue_cases, judge, run_cases
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_examples import draw_examples
 
 from llamabatch import LLM, SamplingParams
 from llamabatch._ffi.sampler import penalty_window
@@ -207,35 +207,16 @@ def _params(draw: st.DrawFn) -> dict[str, Any]:
     return params
 
 
-def _draw(strategy: st.SearchStrategy, n: int) -> list[Any]:
-    """``n`` examples of ``strategy``, reproducibly (hypothesis, derandomized)."""
-    out: list[Any] = []
-
-    @settings(
-        max_examples=n,
-        database=None,
-        derandomize=True,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(strategy)
-    def collect(value: Any) -> None:
-        out.append(value)
-
-    collect()
-    return out[:n]
-
-
 def _fuzz(tmp_path: Path, n: int) -> None:
     cases = [
         {"name": f"grammar-{i}", "params": {"grammar": g, "max_tokens": 6}}
-        for i, g in enumerate(_draw(_grammar(), n))
+        for i, g in enumerate(draw_examples(_grammar(), n))
     ]
     cases += [
         {"name": f"schema-{i}", "params": {"json_schema": s, "max_tokens": 6}}
-        for i, s in enumerate(_draw(_schema(), n))
+        for i, s in enumerate(draw_examples(_schema(), n))
     ]
-    cases += [{"name": f"params-{i}", "params": p} for i, p in enumerate(_draw(_params(), n))]
+    cases += [{"name": f"params-{i}", "params": p} for i, p in enumerate(draw_examples(_params(), n))]
     for case in cases:
         case["expect"] = "any"
     code, outcomes, died = run_cases(cases, tmp_path, timeout=120 + 2 * len(cases))

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_examples import draw_examples
 
 from llamabatch import SamplingParams
 from llamabatch.prompts.grammar_check import check_grammar
@@ -367,27 +367,9 @@ def _schemas(draw: st.DrawFn, depth: int = 0) -> Any:
     return draw(_leaf())
 
 
-def _draw(strategy: st.SearchStrategy, n: int) -> list[Any]:
-    out: list[Any] = []
-
-    @settings(
-        max_examples=n,
-        database=None,
-        derandomize=True,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(strategy)
-    def collect(value: Any) -> None:
-        out.append(value)
-
-    collect()
-    return out[:n]
-
-
 @functools.cache
 def _fuzz_patterns() -> list[str]:
-    return _draw(_patterns(), 120)
+    return draw_examples(_patterns(), 120)
 
 
 FUZZ_CHILD = """
@@ -413,7 +395,7 @@ print(worst)
 def test_fuzz_conversions_terminate() -> None:
     """Random schemas and patterns (stray brackets, nested groups, quantifiers): each
     conversion ends within a bound with a grammar ``check_grammar`` accepts, or a ValueError."""
-    schemas = _draw(_schemas(), 80) + [{"type": "string", "pattern": p} for p in _fuzz_patterns()]
+    schemas = draw_examples(_schemas(), 80) + [{"type": "string", "pattern": p} for p in _fuzz_patterns()]
     try:
         done = subprocess.run(
             [sys.executable, "-c", FUZZ_CHILD],
