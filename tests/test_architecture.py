@@ -175,10 +175,22 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return inside
 
 
+def parse(source: str) -> ast.Module:
+    """``ast.parse``, again after CPython 3.11's "AST constructor recursion depth mismatch"
+    (a ``SystemError``: its AST state is shared by the interpreter's threads, and a thread an
+    earlier test left running may be parsing too; fixed in later CPython releases)."""
+    for _ in range(2):
+        try:
+            return ast.parse(source)
+        except SystemError:
+            continue
+    return ast.parse(source)
+
+
 def python_imports(module: str, source: str, modules: Iterable[str], is_package: bool) -> list[Import]:
     """The ``llamabatch`` imports of a Python module's ``source``, wherever they sit."""
     known = set(modules)
-    tree = ast.parse(source)
+    tree = parse(source)
     type_only = _type_checking_nodes(tree)
     here = module if is_package else module.rpartition(".")[0]
     out = []
@@ -351,7 +363,7 @@ def private_reads(module: str, source: str, modules: Iterable[str], is_package: 
     where no code of this module defines ``_name``: an object of another module's class, and
     ``self._name`` in a subclass of another module's class where no code here defines it."""
     known = set(modules)
-    tree = ast.parse(source)
+    tree = parse(source)
     here = module if is_package else module.rpartition(".")[0]
     aliases: dict[str, str] = {}  # local name -> the llamabatch module it is bound to
     imported: set[str] = set()  # names imported from other llamabatch modules
