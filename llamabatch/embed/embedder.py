@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, overload
 
 import numpy as np
@@ -242,15 +242,22 @@ class Embedder(ThreadedFacade):
         *,
         normalize: str | bool | None = None,
         show_progress_bar: bool | None = None,
+        offload: Callable[..., Awaitable[Any]] | None = None,
     ) -> tuple[Any, int]:
         """``aembed``'s result and the tokens it embedded (every text's, after truncation):
-        an API's usage, from the one tokenization the texts get."""
+        an API's usage, from the one tokenization the texts get.
+
+        ``offload(fn, *args)`` runs the tokenizing step and returns its result: a server's
+        bounded pool (``llamabatch serve`` tokenizes in its prepare pool, which a disconnect
+        abandons), so long texts never fill asyncio's default executor; ``None``:
+        ``asyncio.to_thread``."""
         single, items = as_texts(texts)
         mode = self.normalize if normalize is None else normalize_mode(normalize)
         out = self._new_rows(len(items))
         bar = ProgressBar(len(items)) if show_progress(show_progress_bar) else None
+        run = asyncio.to_thread if offload is None else offload
         try:
-            submit = asyncio.ensure_future(asyncio.to_thread(self._submit, items, 0, out, bar, True))
+            submit = asyncio.ensure_future(run(self._submit, items, 0, out, bar, True))
             try:
                 job = await asyncio.shield(submit)
             except asyncio.CancelledError:  # the texts are (being) queued: drop them

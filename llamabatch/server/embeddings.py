@@ -5,6 +5,7 @@ the request."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -58,7 +59,10 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
     body.warn_unknown()
     try:
         await run_step(request, PREPARE, prepare.check_embedding_sizes, embedder, texts)
-        vectors, n_tokens = await until_disconnect(request.receive, embedder.aembed_counted(texts))
+        work = request.app.state.offload.request(request.state, request.receive)
+        tokenize = functools.partial(work.run, PREPARE, watch=False)  # until_disconnect watches
+        embedding = embedder.aembed_counted(texts, offload=tokenize)
+        vectors, n_tokens = await until_disconnect(request.receive, embedding)
     except PromptTooLong as exc:
         raise bad_request(str(exc), param="input", code="context_length_exceeded") from None
     except (ValueError, TypeError) as exc:
