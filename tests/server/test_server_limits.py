@@ -9,6 +9,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
@@ -87,6 +89,74 @@ def test_parse_json_counts_values_before_parsing():
     assert len(parse_json(json.dumps([0] * MAX_JSON_VALUES).encode())) == MAX_JSON_VALUES  # n-1 commas
     with pytest.raises(APIError, match="too many JSON values"):
         parse_json(json.dumps([{"a": 1}] * (MAX_JSON_VALUES // 2 + 1)).encode())
+
+
+#: JSON texts where orjson and ``json`` part ways: big integers, lone surrogates, a BOM,
+#: exponents past a double, duplicate keys, ``-0``
+_EDGE_BODIES = [
+    b'{"seed": 123456789012345678901234567890}',
+    b'"\\ud800"',
+    b"\xef\xbb\xbf{}",
+    b"[1e308, 1e-400, -0, -0.0]",
+    b'{"a": 1, "a": 2}',
+    b'"\\u0000\\n\\t\\u00e9"',
+    b"  [ ]  ",
+    b"[1,]",
+    b"01",
+]
+
+
+def _old_parse(raw: bytes):
+    """``parse_json``'s answer with ``json`` alone (no orjson): the reference."""
+    from llamabatch.server import limits
+
+    saved = limits.orjson
+    limits.orjson = None
+    try:
+        return ("value", parse_json(raw))
+    except APIError as exc:
+        return ("error", exc.status)
+    finally:
+        limits.orjson = saved
+
+
+@pytest.mark.parametrize("raw", _EDGE_BODIES)
+def test_parse_json_answers_as_json_alone_does_on_edge_bodies(raw):
+    """Issue 41: big bodies parse with orjson (a fifth of ``json``'s time holding the GIL);
+    what orjson refuses goes to ``json``, so every answer stays what it was."""
+    try:
+        got = ("value", parse_json(raw))
+    except APIError as exc:
+        got = ("error", exc.status)
+    assert repr(got) == repr(_old_parse(raw))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=json_values, noise=st.binary(max_size=8))
+def test_parse_json_answers_as_json_alone_does(value, noise):
+    raw = json.dumps(value, ensure_ascii=bool(len(noise) % 2)).encode("utf-8", "surrogatepass")
+    for body in (raw, raw + noise, noise + raw):
+        try:
+            got = ("value", parse_json(body))
+        except APIError as exc:
+            got = ("error", exc.status)
+        assert repr(got) == repr(_old_parse(body))
+
+
+def test_the_separator_count_is_bytes_count():
+    from llamabatch.server.limits import _separators
+
+    raw = json.dumps({"a": [1, 2, {"b": "c:,d"}]}).encode() * 1000
+    assert _separators(raw) == raw.count(b",") + raw.count(b":")
 
 
 def test_server_limits_are_checked():
