@@ -51,7 +51,7 @@ from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import ubatch_cost_cells
 from llamabatch.generate.lora_schedule import install_lora
 from llamabatch.generate.policies import admission_for
-from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus
+from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus, cells_to_compute
 from llamabatch.generate.request_memory import SamplerBuilder
 from llamabatch.generate.sample_rows import request_event, row_logprobs, sample_without
 from llamabatch.generate.slot_count import resolved_slots
@@ -298,7 +298,8 @@ class EngineCore:
             if not self._make_room(tokens, request.params.lora, request.media):
                 blocked = request
                 break
-            verdict = policy.admits(request, len(tokens), table, [s for s, _ in self.slots.busy()])
+            n_cells = cells_to_compute(request, len(tokens))  # an M-RoPE image: its cells
+            verdict = policy.admits(request, n_cells, table, [s for s, _ in self.slots.busy()])
             if verdict is not Verdict.ADMIT:
                 if verdict is Verdict.STOP:
                     break

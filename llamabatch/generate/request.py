@@ -39,6 +39,7 @@ __all__ = [
     "RequestHandle",
     "RequestKind",
     "RequestStatus",
+    "cells_to_compute",
     "request_output",
 ]
 
@@ -415,6 +416,17 @@ class Request:
 
     def wait(self, timeout: float | None) -> bool:
         return self.state.wait(timeout)
+
+
+def cells_to_compute(request: Request, n: int) -> int:
+    """The KV cells of the first ``n`` positions of ``request``'s sequence (its prompt, then
+    what it generated before a preemption): an M-RoPE image takes its embeddings' cells, not
+    its positions (``image_cells.py``); what admission and its tick cost model weigh."""
+    media = request.media
+    if media is None:
+        return n
+    n_media = len(media.tokens)
+    return prompt_cells(media, min(n, n_media)) + max(0, n - n_media)
 
 
 def prompt_usage(request: Request) -> tuple[int, int]:

@@ -152,3 +152,24 @@ def test_server_chat_usage_counts_image_cells(qwen_files):
                     usage = r.json()["usage"]
                 assert usage["prompt_tokens"] == n_positions + 8, stream
                 assert usage["prompt_tokens_details"]["cached_tokens"] == n_positions + 8 - 1
+
+
+def test_admission_weighs_an_image_prompt_by_its_cells(qwen_files, monkeypatch):
+    """Issue 38: the admission policy (and the tick cost model behind ``target_itl_ms`` and
+    the SLOs) was told a prompt's positions: a 128x128 image counted 16 where it computes
+    256 embeddings. It is told the cells now."""
+    from llamabatch.generate.admission import PriorityAdmission
+
+    seen: list[int] = []
+    admits = PriorityAdmission.admits
+
+    def spy(self, request, n_prompt, table, busy):
+        seen.append(n_prompt)
+        return admits(self, request, n_prompt, table, busy)
+
+    monkeypatch.setattr(PriorityAdmission, "admits", spy)
+    model, mmproj = qwen_files
+    with LLM(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=1, n_threads=1) as llm:
+        media = llm.core.vision.media_prompt(_ask(5), 1024, 1)
+        llm.generate(_ask(5), SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert seen == [len(media.tokens) + 240]
