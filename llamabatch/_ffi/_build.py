@@ -73,6 +73,34 @@ static void llamabatch_set_error(char * err, size_t err_size, const char * what)
     }
 }
 
+/* The index of the grammar stage of a chain that ends in greedy selection; -1 otherwise. */
+static int32_t llamabatch_greedy_grammar_stage(struct llama_sampler * chain) {
+    const int32_t n = llama_sampler_chain_n(chain);
+    if (n < 2 || std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, n - 1)), "greedy") != 0) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n - 1; i++) {
+        if (std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, i)), "grammar") == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* Accept token into the chain (its grammar too); -3 when the grammar then holds more than
+ * max_stacks parse stacks (see below). Throws what llama.cpp throws. */
+static int32_t llamabatch_accept_checked(
+        struct llama_sampler * smpl, llama_token token, size_t max_stacks, char * err, size_t err_size) {
+    llama_sampler_accept(smpl, token);
+    const size_t n_stacks = max_stacks > 0 ? llamabatch_grammar_stacks(smpl) : 0;
+    if (n_stacks > max_stacks) {
+        std::string what = std::to_string(n_stacks) + " parse stacks";
+        llamabatch_set_error(err, err_size, what.c_str());
+        return -3;
+    }
+    return token;
+}
+
 /* llama_sampler_sample (CPU samplers), guarded: the chain is applied to the logits at idx,
  * and the chosen token is accepted only if its logit is finite. Returns the token; -1 when
  * the chain left no allowed token (a grammar at a dead end: accepting the token anyway throws,
@@ -96,20 +124,38 @@ static int32_t llamabatch_sampler_sample_guarded(
             cur[t] = llama_token_data{t, logits[t], 0.0f};
         }
         llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
+        const int32_t grammar_at = llamabatch_greedy_grammar_stage(smpl);
+        if (grammar_at >= 0) {
+            /* Greedy under a grammar: the best token of the chain without its grammar, when the
+             * grammar allows it, is the best token the grammar allows (the grammar only masks),
+             * so one token is checked instead of the vocabulary; otherwise the whole chain runs,
+             * as llama.cpp's common sampler does (there for every chain). */
+            const int32_t n = llama_sampler_chain_n(smpl);
+            for (int32_t i = 0; i < n; i++) {
+                if (i != grammar_at) {
+                    llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
+                }
+            }
+            if (cur_p.selected >= 0 && cur_p.selected < (int64_t) cur_p.size &&
+                    std::isfinite(cur_p.data[cur_p.selected].logit)) {
+                llama_token_data one = {cur_p.data[cur_p.selected].id, 1.0f, 0.0f};
+                llama_token_data_array one_p = {&one, 1, -1, false};
+                llama_sampler_apply(llama_sampler_chain_get(smpl, grammar_at), &one_p);
+                if (std::isfinite(one.logit)) {
+                    return llamabatch_accept_checked(smpl, one.id, max_stacks, err, err_size);
+                }
+            }
+            for (int32_t t = 0; t < n_vocab; t++) {
+                cur[t] = llama_token_data{t, logits[t], 0.0f};
+            }
+            cur_p = {cur.data(), cur.size(), -1, false};
+        }
         llama_sampler_apply(smpl, &cur_p);
         if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size ||
                 !std::isfinite(cur_p.data[cur_p.selected].logit)) {
             return -1;
         }
-        const llama_token token = cur_p.data[cur_p.selected].id;
-        llama_sampler_accept(smpl, token);
-        const size_t n_stacks = max_stacks > 0 ? llamabatch_grammar_stacks(smpl) : 0;
-        if (n_stacks > max_stacks) {
-            std::string what = std::to_string(n_stacks) + " parse stacks";
-            llamabatch_set_error(err, err_size, what.c_str());
-            return -3;
-        }
-        return token;
+        return llamabatch_accept_checked(smpl, cur_p.data[cur_p.selected].id, max_stacks, err, err_size);
     } catch (const std::exception & e) {
         llamabatch_set_error(err, err_size, e.what());
     } catch (...) {
