@@ -306,7 +306,9 @@ def test_bench_flash_attn_defaults_to_llms_choice_for_the_layout():
     def flash(*argv: str) -> bool:
         return config_from_args(build_parser().parse_args(["bench", "-m", "tiny", *argv])).flash_attn
 
-    assert flash() is False and flash("--kv-unified", "on") is True
+    from llamabatch.generate.kv_memory import per_stream_flash_attn
+
+    assert flash() is per_stream_flash_attn() and flash("--kv-unified", "on") is True
     assert flash("-fa", "on") is True and flash("--kv-unified", "on", "-fa", "off") is False
 
 

@@ -21,7 +21,7 @@ import os
 
 from llamabatch._ffi import ensure_backend, ffi, lib
 
-__all__ = ["EXTRA_BUFTS_ENV", "system_info", "use_extra_bufts"]
+__all__ = ["EXTRA_BUFTS_ENV", "has_amx_build", "system_info", "use_extra_bufts"]
 
 #: the environment variable that overrides :func:`use_extra_bufts` ("1": use them, "0": do not)
 EXTRA_BUFTS_ENV = "LLAMABATCH_EXTRA_BUFTS"

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llamabatch._ffi.cpu_backend import has_amx_build
 from llamabatch._ffi.kv_types import head_dims, kv_bytes_per_cell
 from llamabatch.generate.batch_invariant import invariant_config
 from llamabatch.generate.slot_count import MIN_PER_STREAM_SLOTS, SlotCount, slots_for_kv
@@ -37,6 +38,7 @@ __all__ = [
     "choose_layout",
     "kv_budget_bytes",
     "log_plan",
+    "per_stream_flash_attn",
     "plan_config",
     "plan_kv",
     "ubatch_cost_cells",
@@ -209,7 +211,7 @@ def choose_layout(
 ) -> tuple[bool, str]:
     """``(kv_unified, why)``: ``config.kv_unified`` when given, else the default layout.
 
-    One stream per sequence (with flash attention off, :func:`choose_flash_attn`) was the
+    One stream per sequence (flash attention as :func:`choose_flash_attn` chooses) was the
     fastest choice on the CPU for uniform batches, mixed arrivals and a multi-turn chat, and
     0.81-0.91x of the best for many requests on one long prompt and one long request among
     short ones (README, "Memory"): in one unified buffer every token's attention spans every
@@ -249,26 +251,37 @@ def choose_layout(
     return False, f"per-stream: {streams_text}, within the {budget_text}"
 
 
+def per_stream_flash_attn() -> bool:
+    """Flash attention's default with one KV stream per sequence on this CPU: off where the
+    CPU backend has AMX kernels, on elsewhere (llama.cpp's own default on the CPU).
+
+    Measured on two CPUs (README, "Memory"). On an Intel Xeon with AMX kernels, ggml's
+    flash-attention kernel, which takes a decode row's KV cells one at a time, decoded
+    1.2-2.6x slower than the plain path's whole-matrix products (llamafile's sgemm), and the
+    chat, shared-prefix and uniform workloads ran 1.2-2.3x slower. On an AMD EPYC (AVX-512,
+    bf16, no AMX) it ran every workload 1.07-1.76x faster, and decoded 8 streams of 1,024 cells
+    1.19x faster (``llama-batched-bench`` agrees). CPUs not measured get llama.cpp's default."""
+    return not has_amx_build()
+
+
 def choose_flash_attn(config: EngineConfig) -> bool | None:
     """``config.flash_attn`` when given (``True`` / ``False``), else the default for the
-    layout ``config.kv_unified`` (decided): off with one KV stream per sequence on the CPU, on
-    with one unified buffer on the CPU, llama.cpp's own choice (``None``) with layers on a GPU.
+    layout ``config.kv_unified`` (decided): with one KV stream per sequence on the CPU,
+    :func:`per_stream_flash_attn`; on with one unified buffer on the CPU, llama.cpp's own
+    choice (``None``) with layers on a GPU.
 
-    ggml's CPU flash-attention kernel takes a decode row's KV cells one at a time, where the
-    plain path multiplies whole matrices (llamafile's sgemm): decode ticks ran 1.2-2.6x faster
-    without it (8 sequences of 256 and 1,024 cells, either layout), and the chat, shared-prefix
-    and uniform workloads 1.2-2.3x (README, "Memory"). Its tiled prompt kernel skips a 64 x 64
-    tile of (token, cell) pairs that is wholly masked; without it, a prompt chunk multiplies
-    against every cell in use, which in one unified buffer is every sequence's: mixed arrivals
-    took 1.9x as long there. A quantized V cache needs flash attention (V is kept transposed
-    without it), so ``type_v`` other than f16/bf16/f32 turns it on."""
+    In one unified buffer its tiled prompt kernel skips a 64 x 64 tile of (token, cell) pairs
+    that is wholly masked; without it, a prompt chunk multiplies against every cell in use,
+    which there is every sequence's: mixed arrivals took 1.9x as long. A quantized V cache
+    needs flash attention (V is kept transposed without it), so ``type_v`` other than
+    f16/bf16/f32 turns it on."""
     if config.flash_attn is True or config.flash_attn is False:
         return config.flash_attn
     if config.type_v not in ("f16", "bf16", "f32"):
         return True
     if config.n_gpu_layers != 0:
         return None
-    return bool(config.kv_unified)
+    return True if config.kv_unified else per_stream_flash_attn()
 
 
 def log_plan(plan: KVPlan, n_ctx: int, n_ctx_seq: int, n_seq_max: int) -> None:

@@ -15,6 +15,7 @@ from llamabatch._ffi.context import Context
 from llamabatch._ffi.kv_types import KV_TYPES, kv_bytes_per_cell
 from llamabatch._ffi.model import Model
 from llamabatch.cli import build_parser
+from llamabatch.generate import kv_memory
 from llamabatch.generate.kv_memory import MIN_N_CTX, plan_kv
 from llamabatch.generate.slot_count import MAX_SLOTS
 from llamabatch.gguf.testing import PRESETS, model_path
@@ -60,9 +61,11 @@ def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog
     assert f"{n} streams" in lines[0] and f"n_parallel={n}" in lines[0]
 
 
-def test_the_layout_chosen_at_load(model_8k: str) -> None:
+def test_the_layout_chosen_at_load(model_8k: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-stream while n_seq_max streams of the whole context fit half the KV budget; unified
-    when they do not, when n_ctx is given, on a GPU, for one slot; a given layout wins."""
+    when they do not, when n_ctx is given, on a GPU, for one slot; a given layout wins. (On a
+    CPU whose per-stream default is the plain attention path, which keeps a scores buffer.)"""
+    monkeypatch.setattr(kv_memory, "has_amx_build", lambda: True)
     with Model(model_8k) as model:
         cell = kv_bytes_per_cell(model)
         stream = 8192 * cell
@@ -90,23 +93,30 @@ def test_the_layout_chosen_at_load(model_8k: str) -> None:
         assert EngineConfig(kv_unified=False).n_prefixes == 0 and EngineConfig().n_prefixes == 4
 
 
-def test_flash_attention_chosen_with_the_layout(model_8k: str) -> None:
-    """Off with a stream per sequence on the CPU, on with one unified buffer or a quantized V
-    cache, llama.cpp's own choice (None) on a GPU; a given value wins."""
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-cpu", "other-cpu"])
+def test_flash_attention_chosen_with_the_layout(
+    model_8k: str, monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    """With a stream per sequence on the CPU: off where the CPU backend has AMX kernels (the
+    Intel Xeon measured), on elsewhere (the AMD EPYC measured; llama.cpp's default); on with
+    one unified buffer or a quantized V cache, llama.cpp's own choice (None) on a GPU; a given
+    value wins."""
+    monkeypatch.setattr(kv_memory, "has_amx_build", lambda: amx)
+    per_stream = not amx
     with Model(model_8k) as model:
 
         def flash(**options) -> bool | None:
             return plan_kv(model, EngineConfig(**options), budget=1 << 40).flash_attn
 
-        assert flash() is False and flash(kv_unified=False) is False  # per-stream (fits the budget)
+        assert flash() is per_stream and flash(kv_unified=False) is per_stream  # per-stream (fits)
         assert flash(kv_unified=True) is True and flash(n_ctx=4096) is True  # unified
         assert flash(kv_unified=False, type_v="q8_0") is True  # V transposed without it
-        assert flash(kv_unified=False, type_k="q8_0") is False  # a quantized K is fine without
+        assert flash(kv_unified=False, type_k="q8_0") is per_stream  # a quantized K is fine without
         assert flash(n_gpu_layers=-1) is None
         assert flash(flash_attn=True) is True and flash(kv_unified=True, flash_attn=False) is False
-        assert flash(flash_attn="auto") is False
+        assert flash(flash_attn="auto") is per_stream
     with LLM(model_8k, n_parallel=2) as llm:
-        assert llm.stats().flash_attn is False and llm.config.flash_attn is False
+        assert llm.stats().flash_attn is per_stream and llm.config.flash_attn is per_stream
 
 
 def test_per_stream_by_default_pins_no_prefix_until_asked(model_8k: str) -> None:
