@@ -259,8 +259,9 @@ def per_stream_flash_attn() -> bool:
     flash-attention kernel, which takes a decode row's KV cells one at a time, decoded
     1.2-2.6x slower than the plain path's whole-matrix products (llamafile's sgemm), and the
     chat, shared-prefix and uniform workloads ran 1.2-2.3x slower. On an AMD EPYC (AVX-512,
-    bf16, no AMX) it ran every workload 1.07-1.76x faster, and decoded 8 streams of 1,024 cells
-    1.19x faster (``llama-batched-bench`` agrees). CPUs not measured get llama.cpp's default."""
+    bf16, no AMX) it ran four workloads of five 1.07-1.76x faster and the chat within noise,
+    and decoded 8 streams of 1,024 cells 1.19x faster (``llama-batched-bench`` agrees). CPUs
+    not measured get llama.cpp's default."""
     return not has_amx_build()
 
 
