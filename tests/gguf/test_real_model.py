@@ -18,11 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
+from serve_process import wait_until_healthy
 
 from llamabatch import LLM, SamplingParams
 from llamabatch.bench.runners.llama_cpp import load_llama_cpp
@@ -160,16 +160,8 @@ def test_serve_without_a_model_serves_smollm2_and_forced_tool_calls_finish(smoll
     argv += ["-t", str(THREADS)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(proc, url, lambda: proc.stdout.read() if proc.stdout else "")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
         body = {

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -511,6 +510,8 @@ def test_server_answers_stray_bracket_patterns(tmp_path: Path) -> None:
     tool's ``parameters``, more requests than the default executor's workers): every request
     is answered, and a normal one after them too."""
     httpx = pytest.importorskip("httpx")
+    from serve_process import wait_until_healthy
+
     pytest.importorskip("starlette")
     from llamabatch.gguf.testing import model_path
 
@@ -525,16 +526,7 @@ def test_server_answers_stray_bracket_patterns(tmp_path: Path) -> None:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, url, lambda: log.read_text(errors="replace")[-3000:])
         ask = [{"role": "user", "content": "Hi"}]
         for pattern in STRAY_BRACKETS * 3:
             schema = {"type": "string", "pattern": pattern}

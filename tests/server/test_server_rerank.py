@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
+
+from serve_process import wait_until_healthy  # noqa: E402
 
 from llamabatch.gguf.testing_reranker import PAIRS, reranker_path  # noqa: E402
 
@@ -45,16 +46,7 @@ def base_url() -> Iterator[str]:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "llamabatch serve did not come up"
-            time.sleep(0.1)
+        wait_until_healthy(proc, url, lambda: proc.stdout.read().decode() if proc.stdout else "")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
