@@ -381,6 +381,7 @@ class EngineCore:
             self.counters.recomputed_tokens += len(tokens) - reused
         else:
             request.reused_tokens = reused
+            request.shared_tokens = min(placement.shared_tokens, reused)
             request.t_admitted = time.perf_counter()
 
     # -- the tick -------------------------------------------------------------------------

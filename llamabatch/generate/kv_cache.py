@@ -28,6 +28,7 @@ still beats computing the prompt (``restore_worth_waiting``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Hashable
@@ -40,6 +41,7 @@ from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch.config import EngineConfig
+from llamabatch.generate.kv_state_format import drop_leading_cells
 from llamabatch.generate.prefix_store import PrefixStore, file_size, state_bytes_per_token, store_for
 from llamabatch.generate.ram_cache import (
     SKIP_ROOM_HELD_BY_RUNNING,
@@ -79,6 +81,9 @@ class Placement:
     slot: int
     source_seq: int  # -1: nothing copied (the slot's own cache is reused in place, or none)
     reused_tokens: int
+    #: of those, the longest prefix another sequence holds too (cells a unified buffer keeps
+    #: once for both; the layout follower's "shared prefix" signal)
+    shared_tokens: int = 0
 
 
 @dataclass
@@ -98,6 +103,8 @@ class KVCache:
     window: SlidingWindow | None = None
     #: pinned prefixes' files (``prefix_cache_dir``; None: none): see ``prefix_store.py``
     store: PrefixStore | None = None
+    #: the model's layers, to rewrite a state for ``load_state`` (0: states load whole)
+    n_layer: int = 0
     #: the most bytes a prefix file's state may have per token (bigger files are refused unread)
     state_bytes_per_token: int = 1 << 20
     #: the KV cells a state holding these tokens takes beyond their positions, with those
@@ -161,7 +168,18 @@ class KVCache:
         if tag != ():
             self._tagged = True
         self.tags[placement.slot] = tag
-        return placement
+        shared = self._held_elsewhere(placement.slot, tokens[: placement.reused_tokens], tag)
+        return dataclasses.replace(placement, shared_tokens=shared) if shared else placement
+
+    def _held_elsewhere(self, slot: int, prefix: list[int], tag: Hashable) -> int:
+        """The longest part of ``prefix`` a sequence other than ``slot`` holds, computed under
+        the same adapter set."""
+        table, longest = self.table, 0
+        if prefix:
+            for seq in range(table.n_seq):
+                if seq != slot and self.tags[seq] == tag:
+                    longest = max(longest, table.common_prefix(seq, prefix))
+        return longest
 
     def _place(self, tokens: list[int], leader_slot: int, tag: Hashable) -> Placement:
         table = self.table
@@ -386,7 +404,8 @@ class KVCache:
         if not ram.holds(entry):  # an eviction's save pushed it out of the budget
             ram.skip(SKIP_STATE_DROPPED)
             return None
-        if not self.context.state_seq_set(slot, entry.data):
+        loaded, shared = self.load_state(slot, entry.tokens[:n], entry.data)
+        if not loaded:
             ram.restore_failures += 1
             entry.failures += 1
             if entry.source is not None and self.store is not None:  # a file's bytes: refused at once
@@ -404,7 +423,7 @@ class KVCache:
             self.context.seq_rm(slot, -1, -1)  # the slot table still records it empty
             ram.skip(SKIP_SLIDING_WINDOW)
             return None
-        self._share_prefix(slot, entry.tokens[:n])
+        ram.shared_tokens += shared
         table.record_cached(slot, entry.tokens[:n])
         ram.touch(entry)
         ram.restores += 1
@@ -442,24 +461,33 @@ class KVCache:
             keep = -1  # the shared prefix's holder goes too: the state brings that prefix back
         return True
 
-    def _share_prefix(self, slot: int, tokens: np.ndarray) -> None:
-        """After a restore into ``slot``: the prefix of ``tokens`` another sequence holds
-        (the shared system prompt, say) is taken from its cells instead of the restored copy,
-        as a prefix copied at admission is, so each restored conversation does not keep (and
-        every tick attend to) its own copy. Unified KV cache only (a copy across streams moves
-        the data), and not on a sliding-window model (the copy's sliding cells would not
-        join the restored window's)."""
-        table = self.table
-        if not table.kv_unified or self.window is not None:
-            return
-        source, shared = self.best_prefix(tokens)  # a restored state is the base model's
+    def load_state(self, slot: int, tokens: np.ndarray, data: bytes) -> tuple[bool, int]:
+        """Load ``data`` (a state in this context's layout whose first cells hold ``tokens``)
+        into the empty ``slot`` (from RAM, or a layout switch's carried state; the caller
+        records it); returns whether it loaded and the tokens shared.
+
+        The prefix of ``tokens`` another sequence holds (the shared system prompt, say) is
+        taken from its cells, as a prefix copied at admission is, so each restored
+        conversation does not keep (and every tick attend to) its own copy, and only the
+        state's cells after it are written (``drop_leading_cells``: loading them all and
+        freeing the prefix would leave holes that spread the buffer's used cells). Unified
+        KV cache only (a copy across streams moves the data), and not on a sliding-window
+        model (the copy's sliding cells would not join the restored window's)."""
+        context, table = self.context, self.table
+        source, shared = -1, 0
+        if table.kv_unified and self.window is None:
+            source, shared = self.best_prefix(tokens)  # a restored state is the base model's
+            shared = min(shared, len(tokens) - 1)  # a state keeps one cell at least
         if source < 0 or shared <= 0:
-            return
-        self.context.seq_rm(slot, 0, shared)
-        self.context.seq_cp(source, slot, 0, shared)
+            return context.state_seq_set(slot, data), 0
+        suffix = drop_leading_cells(data, shared, self.n_layer) if self.n_layer else None
+        if not context.state_seq_set(slot, data if suffix is None else suffix):
+            return False, 0
+        if suffix is None:
+            context.seq_rm(slot, 0, shared)
+        context.seq_cp(source, slot, 0, shared)
         table.copy(source, slot, shared)
-        if self.ram is not None:
-            self.ram.shared_tokens += shared
+        return True, shared
 
     @property
     def cached_tokens(self) -> int:
@@ -616,6 +644,7 @@ def kv_cache_for(model: Model, context: Context, table: SlotTable, config: Engin
         copy_supported=copy_supported,
         ram=ram_cache_for(config.cache_ram),
         window=sliding_window_for(context, model.n_swa),
+        n_layer=model.n_layer,
     )
     if kv.reuse and config.prefix_cache_dir is not None:
         store = store_for(

@@ -10,13 +10,15 @@ rebuild (``layout_switch_time_s``: tens of milliseconds for a small model, mostl
 allocating and reserving the new context's buffers, plus a copy of each carried state).
 
 What is watched (:class:`WorkloadWatcher`, a telemetry listener): over the last
-:data:`WINDOW` requests, the share of their prompt tokens taken from cached prefixes, their
+:data:`WINDOW` requests, the share of their prompt tokens taken from a cached prefix that
+another sequence held too (``RequestEvent.shared_tokens``: a request reusing only its own
+earlier prompt, a conversation's next turn or the same prompt again, shares nothing), their
 prompt lengths, and the mean number of busy slots per tick. What is predicted
 (:func:`preferred_layout`), from the measurements in the README ("Memory"):
 
-- a shared prefix (at least :data:`SHARED_SHARE` of the prompt tokens reused, two or more
-  requests at a time): one unified buffer without flash attention (one copy of the prefix,
-  attended by matrix products);
+- a shared prefix (at least :data:`SHARED_SHARE` of the prompt tokens held by other
+  sequences too, two or more requests at a time): one unified buffer without flash attention
+  (one copy of the prefix, attended by matrix products);
 - a long prompt among short ones (one of at least :data:`LONG_PROMPT` tokens, no shared
   prefix): one unified buffer with flash attention (its tiled prompt kernel skips the cells
   a chunk does not see);
@@ -80,7 +82,8 @@ logger = logging.getLogger("llamabatch")
 WINDOW = 16
 #: requests a summary needs before any switch is considered
 COLLECTED = 8
-#: the share of prompt tokens reused from cached prefixes that makes a workload "shared"
+#: the share of prompt tokens reused from prefixes other sequences held too that makes a
+#: workload "shared"
 SHARED_SHARE = 0.5
 #: a prompt this long (tokens) among short ones wants flash attention
 LONG_PROMPT = 2048
@@ -177,7 +180,7 @@ class WorkloadWatcher:
             self._ticks += 1
         elif isinstance(event, RequestEvent):
             self.total += 1
-            self._requests.append((event.prompt_tokens, event.reused_tokens))
+            self._requests.append((event.prompt_tokens, event.shared_tokens))
             if self._ticks:
                 self._busy.append(self._tick_busy / self._ticks)
                 self._tick_busy = self._ticks = 0
@@ -287,7 +290,7 @@ def restore_states(core: EngineCore, carried: list[tuple[list[int], bytes]], n_l
         fits = n <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= n)
         if free_slots and fits:
             slot = free_slots.pop(0)
-            if context.state_seq_set(slot, state):
+            if core.kv.load_state(slot, np.asarray(tokens, dtype=np.int32), state)[0]:
                 table.record_cached(slot, tokens)
                 table.touch(slot)
                 carried_tokens += n

@@ -239,6 +239,7 @@ class Request:
         "request_id",
         "reused_tokens",
         "sampler",
+        "shared_tokens",
         "slo",
         "spec_counts",
         "state",
@@ -302,6 +303,7 @@ class Request:
         self.stop_ids = frozenset(params.stop_token_ids)
         self.sampler: SamplerChain | None = None
         self.reused_tokens = 0  # prompt tokens reused from the KV cache at the first admission
+        self.shared_tokens = 0  # of those, the prefix another sequence held too (``Placement``)
         self.n_preemptions = 0
         #: speculative decoding: [draft tokens verified, draft tokens accepted]
         self.spec_counts = [0, 0]

@@ -50,6 +50,7 @@ def request_event(request: Request, out: CompletionOutput) -> RequestEvent:
         prompt_tokens=out.usage.prompt_tokens,
         completion_tokens=out.usage.completion_tokens,
         reused_tokens=out.usage.reused_tokens,
+        shared_tokens=request.shared_tokens,
         queue_wait=out.timings.queue_wait,
         time_to_first_token=ttft,
         total=out.timings.total,

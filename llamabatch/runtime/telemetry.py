@@ -67,6 +67,9 @@ class RequestEvent:
     inter_token_latencies: tuple[float, ...] = ()
     #: whether it met its SLOs (``Timings.slo_met``; None: it had none)
     slo_met: bool | None = None
+    #: of ``reused_tokens``, the prefix another sequence held too when it was admitted (a
+    #: prefix shared among requests, not one request's own cache reused)
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from llamabatch.config import EngineConfig
 from llamabatch.generate import layout_switch as ls
-from llamabatch.generate.kv_state_format import convert_seq_state
+from llamabatch.generate.kv_state_format import convert_seq_state, drop_leading_cells
 from llamabatch.generate.layout_switch import Layout, LayoutSwitcher, WorkloadSummary, preferred_layout
 
 PER_STREAM = Layout(False, False)
@@ -137,21 +137,26 @@ def test_state_rewrite_refuses_bytes_that_do_not_parse(data, n_stream, v_trans):
     assert out is None or out.startswith(magic)
 
 
-def _state(n_stream: int, cells: int, v_trans: bool, n_layer: int = 2, n_embd: int = 3) -> bytes:
-    """A one-sequence state as llama.cpp writes it (f16 K and V), in stream 0, with values
-    that say where they came from: V[cell][dim] = 100 * dim + cell."""
-    out = [struct.pack("<IiI", 0xAF143CD8, 5, n_stream), struct.pack("<I", cells)]
-    out += [struct.pack("<iIi", pos, 1, 5) for pos in range(cells)]
+def _state(
+    n_stream: int, cells: int, v_trans: bool, n_layer: int = 2, n_embd: int = 3, first: int = 0
+) -> bytes:
+    """A one-sequence state as llama.cpp writes it (f16 K and V), in stream 0, holding
+    positions ``first`` to ``cells - 1``, with values that say where they came from:
+    V[cell][dim] = 100 * dim + cell."""
+    kept = range(first, cells)
+    out = [struct.pack("<IiI", 0xAF143CD8, 5, n_stream), struct.pack("<I", len(kept))]
+    out += [struct.pack("<iIi", pos, 1, 5) for pos in kept]
     out.append(struct.pack("<II", int(v_trans), n_layer))
     for layer in range(n_layer):
-        out.append(struct.pack("<iQ", 1, 2 * n_embd) + bytes(range(layer, layer + 2 * n_embd * cells)))
+        k = bytes(range(layer, layer + 2 * n_embd * cells))[2 * n_embd * first :]
+        out.append(struct.pack("<iQ", 1, 2 * n_embd) + k)
     for _ in range(n_layer):
         if v_trans:
             out.append(struct.pack("<iII", 1, 2, n_embd))
-            out += [struct.pack("<H", 100 * d + c) for d in range(n_embd) for c in range(cells)]
+            out += [struct.pack("<H", 100 * d + c) for d in range(n_embd) for c in kept]
         else:
             out.append(struct.pack("<iQ", 1, 2 * n_embd))
-            out += [struct.pack("<H", 100 * d + c) for c in range(cells) for d in range(n_embd)]
+            out += [struct.pack("<H", 100 * d + c) for c in kept for d in range(n_embd)]
     out += [struct.pack("<I", 0)] * (n_stream - 1)
     return b"".join(out)
 
@@ -165,3 +170,20 @@ def test_state_rewrite_moves_streams_and_transposes_v():
                         assert convert_seq_state(_state(src, cells, a), dst, b, 2) == _state(dst, cells, b)
     assert convert_seq_state(_state(1, 4, False), 1, True, n_layer=3) is None  # another model
     assert convert_seq_state(_state(1, 4, False)[:-1], 1, True, 2) is None  # truncated
+
+
+def test_leading_cells_are_dropped_from_a_state():
+    for v_trans in (False, True):
+        for first in (1, 3):
+            assert drop_leading_cells(_state(1, 4, v_trans), first, 2) == _state(1, 4, v_trans, first=first)
+        assert drop_leading_cells(_state(1, 4, v_trans), 4, 2) is None  # no cell left
+        assert drop_leading_cells(_state(1, 4, v_trans), 1, 3) is None  # another model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400), st.integers(0, 6))
+def test_dropping_cells_refuses_bytes_that_do_not_parse(data, first):
+    magic = struct.pack("<Ii", 0xAF143CD8, 3)
+    for state in (data, magic + data):
+        out = drop_leading_cells(state, first, n_layer=2)
+        assert out is None or (isinstance(out, bytes) and out.startswith(magic))

@@ -72,6 +72,8 @@ def test_switch_between_workloads_keeps_the_cached_prefixes(tiny_path, eager):
         assert stats.kv_unified and stats.flash_attn is False
         assert stats.layout_switch_time_s > 0 and stats.layout_lost_tokens == 0
         assert stats.layout_carried_tokens >= 120
+        # the carried states share the prefix's cells again, as before the switch: one copy
+        assert stats.kv_cells_used < 2 * 120 + 4 * 20, stats.kv_cells_used
         again = prompts[5]
         engine.add_request(again, params)
         (after,) = engine.run_until_complete()
@@ -112,3 +114,21 @@ def test_llm_thread_switches_when_quiet(tiny_path, eager):
         assert llm.stats().layout_lost_tokens == 0
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert all(o.outputs[0].usage.reused_tokens >= 120 for o in again)
+
+
+def test_prompts_repeated_without_a_common_prefix_are_not_a_shared_prefix(tiny_path, eager):
+    """Rounds of the same independent prompts reuse each prompt's own cache (one sequence's
+    cells, in place), not a prefix several sequences hold at once: one buffer gains nothing
+    there, so the layout stays."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    rng = np.random.default_rng(0)
+    prompts = [[1, *rng.integers(5, 250, size=60).tolist()] for _ in range(4)]
+    with LLMEngine(tiny_path, n_parallel=4, n_batch=256, flash_attn=False, cache_ram=0) as engine:
+        for _ in range(6):
+            for p in prompts:
+                engine.add_request(p, params)
+            outputs = engine.run_until_complete()
+            assert len(outputs) == 4
+        stats = engine.stats()
+    assert stats.reused_tokens >= 4 * 4 * 59  # the rounds after the first reused their prompts
+    assert stats.layout_switches == 0, stats.layout_switch_reasons

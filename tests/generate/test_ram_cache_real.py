@@ -36,11 +36,13 @@ def test_restored_prefix_gives_the_computed_logprobs(tiny_path, reference, kv_un
     check_against_reference(reference, [*firsts, out])
 
 
-def test_restored_conversation_shares_the_system_prompt(tiny_path, reference):
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["v-transposed", "flash"])
+def test_restored_conversation_shares_the_system_prompt(tiny_path, reference, flash_attn):
     """Issue 23's chat in small: conversations sharing a system prompt, more than the slots.
     The restored one takes the system prompt from the cells the other slot holds (not its
-    own copy: same KV cells in use as before the restore) and gives the computed logprobs."""
-    with LLM(tiny_path, cache_ram=64, n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=False) as llm:
+    own copy: only the state's cells after it are loaded) and gives the computed logprobs."""
+    options = dict(n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=flash_attn, kv_unified=True)
+    with LLM(tiny_path, cache_ram=64, **options) as llm:
         system = _system(llm)[:100]
         convs = [system + tail[1:41] for tail in _texts(llm, 3, 41)]
         firsts = [llm.generate(c, PARAMS)[0].outputs[0] for c in convs]  # 3 conversations, 2 slots
@@ -49,7 +51,15 @@ def test_restored_conversation_shares_the_system_prompt(tiny_path, reference):
         stats = llm.stats()
     assert stats.ram_cache_restores == 1 and out.usage.reused_tokens >= 140, stats
     assert stats.ram_cache_shared_tokens >= 100  # the system prompt: shared cells, not a copy
-    check_against_reference(reference, [*firsts, out])
+    if not flash_attn:
+        check_against_reference(reference, [*firsts, out])
+        return
+    # flash attention's f16 tiles round by batch shape (3e-3 here before the state was cut)
+    with LLM(tiny_path, cache_ram=0, **options) as llm:
+        computed = llm.generate(follow, PARAMS)[0].outputs[0]
+    for a, b in zip(out.logprobs, computed.logprobs, strict=True):
+        for token, value in b.items():
+            assert a[token] == pytest.approx(value, abs=0.02)
 
 
 def test_ram_tier_in_metrics(tiny_path):
