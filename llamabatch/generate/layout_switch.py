@@ -256,49 +256,56 @@ class LayoutSwitcher:
         stats.time_s += seconds
 
 
-def carry_states(core: EngineCore) -> list[tuple[list[int], bytes]]:
-    """The idle slots' cached tokens and the host-RAM tier's states, as ``(tokens, state)``,
-    most recently used last (the order they are loaded back in)."""
+#: a carried state: its tokens, its bytes, and whether an idle slot held it (else the RAM tier)
+Carried = tuple[list[int], bytes, bool]
+
+
+def carry_states(core: EngineCore) -> list[Carried]:
+    """The host-RAM tier's states (least recently used first), then the idle slots' cached
+    tokens (least recently used first: the order they are loaded back in)."""
     table, context = core.table, core.context
-    carried: list[tuple[list[int], bytes]] = []
+    carried: list[Carried] = []
     ram = core.kv.ram
     if ram is not None:
-        carried.extend((entry.tokens.tolist(), entry.data) for entry in ram.entries())
+        carried.extend((entry.tokens.tolist(), entry.data, False) for entry in ram.entries())
     slots = [s for s in range(table.n_parallel) if table.state(s) == SlotState.IDLE and table.seq_len(s)]
     for slot in slots:
         data = context.state_seq_get(slot)
         if data:
-            carried.append((table.seq_tokens(slot).tolist(), data))
+            carried.append((table.seq_tokens(slot).tolist(), data, True))
     return carried
 
 
-def restore_states(core: EngineCore, carried: list[tuple[list[int], bytes]], n_layer: int) -> tuple[int, int]:
-    """Load ``carried`` into the new core: the last (most recent) states into the idle
-    slots, the rest into its RAM tier when it has one; returns ``(tokens carried, tokens
-    lost)`` (a state that does not convert, fit or load is lost: computed again when asked)."""
+def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tuple[int, int]:
+    """Load ``carried`` into the new core, each where it was: the slots' states into idle
+    slots (the most recent first; one that does not fit goes to the RAM tier), the RAM
+    tier's back to it, in their order (so its least recently used go first again). A RAM
+    state is not put in a slot the new context has to spare: an idle slot's cells are
+    attended by every tick of one unified buffer. Returns ``(tokens carried, tokens lost)``
+    (a state that does not convert, fit or load is lost: computed again when asked)."""
     table, context, ram = core.table, core.context, core.kv.ram
     n_stream = 1 if context.kv_unified else context.n_seq_max
     v_trans = not core.config.flash_attn
     carried_tokens = lost = 0
     free_slots = list(range(table.n_parallel))
-    for tokens, data in reversed(carried):
+    overflow: list[tuple[list[int], bytes]] = []  # slots' states that do not fit a slot
+    for tokens, data, _ in reversed([c for c in carried if c[2]]):
         state = convert_seq_state(data, n_stream, v_trans, n_layer)
-        n = len(tokens)
-        if state is None:
-            lost += n
-            continue
-        fits = n <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= n)
-        if free_slots and fits:
+        fits = len(tokens) <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= len(tokens))
+        if state is not None and free_slots and fits:
             slot = free_slots.pop(0)
             if core.kv.load_state(slot, np.asarray(tokens, dtype=np.int32), state)[0]:
                 table.record_cached(slot, tokens)
                 table.touch(slot)
-                carried_tokens += n
+                carried_tokens += len(tokens)
                 continue
-        if ram is not None and ram.save(np.asarray(tokens, dtype=np.int32), state):
-            carried_tokens += n
+        overflow.append((tokens, data))
+    for tokens, data in [*((t, d) for t, d, in_slot in carried if not in_slot), *reversed(overflow)]:
+        state = convert_seq_state(data, n_stream, v_trans, n_layer)
+        if state is not None and ram is not None and ram.save(np.asarray(tokens, dtype=np.int32), state):
+            carried_tokens += len(tokens)
         else:
-            lost += n
+            lost += len(tokens)
     return carried_tokens, lost
 
 

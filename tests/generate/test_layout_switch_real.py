@@ -132,3 +132,29 @@ def test_prompts_repeated_without_a_common_prefix_are_not_a_shared_prefix(tiny_p
         stats = engine.stats()
     assert stats.reused_tokens >= 4 * 4 * 59  # the rounds after the first reused their prompts
     assert stats.layout_switches == 0, stats.layout_switch_reasons
+
+
+def test_a_switch_puts_each_state_back_where_it_was(tiny_path):
+    """A carried RAM-tier state goes back to the RAM tier, not into a slot the new context
+    has to spare (an idle slot's cells are attended by every tick of one unified buffer);
+    a slot's state goes to a slot."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    prompts = [[1, *range(5 + 50 * i, 5 + 50 * i + 60)] for i in range(2)]
+    with LLMEngine(tiny_path, n_parallel=4, n_batch=256, flash_attn=False, cache_ram=64) as engine:
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.run_until_complete()
+        (a, a_state, _), (b, b_state, _) = sorted(layout_switch.carry_states(engine.core))
+    with LLMEngine(tiny_path, n_parallel=4, n_batch=256, kv_unified=True, cache_ram=64) as engine:
+        core = engine.core
+        carried = [(a, a_state, False), (b, b_state, True)]
+        kept, lost = layout_switch.restore_states(core, carried, engine.model.n_layer)
+        assert (kept, lost) == (len(a) + len(b), 0)
+        held = [core.table.seq_tokens(s).tolist() for s in range(4) if core.table.seq_len(s)]
+        assert held == [b]
+        assert engine.stats().ram_cache_entries == 1
+        engine.add_request([*a, 7], params)  # and both are found where they went
+        engine.add_request([*b, 7], params)
+        outs = engine.run_until_complete()
+        assert all(o.usage.reused_tokens >= 60 for o in outs), [o.usage.reused_tokens for o in outs]
+        assert engine.stats().ram_cache_restores == 1
