@@ -430,19 +430,21 @@ class Context:
 
     # -- sequence state (host-RAM prompt cache, persistent prefixes) ---------------------
 
-    def state_seq_get(self, seq_id: int, max_bytes: int | None = None) -> bytes:
-        """The state of ``seq_id`` (its KV cells, with their positions) as bytes, in
-        llama.cpp's format for ``state_seq_set``; empty when it cannot be copied or would
-        take more than ``max_bytes``."""
+    def state_seq_get(self, seq_id: int, max_bytes: int | None = None) -> bytearray:
+        """The state of ``seq_id`` (its KV cells, with their positions), in llama.cpp's
+        format for ``state_seq_set``; empty when it cannot be copied or would take more than
+        ``max_bytes``. A bytearray: llama.cpp writes into it directly (a state is tens of
+        megabytes; a second copy doubled the time a RAM-tier save or a layout switch took)."""
         ptr = self.ptr
         size = lib.llama_state_seq_get_size(ptr, seq_id)
         if size == 0 or (max_bytes is not None and size > max_bytes):
-            return b""
-        buf = ffi.new("uint8_t[]", size)
-        n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)
-        return bytes(ffi.buffer(buf, n)) if n else b""
+            return bytearray()
+        out = bytearray(size)
+        n = lib.llama_state_seq_get_data(ptr, ffi.from_buffer(out), size, seq_id)
+        del out[n:]
+        return out
 
-    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+    def state_seq_set(self, seq_id: int, data: bytes | bytearray) -> bool:
         """Load ``data`` (from ``state_seq_get`` of a context of the same model and KV
         layout) into the empty ``seq_id``; False when llama.cpp refuses it (no room, or a
         layout that does not match: then ``seq_id`` holds nothing)."""

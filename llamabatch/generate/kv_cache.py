@@ -461,7 +461,7 @@ class KVCache:
             keep = -1  # the shared prefix's holder goes too: the state brings that prefix back
         return True
 
-    def load_state(self, slot: int, tokens: np.ndarray, data: bytes) -> tuple[bool, int]:
+    def load_state(self, slot: int, tokens: np.ndarray, data: bytes | bytearray) -> tuple[bool, int]:
         """Load ``data`` (a state in this context's layout whose first cells hold ``tokens``)
         into the empty ``slot`` (from RAM, or a layout switch's carried state; the caller
         records it); returns whether it loaded and the tokens shared.

@@ -38,7 +38,7 @@ _MAGIC = 0xAF143CD8
 
 
 class _Reader:
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes | bytearray) -> None:
         self.data = memoryview(data)  # slices without copies: a state is tens of megabytes
         self.pos = 0
 
@@ -59,7 +59,7 @@ class _Reader:
         return int(struct.unpack_from("<Q", self.take(8))[0])
 
 
-def convert_seq_state(data: bytes, n_stream: int, v_trans: bool, n_layer: int) -> bytes | None:
+def convert_seq_state(data: bytes | bytearray, n_stream: int, v_trans: bool, n_layer: int) -> bytes | None:
     """``data`` (one sequence's state from a context of ``n_layer`` layers) rewritten for a
     context of ``n_stream`` KV streams and V transposed or not (``v_trans``: flash attention
     off); the bytes unchanged when they already match; None when they do not parse."""
@@ -69,7 +69,7 @@ def convert_seq_state(data: bytes, n_stream: int, v_trans: bool, n_layer: int) -
         return None
 
 
-def drop_leading_cells(data: bytes, from_pos: int, n_layer: int) -> bytes | None:
+def drop_leading_cells(data: bytes | bytearray, from_pos: int, n_layer: int) -> bytes | None:
     """``data`` (a state of one unified buffer) without its cells at positions below
     ``from_pos``; None when it does not parse or would keep no cell."""
     try:
@@ -78,7 +78,9 @@ def drop_leading_cells(data: bytes, from_pos: int, n_layer: int) -> bytes | None
         return None
 
 
-def _convert(data: bytes, n_stream: int, v_trans: bool | None, n_layer: int, from_pos: int = 0) -> bytes:
+def _convert(
+    data: bytes | bytearray, n_stream: int, v_trans: bool | None, n_layer: int, from_pos: int = 0
+) -> bytes:
     if n_stream < 1 or n_layer < 1:
         raise ValueError("n_stream and n_layer must be >= 1")
     reader = _Reader(data)

@@ -257,7 +257,7 @@ class LayoutSwitcher:
 
 
 #: a carried state: its tokens, its bytes, and whether an idle slot held it (else the RAM tier)
-Carried = tuple[list[int], bytes, bool]
+Carried = tuple[list[int], bytes | bytearray, bool]
 
 
 def carry_states(core: EngineCore) -> list[Carried]:
@@ -288,7 +288,7 @@ def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tu
     v_trans = not core.config.flash_attn
     carried_tokens = lost = 0
     free_slots = list(range(table.n_parallel))
-    overflow: list[tuple[list[int], bytes]] = []  # slots' states that do not fit a slot
+    overflow: list[tuple[list[int], bytes | bytearray]] = []  # slots' states that do not fit a slot
     for tokens, data, _ in reversed([c for c in carried if c[2]]):
         state = convert_seq_state(data, n_stream, v_trans, n_layer)
         fits = len(tokens) <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= len(tokens))

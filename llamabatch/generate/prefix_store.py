@@ -135,7 +135,9 @@ def model_identity(path: str | os.PathLike[str]) -> bytes:
     return digest.digest()
 
 
-def encode_prefix_file(model_id: bytes, layout: str, tokens: np.ndarray | list[int], payload: bytes) -> bytes:
+def encode_prefix_file(
+    model_id: bytes, layout: str, tokens: np.ndarray | list[int], payload: bytes | bytearray
+) -> bytes:
     """The bytes of a prefix file (see the module doc)."""
     layout_bytes = layout.encode()
     if len(model_id) != 32 or len(layout_bytes) > MAX_LAYOUT:
@@ -356,7 +358,7 @@ class PrefixStore:
         self.refused += 1
         logger.warning("llamabatch: prefix file %s refused (%s); %s", path, why, then)
 
-    def save(self, tokens: np.ndarray | list[int], payload: bytes) -> bool:
+    def save(self, tokens: np.ndarray | list[int], payload: bytes | bytearray) -> bool:
         """Write the file of ``tokens`` atomically; False (logged) when it cannot be written."""
         if not payload:
             return False

@@ -69,7 +69,7 @@ class RamEntry:
     __slots__ = ("data", "failures", "key", "source", "tokens")
 
     def __init__(
-        self, tokens: np.ndarray, data: bytes, block: int = BLOCK, source: Path | None = None
+        self, tokens: np.ndarray, data: bytes | bytearray, block: int = BLOCK, source: Path | None = None
     ) -> None:
         self.tokens = tokens
         self.data = data
@@ -121,7 +121,7 @@ class RamCache:
                 return entry
         return None
 
-    def save(self, tokens: np.ndarray, data: bytes, source: Path | None = None) -> bool:
+    def save(self, tokens: np.ndarray, data: bytes | bytearray, source: Path | None = None) -> bool:
         """Keep ``data``, the state of a sequence holding ``tokens`` (read from ``source``,
         when not from the KV cache: ``RamEntry.source``); entries that are prefixes of it
         are dropped, older entries leave while over budget. False when it is too short,
