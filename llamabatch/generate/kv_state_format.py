@@ -135,7 +135,10 @@ def _convert_stream(
     for _ in range(layers):  # K: one row per cell, in every layout
         k_type, row = reader.i32(), reader.u64()
         k = reader.take(row * cells)
-        parts += [struct.pack("<iQ", k_type, row), k if keep is None else _bytes(k).reshape(cells, -1)[keep]]
+        parts += [
+            struct.pack("<iQ", k_type, row),
+            k if keep is None else np.frombuffer(k, np.uint8).reshape(cells, -1)[keep],
+        ]
     for _ in range(layers):
         v_type = reader.i32()
         if src_trans:
@@ -169,10 +172,6 @@ def _convert_stream(
             values = values.transpose(1, 0, 2)
         parts += [header, np.ascontiguousarray(values)]
     return b"".join(parts), len(meta) // 12
-
-
-def _bytes(data: memoryview) -> np.ndarray:
-    return np.frombuffer(data, np.uint8)
 
 
 def _elements(data: memoryview, size: int) -> np.ndarray:
