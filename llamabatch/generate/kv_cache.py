@@ -168,7 +168,10 @@ class KVCache:
         if tag != ():
             self._tagged = True
         self.tags[placement.slot] = tag
-        shared = self._held_elsewhere(placement.slot, tokens[: placement.reused_tokens], tag)
+        if placement.source_seq >= 0:  # copied: its source holds it all
+            shared = placement.reused_tokens
+        else:
+            shared = self._held_elsewhere(placement.slot, tokens[: placement.reused_tokens], tag)
         return dataclasses.replace(placement, shared_tokens=shared) if shared else placement
 
     def _held_elsewhere(self, slot: int, prefix: list[int], tag: Hashable) -> int:

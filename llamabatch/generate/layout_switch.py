@@ -39,6 +39,7 @@ prefixes (their own sequences) or ``prefix_cache_dir`` (files are written per la
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -288,7 +289,7 @@ def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tu
     v_trans = not core.config.flash_attn
     carried_tokens = lost = 0
     free_slots = list(range(table.n_parallel))
-    overflow: list[tuple[list[int], bytes | bytearray]] = []  # slots' states that do not fit a slot
+    overflow: list[tuple[list[int], bytes | None]] = []  # slots' states that do not fit a slot
     for tokens, data, _ in reversed([c for c in carried if c[2]]):
         state = convert_seq_state(data, n_stream, v_trans, n_layer)
         fits = len(tokens) <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= len(tokens))
@@ -299,9 +300,12 @@ def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tu
                 table.touch(slot)
                 carried_tokens += len(tokens)
                 continue
-        overflow.append((tokens, data))
-    for tokens, data in [*((t, d) for t, d, in_slot in carried if not in_slot), *reversed(overflow)]:
-        state = convert_seq_state(data, n_stream, v_trans, n_layer)
+        overflow.append((tokens, state))
+    # converted one at a time, as saved: the RAM tier's states are not held twice at once
+    ram_states = (
+        (t, convert_seq_state(d, n_stream, v_trans, n_layer)) for t, d, in_slot in carried if not in_slot
+    )
+    for tokens, state in itertools.chain(ram_states, reversed(overflow)):
         if state is not None and ram is not None and ram.save(np.asarray(tokens, dtype=np.int32), state):
             carried_tokens += len(tokens)
         else:
