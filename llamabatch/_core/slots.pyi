@@ -1,6 +1,7 @@
 """Type stubs for the compiled ``llamabatch._core.slots`` (see slots.pyx for the behaviour)."""
 
 import enum
+from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -125,6 +126,8 @@ class SlotTable:
     def reused_tokens(self, slot: int) -> int: ...
     def room(self, slot: int) -> int: ...
     def arrival(self, slot: int) -> int: ...
+    def order_prefill(self, order: Iterable[int]) -> None:
+        """Serve the PREFILL slots' prompts in ``order`` (a permutation of them)."""
     def history(self, slot: int) -> npt.NDArray[np.int32]:
         """A copy of the slot's prompt + accepted tokens."""
     def common_prefix(self, seq: int, tokens: _Tokens) -> int: ...

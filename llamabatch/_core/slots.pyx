@@ -809,6 +809,18 @@ cdef class SlotTable:
         self.check_slot(slot)
         return self.slots[slot].arrival
 
+    def order_prefill(self, order):
+        """Serve the PREFILL slots' prompts in ``order`` (every PREFILL slot once): their
+        start counters are dealt out again in that order, so the FIFO stays sorted by them."""
+        cdef int32_t j, slot
+        order = [int(s) for s in order]
+        if sorted(order) != sorted(self.fifo[j] for j in range(self.n_fifo)):
+            raise ValueError("order %r is not a permutation of the PREFILL slots" % (order,))
+        arrivals = sorted(self.slots[s].arrival for s in order)
+        for j, slot in enumerate(order):
+            self.fifo[j] = slot
+            self.slots[slot].arrival = arrivals[j]
+
     def history(self, int32_t slot):
         """A copy of the slot's prompt + accepted tokens (int32 numpy array)."""
         self.check_slot(slot)

@@ -9,7 +9,8 @@ each batch goes through its ``Strategy`` (``_core/strategies.pyx``):
 - whether the next waiting request starts now (``admits``: :class:`Verdict` ``ADMIT``,
   ``PASS`` to go on to the next one, ``STOP`` to admit no more this step);
 - each tick's token budget and the time limit plug-ins keep to (``tick_budget``,
-  ``tick_limit``), learned from measured decodes (``observe``);
+  ``tick_limit``), learned from measured decodes (``observe``), and the order in which the
+  prompts being computed take its prompt tokens (``prefill_order``; arrival order by default);
 - victims: the running request preempted when a decode finds no KV room
   (``room_victim``), and the one a waiting request that cannot start may preempt
   (``blocked_victim``).
@@ -26,11 +27,12 @@ priorities, aging and client turns, ``priority.py``) is the base; a
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from llamabatch._core.slots import SlotTable
+from llamabatch._core.slots import SlotState, SlotTable
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
 from llamabatch.generate.priority import ClientSlots, ClientTurns, enqueue, priority_victim, share_victim
 from llamabatch.generate.request import Request
@@ -40,13 +42,23 @@ __all__ = [
     "DelegatingAdmission",
     "GroupedAdmission",
     "LatencyAdmission",
+    "Prefilling",
     "PriorityAdmission",
     "TickLimit",
     "Verdict",
+    "order_prefill",
 ]
 
 #: the running requests, as ``(slot, request)`` pairs (``SlotMap.busy()``)
 Running = Iterable[tuple[int, Request]]
+
+
+class Prefilling(NamedTuple):
+    """A request whose prompt is being computed: its slot and the prompt tokens left."""
+
+    slot: int
+    request: Request
+    n_pending: int
 
 
 class Verdict(enum.Enum):
@@ -109,6 +121,11 @@ class AdmissionPolicy:
 
     def tick_limit(self) -> TickLimit | None:
         """The time limit of the tick being planned, for plug-ins that add to it (drafts)."""
+        return None
+
+    def prefill_order(self, prefilling: Sequence[Prefilling], now: float) -> list[int] | None:
+        """The order in which the prompts being computed (``prefilling``, in arrival order)
+        take the next tick's prompt tokens, as slots; None keeps arrival order."""
         return None
 
     def predicted(self) -> float | None:
@@ -213,6 +230,9 @@ class DelegatingAdmission(AdmissionPolicy):
     def tick_limit(self) -> TickLimit | None:
         return self.inner.tick_limit()
 
+    def prefill_order(self, prefilling: Sequence[Prefilling], now: float) -> list[int] | None:
+        return self.inner.prefill_order(prefilling, now)
+
     def predicted(self) -> float | None:
         return self.inner.predicted()
 
@@ -309,3 +329,19 @@ class GroupedAdmission(DelegatingAdmission):
         else:
             self._running.pop(key, None)
         self.inner.released(request)
+
+
+def order_prefill(policy: AdmissionPolicy, table: SlotTable, requests: Sequence[Request | None]) -> None:
+    """Let ``policy`` order the prompts being computed, when two or more are, before a tick
+    is filled (``requests``: the request of each slot)."""
+    if table.count(SlotState.PREFILL) < 2:
+        return
+    prefilling = []
+    for slot in table.view().prefill_slots:
+        request = requests[slot]
+        if request is None:
+            return
+        prefilling.append(Prefilling(slot, request, table.n_pending(slot)))
+    order = policy.prefill_order(prefilling, time.perf_counter())
+    if order is not None:
+        table.order_prefill(order)

@@ -45,7 +45,7 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
-from llamabatch.generate.admission import TickLimit, Verdict
+from llamabatch.generate.admission import TickLimit, Verdict, order_prefill
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import ubatch_cost_cells
@@ -414,6 +414,7 @@ class EngineCore:
         policy = self.admission
         budget = self.budget = policy.tick_budget(self.table, [s for s, _ in self.slots.busy()], self.n_batch)
         self.tick_limit = policy.tick_limit()
+        order_prefill(policy, self.table, self.slots.requests)
         budget = self.budget = self.vision.tick(self, budget) if self.vision else budget  # images' slice
         if self.spec is not None:
             self.spec.prepare(self)

@@ -27,6 +27,7 @@ and measured on mixed arrivals it lost on ITL and TTFT alike to chunks that fit 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ _ERROR_WINDOW = 64
 _SCALES = np.array([1.0, 64.0, 8.0, 65536.0])
 #: the typical noise of a measured decode (seconds)
 _NOISE = 1e-3
+#: time between two decodes, beyond twice the later one, taken for an idle engine (seconds)
+_IDLE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,21 @@ def batch_features(table: SlotTable, slots: list[int]) -> TickFeatures:
 class LatencyBudget:
     """Each tick's token budget under ``target`` seconds of expected decode time."""
 
-    def __init__(self, target: float, n_batch: int, *, model: DecodeCostModel | None = None) -> None:
+    def __init__(
+        self,
+        target: float,
+        n_batch: int,
+        *,
+        model: DecodeCostModel | None = None,
+        margin_quantile: float = 0.9,
+        error_window: int = _ERROR_WINDOW,
+        first_margin: float = 1.0,
+    ) -> None:
+        if not 0.0 < margin_quantile <= 1.0:
+            raise ValueError(f"margin_quantile must be in (0, 1], got {margin_quantile!r}")
+        #: the quantile of the recent errors the plans aim under (see ``observe``), over the
+        #: last ``error_window`` ticks; until a quarter of them are in, ``first_margin``
+        self.margin_quantile = margin_quantile
         self.target = target
         self.n_batch = n_batch
         self.model = model if model is not None else DecodeCostModel()
@@ -176,22 +193,34 @@ class LatencyBudget:
         #: batch decoded, before the model is fitted on it (seconds), for telemetry
         self.predicted = 0.0
         # measured / predicted time of the recent ticks streams waited on (out of sample)
-        self._errors: deque[float] = deque(maxlen=_ERROR_WINDOW)
+        self._errors: deque[float] = deque(maxlen=error_window)
         #: what the plans aim at: the target divided by the model's recent error (see observe)
-        self.aim = target
+        self.aim = target / first_margin
+        #: when the last measured decode ended (``time.perf_counter``)
+        self._last_decoded = -math.inf
 
     def observe(self, features: TickFeatures, elapsed: float) -> None:
         """A batch just decoded in ``elapsed`` seconds: record the model's error on it, then fit
-        the model. The plans aim at ``target`` divided by the 90th percentile of the recent
-        measured/predicted ratios (1 to 2), so that the ticks, not just their expectation, stay
-        under the target: a linear model misses some ticks by 20-30% (ggml's kernels change
-        speed with the batch's shape), and every stream in such a tick waits for it."""
+        the model. The error is the streams' wait (from the last decode's end to this one's:
+        the engine's own work between decodes included, 5-15% of a tick) over the decode time
+        predicted. The plans aim at ``target`` divided by the ``margin_quantile`` (90th
+        percentile; the largest for an SLO) of the recent measured/predicted ratios (1 to 2),
+        so that the ticks, not just their expectation, stay under the target: a linear model
+        misses some ticks by 20-30% (ggml's kernels change speed with the batch's shape), and
+        every stream in such a tick waits for it."""
         predicted = self.model.predict(features)
         self.predicted = predicted
+        now = time.perf_counter()
+        # what the streams waited: from the last decode's end to this one's (sampling,
+        # emitting, admission, filling, this decode), unless the engine idled in between
+        waited = now - self._last_decoded
+        self._last_decoded = now
+        if not elapsed <= waited <= 2 * elapsed + _IDLE:
+            waited = elapsed
         if predicted > 0 and features.outputs > 0:
-            self._errors.append(elapsed / predicted)
-            if len(self._errors) >= _ERROR_WINDOW // 4:
-                margin = float(np.quantile(np.fromiter(self._errors, float), 0.9))
+            self._errors.append(waited / predicted)
+            if len(self._errors) >= (self._errors.maxlen or 0) // 4:
+                margin = float(np.quantile(np.fromiter(self._errors, float), self.margin_quantile))
                 self.aim = self.target / min(2.0, max(1.0, margin))
         self.model.observe(features, elapsed)
 

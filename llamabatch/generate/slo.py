@@ -8,18 +8,22 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   running stream would then wait longer than its ITL SLO for its next token, as the online
   cost model (``cost_model.DecodeCostModel``) predicts the tick; only then is the prefill
   sliced, to the most prompt tokens whose tick stays under the tightest running ITL SLO
-  (``LatencyBudget.budget``, aiming under the SLO by the model's recent error). A prompt
+  (``LatencyBudget.budget``, aiming under the SLO by the model's largest recent error: an
+  SLO bounds every gap, not most of them). A prompt
   always moves by one token a tick at least: when the decodes alone break the SLO, no
   choice could meet it.
 - **Order.** Before each admission pass the waiting requests are ranked, within each
-  priority (and preempted requests first, as ``priority.py``): first those that can still
+  priority (aging orders the priorities, each by its longest-waiting request:
+  :func:`priority_levels`; preempted requests first, as ``priority.py``): first those that can still
   meet their TTFT SLO, shortest prompt first (each one's predicted prefill time, added to
   that of the requests before it, must fit the time its SLO leaves), then those that cannot,
   in arrival order. A late request does not take the place of one that can still be served
   in time; a request without a TTFT SLO counts as one that can. No request waits forever:
   one that ``patience`` admissions passed while it waited (``DEFAULT_PATIENCE``) is overdue,
   and the overdue go first, in arrival order, so a long or late prompt is served within
-  about ``patience`` admissions however many short ones keep arriving.
+  about ``patience`` admissions however many short ones keep arriving. The prompts being
+  computed take each tick's prompt tokens in the same order (``prefill_order``), so a
+  short prompt admitted behind a long one does not wait for all of it.
 - **Admission.** A request starts unless its stream would push every decode tick over the
   tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``.
 - **Refusal** (``slo_reject``, off by default). At submit, :func:`check_slo` refuses with
@@ -39,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from llamabatch._core.slots import SlotTable
 from llamabatch.errors import SLOUnmet
-from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, TickLimit, Verdict
+from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, Prefilling, TickLimit, Verdict
 from llamabatch.generate.cost_model import LatencyBudget, TickFeatures
 from llamabatch.generate.priority import aged_priority
 from llamabatch.generate.request import Request
@@ -90,12 +94,18 @@ class SLOAdmission(DelegatingAdmission):
         self.itl = itl
         self.n_batch = n_batch
         self.aging = aging
-        #: the tick budget under the tightest running ITL SLO, and its cost model
-        self.latency = latency if latency is not None else LatencyBudget(itl or _NO_TARGET, n_batch)
+        #: the tick budget under the tightest running ITL SLO, and its cost model (aiming under
+        #: the SLO by the largest error of the last minute or so: an SLO bounds every gap, not
+        #: most of them)
+        if latency is None:
+            latency = LatencyBudget(
+                itl or _NO_TARGET, n_batch, margin_quantile=1.0, error_window=256, first_margin=1.5
+            )
+        self.latency = latency
         #: whether a request with an SLO was ever queued (until then: ``inner`` alone)
         self.active = ttft is not None or itl is not None
-        #: the ITL SLOs of the running requests that have one: SLO -> how many
-        self._running_itl: dict[float, int] = {}
+        #: the running requests, by arrival
+        self._running: dict[int, Request] = {}
         #: the tightest of them for the tick being planned (None: none)
         self._limit: float | None = None
 
@@ -153,7 +163,8 @@ class SLOAdmission(DelegatingAdmission):
     def _ranked(self, waiting: list[Request], now: float) -> list[tuple[_Key, Request, float]]:
         """``waiting`` in the order of the module, each with its key and predicted prefill
         time; the key's third member is 2 for a request predicted late."""
-        aging, stamps, n_admitted = self.aging, self._stamps, self._n_admitted
+        stamps, n_admitted = self._stamps, self._n_admitted
+        levels = priority_levels(waiting, self.aging)
         ranked: list[tuple[_Key, Request, float]] = []
         spans = [(len(r.prompt_tokens) + len(r.output_tokens), r) for r in waiting]
         seconds = self.prefill_seconds()
@@ -166,16 +177,15 @@ class SLOAdmission(DelegatingAdmission):
         queued = sum(estimates[a] for a in overdue)
         for _, request in sorted(spans, key=lambda x: (x[0], x[1].arrival)):
             estimate = estimates[request.arrival]
-            slo = request.slo[0] if request.slo[0] is not None else self.ttft
             if request.arrival in overdue:
                 tier = 0
-            elif slo is not None and (now - request.t_submitted) + queued + estimate > slo:
+            elif self._late(request, now + queued + estimate):
                 tier = 2
             else:
                 tier = 1
                 queued += estimate
             key = (
-                aged_priority(request, aging),
+                levels[request.priority],
                 0 if request.status is RequestStatus.PREEMPTED else 1,
                 tier,
                 estimate if tier == 1 else float(request.arrival),
@@ -184,6 +194,37 @@ class SLOAdmission(DelegatingAdmission):
             ranked.append((key, request, estimate))
         ranked.sort(key=lambda x: x[0])
         return ranked
+
+    def _late(self, request: Request, first_token: float) -> bool:
+        """Whether ``request`` misses its TTFT SLO with its first token at ``first_token``
+        (or when it came, if it has come)."""
+        slo = request.slo[0] if request.slo[0] is not None else self.ttft
+        if slo is None:
+            return False
+        first = request.t_first_token
+        return (first_token if first is None else first) - request.t_submitted > slo
+
+    def prefill_order(self, prefilling: Sequence[Prefilling], now: float) -> list[int] | None:
+        """The prompts being computed in the order of the waiting ones (see the module): the
+        ones that can still meet their TTFT SLO first, fewest tokens left first, then the
+        late, in arrival order; each priority apart. A short prompt admitted behind a long
+        one no longer waits for all of it."""
+        inner = self.inner.prefill_order(prefilling, now)
+        if not self.active or inner is not None:
+            return inner
+        seconds = self.prefill_seconds()
+        levels = priority_levels([p.request for p in prefilling], self.aging)
+        queued = 0.0
+        keyed: list[tuple[tuple[int, int, float, int], int]] = []
+        for slot, request, n_pending in sorted(prefilling, key=lambda p: (p.n_pending, p.request.arrival)):
+            estimate = seconds(n_pending)
+            late = self._late(request, now + queued + estimate)
+            if not late:
+                queued += estimate
+            rank = float(request.arrival) if late else estimate
+            keyed.append(((levels[request.priority], int(late), rank, request.arrival), slot))
+        keyed.sort()
+        return [slot for _, slot in keyed]
 
     def refusal(self, request: Request, waiting: Iterable[Request], now: float) -> float | None:
         """Whether ``request``, queued now behind ``waiting``, is predicted late for its TTFT
@@ -204,7 +245,8 @@ class SLOAdmission(DelegatingAdmission):
     # -- admission and the tick -----------------------------------------------------------
 
     def _tightest(self, extra: float | None = None) -> float | None:
-        limits = list(self._running_itl)
+        """The tightest ITL SLO of the running requests (and ``extra``)."""
+        limits = [r.slo[1] for r in self._running.values() if r.slo[1] is not None]
         if extra is not None:
             limits.append(extra)
         return min(limits) if limits else None
@@ -226,19 +268,11 @@ class SLOAdmission(DelegatingAdmission):
 
     def admitted(self, request: Request) -> None:
         self._n_admitted += 1
-        itl = request.slo[1]
-        if itl is not None:
-            self._running_itl[itl] = self._running_itl.get(itl, 0) + 1
+        self._running[request.arrival] = request
         self.inner.admitted(request)
 
     def released(self, request: Request) -> None:
-        itl = request.slo[1]
-        if itl is not None:
-            n = self._running_itl.get(itl, 0) - 1
-            if n > 0:
-                self._running_itl[itl] = n
-            else:
-                self._running_itl.pop(itl, None)
+        self._running.pop(request.arrival, None)
         self.inner.released(request)
 
     def tick_budget(self, table: SlotTable, busy: list[int], n_batch: int) -> int:
@@ -261,6 +295,20 @@ class SLOAdmission(DelegatingAdmission):
         if self.active:
             self.latency.observe(features, elapsed)
         self.inner.observe(features, elapsed)
+
+
+def priority_levels(requests: Iterable[Request], aging: int) -> dict[int, int]:
+    """Each priority's rank among the others: the aged priority of its longest-waiting
+    request. Aging then orders priorities (a low one that waited long passes newer high
+    ones), while within one priority the SLO order holds: every request of a priority
+    ranks alike, where their own aged priorities would put the later ones a level lower per
+    ``aging`` admissions and undo the SLO order (the patience bounds their waits instead)."""
+    levels: dict[int, int] = {}
+    for request in requests:
+        level = aged_priority(request, aging)
+        if level < levels.get(request.priority, level + 1):
+            levels[request.priority] = level
+    return levels
 
 
 def check_slo(policy: AdmissionPolicy, waiting: Iterable[Request], requests: Sequence[Request]) -> None:

@@ -8,6 +8,7 @@ asserted exactly.
 from __future__ import annotations
 
 import argparse
+from collections import deque
 
 import pytest
 from fake_llama import make_core
@@ -181,6 +182,60 @@ def test_the_order_keeps_priorities_first():
     a.priority = -1
     policy.reorder(waiting, now)
     assert list(waiting) == [a, b]  # late, but of a better priority
+
+
+def test_aging_orders_priorities_but_not_the_slo_order_within_one():
+    """Aging puts a request queued 8 admissions later a level lower; within one priority
+    that undid the SLO order (a late long prompt went before a short one that could still be
+    served in time). Each priority now ranks by its longest-waiting request."""
+    policy = SLOAdmission(
+        PriorityAdmission(8),
+        ttft=2.0,
+        itl=None,
+        n_batch=512,
+        aging=8,
+        latency=LatencyBudget(1.0, 512, model=DecodeCostModel(COST)),
+    )
+    now = 1000.0
+    waiting: deque[Request] = deque()
+    late = Request(prompt(3000, 1), greedy(4))  # 3 s of prefill: late for its 2 s
+    late.t_submitted = now
+    policy.enqueue(waiting, [late], 0)
+    short = Request(prompt(10, 2), greedy(4))
+    short.t_submitted = now
+    policy.enqueue(waiting, [short], 24)  # 24 admissions later: 3 levels by its own age
+    policy.reorder(waiting, now)
+    assert list(waiting) == [short, late]
+    # across priorities aging still counts: a priority-1 request queued long before the
+    # priority-0 ones (aged 3 levels) goes first
+    old = Request(prompt(3000, 3), greedy(4), priority=1)
+    old.t_submitted = now
+    waiting.clear()
+    policy.enqueue(waiting, [old], 0)
+    fresh = Request(prompt(10, 4), greedy(4))
+    fresh.t_submitted = now
+    policy.enqueue(waiting, [fresh], 24)
+    policy.reorder(waiting, now)
+    assert list(waiting) == [old, fresh]
+
+
+def test_a_short_prompt_admitted_behind_a_long_one_is_computed_first():
+    """Prompt chunks went to the oldest prompt first, so a short request admitted while a
+    long prompt was being computed waited for all of it (a 64-token chat's first token 12-22 s
+    after it came, behind 1,200-token documents). Under SLOs the prompts being computed take
+    each tick's tokens in the queue's order: in time, shortest first."""
+    core, ctx, model, ticks = slo_core(ttft_ms=60_000, itl_ms=100)
+    rec = Recorder(core, ctx, model)
+    rec.new(prompt(4, 0), greedy(50))  # a stream decoding: the prompts go in slices
+    rec.step()
+    (long,) = rec.new(prompt(900, 1), greedy(2))
+    rec.step()
+    rec.step()
+    (short,) = rec.new(prompt(8, 2), greedy(2))
+    rec.step()  # admitted, and its 8 tokens lead the next tick
+    rec.step()
+    assert short.t_first_token is not None and long.t_first_token is None
+    assert 0 < ticks[-1].prefill_tokens < 900
 
 
 def test_no_slo_keeps_the_queue_order():

@@ -9,6 +9,7 @@ request shows in its metrics and in ``stats()``.
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 from long_prompt_run import N_LONG, run_long_prompt
@@ -43,3 +44,23 @@ def test_prefill_is_sliced_only_under_a_tight_itl_slo(small_path):
         assert t.predicted_time <= slo_s + 1e-9 or t.prefill_tokens == 1
     assert stats.slo_requests == 4
     assert all(out.timings.slo_met is not None for out in outputs)
+
+
+def test_a_short_prompt_is_not_computed_behind_a_long_one():
+    """Under SLOs a short prompt admitted while a long one is being computed takes the next
+    ticks' prompt tokens first (it used to wait for the whole long prompt)."""
+    from llamabatch import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with LLM(testing.model_path("tiny"), n_ctx=8192, n_parallel=4, n_batch=64, slo_ttft_ms=60_000) as llm:
+        bos = llm.model.bos
+        t_long = time.perf_counter()
+        long = llm.submit([bos] + [300 + i % 50 for i in range(3000)], params)
+        while llm.stats().prefill_tokens < 128:  # its prompt is being computed
+            time.sleep(0.001)
+        t_short = time.perf_counter()
+        short = llm.submit([bos] + [400 + i % 50 for i in range(40)], params)
+        ttft_short = short.result().outputs[0].timings.time_to_first_token
+        ttft_long = long.result().outputs[0].timings.time_to_first_token
+    assert ttft_short is not None and ttft_long is not None
+    assert t_short + ttft_short < t_long + ttft_long
