@@ -267,6 +267,20 @@ def test_queries():
     assert "busy=3" in repr(t)
 
 
+def test_order_prefill_deals_the_start_counters_again():
+    t = SlotTable(4, 64)
+    for slot in (1, 0, 2):
+        t.start(slot, [1, 2, 3])
+    t.order_prefill([2, 1, 0])
+    assert t.view().prefill_slots == [2, 1, 0]
+    assert [t.arrival(s) for s in (2, 1, 0)] == [0, 1, 2]
+    t.check_invariants()
+    for bad in ([2, 1], [2, 1, 0, 3], [2, 2, 0]):
+        with pytest.raises(ValueError, match="permutation"):
+            t.order_prefill(bad)
+    assert t.view().prefill_slots == [2, 1, 0]
+
+
 # --------------------------------------------------------------------- user strategies
 
 

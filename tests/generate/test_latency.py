@@ -208,6 +208,27 @@ def test_budget_aims_below_the_target_by_the_models_recent_error():
     assert exact.aim == pytest.approx(0.05)
 
 
+def test_an_slo_budget_aims_under_the_largest_recent_error():
+    """An SLO bounds every gap: its budget aims under the largest error of its window (one
+    tick in ten 1.5x slow: the aim is target / 1.5, where the 90th percentile gives about
+    1), and under ``first_margin`` until a quarter of the window is measured."""
+
+    def budget(**kw):
+        return LatencyBudget(0.05, 512, model=DecodeCostModel((0.01, 0.001, 0.0, 0.0)), **kw)
+
+    slo, p90 = budget(margin_quantile=1.0, error_window=256, first_margin=1.5), budget()
+    assert slo.aim == pytest.approx(0.05 / 1.5) and p90.aim == pytest.approx(0.05)
+    for i in range(200):
+        features = TickFeatures(8, 4, 0.0)
+        truth = (0.01 + 0.008) * (1.5 if i % 10 == 0 else 1.0)
+        slo.observe(features, truth)
+        p90.observe(features, truth)
+    assert slo.aim == pytest.approx(0.05 / 1.5, rel=0.1)
+    assert p90.aim > 0.05 / 1.2
+    with pytest.raises(ValueError, match="margin_quantile"):
+        budget(margin_quantile=0.0)
+
+
 # -- priorities -------------------------------------------------------------------------
 
 
