@@ -202,8 +202,8 @@ class LatencyBudget:
     def observe(self, features: TickFeatures, elapsed: float) -> None:
         """A batch just decoded in ``elapsed`` seconds: record the model's error on it, then fit
         the model. The error is the streams' wait (from the last decode's end to this one's:
-        the engine's own work between decodes included, 5-15% of a tick) over the decode time
-        predicted. The plans aim at ``target`` divided by the ``margin_quantile`` (90th
+        the engine's work between decodes included, a millisecond, tens at times) over the
+        decode time predicted. The plans aim at ``target`` divided by the ``margin_quantile`` (90th
         percentile; the largest for an SLO) of the recent measured/predicted ratios (1 to 2),
         so that the ticks, not just their expectation, stay under the target: a linear model
         misses some ticks by 20-30% (ggml's kernels change speed with the batch's shape), and

@@ -9,15 +9,14 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   cost model (``cost_model.DecodeCostModel``) predicts the tick; only then is the prefill
   sliced, to the most prompt tokens whose tick stays under the tightest running ITL SLO
   (``LatencyBudget.budget``, aiming under the SLO by the model's largest recent error: an
-  SLO bounds every gap, not most of them). A prompt
-  always moves by one token a tick at least: when the decodes alone break the SLO, no
-  choice could meet it.
+  SLO bounds every gap, not most of them). A prompt always moves by one token a tick at
+  least: when the decodes alone break the SLO, no choice could meet it.
 - **Order.** Before each admission pass the waiting requests are ranked, within each
   priority (aging orders the priorities, each by its longest-waiting request:
-  :func:`priority_levels`; preempted requests first, as ``priority.py``): first those that can still
-  meet their TTFT SLO, shortest prompt first (each one's predicted prefill time, added to
-  that of the requests before it, must fit the time its SLO leaves), then those that cannot,
-  in arrival order. A late request does not take the place of one that can still be served
+  :func:`priority_levels`; preempted requests first, as ``priority.py``): first those that
+  can still meet their TTFT SLO, shortest prompt first (each one's predicted prefill time,
+  added to that of the requests before it, must fit the time its SLO leaves), then those
+  that cannot, in arrival order. A late request does not take the place of one that can still be served
   in time; a request without a TTFT SLO counts as one that can. No request waits forever:
   one that ``patience`` admissions passed while it waited (``DEFAULT_PATIENCE``) is overdue,
   and the overdue go first, in arrival order, so a long or late prompt is served within
@@ -104,8 +103,8 @@ class SLOAdmission(DelegatingAdmission):
         self.latency = latency
         #: whether a request with an SLO was ever queued (until then: ``inner`` alone)
         self.active = ttft is not None or itl is not None
-        #: the running requests, by arrival
-        self._running: dict[int, Request] = {}
+        #: the ITL SLOs of the running requests that have one: SLO -> how many
+        self._running_itl: dict[float, int] = {}
         #: the tightest of them for the tick being planned (None: none)
         self._limit: float | None = None
 
@@ -245,8 +244,7 @@ class SLOAdmission(DelegatingAdmission):
     # -- admission and the tick -----------------------------------------------------------
 
     def _tightest(self, extra: float | None = None) -> float | None:
-        """The tightest ITL SLO of the running requests (and ``extra``)."""
-        limits = [r.slo[1] for r in self._running.values() if r.slo[1] is not None]
+        limits = list(self._running_itl)
         if extra is not None:
             limits.append(extra)
         return min(limits) if limits else None
@@ -268,11 +266,19 @@ class SLOAdmission(DelegatingAdmission):
 
     def admitted(self, request: Request) -> None:
         self._n_admitted += 1
-        self._running[request.arrival] = request
+        itl = request.slo[1]
+        if itl is not None:
+            self._running_itl[itl] = self._running_itl.get(itl, 0) + 1
         self.inner.admitted(request)
 
     def released(self, request: Request) -> None:
-        self._running.pop(request.arrival, None)
+        itl = request.slo[1]
+        if itl is not None:
+            n = self._running_itl.get(itl, 0) - 1
+            if n > 0:
+                self._running_itl[itl] = n
+            else:
+                self._running_itl.pop(itl, None)
         self.inner.released(request)
 
     def tick_budget(self, table: SlotTable, busy: list[int], n_batch: int) -> int:
