@@ -14,7 +14,7 @@ import time
 import pytest
 from long_prompt_run import N_LONG, run_long_prompt
 
-from llamabatch import testing
+from llamabatch import LLM, SamplingParams, testing
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,6 @@ def test_prefill_is_sliced_only_under_a_tight_itl_slo(small_path):
 def test_a_short_prompt_is_not_computed_behind_a_long_one():
     """Under SLOs a short prompt admitted while a long one is being computed takes the next
     ticks' prompt tokens first (it used to wait for the whole long prompt)."""
-    from llamabatch import LLM, SamplingParams
-
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     with LLM(testing.model_path("tiny"), n_ctx=8192, n_parallel=4, n_batch=64, slo_ttft_ms=60_000) as llm:
         bos = llm.model.bos
