@@ -281,6 +281,8 @@ class FakeContext:
         n_seq_max: int = 1,
         kv_unified: bool = True,
         partial_kv_full: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
         **_ignored: Any,  # Context's n_threads, flash_attn, ...
     ) -> None:
         if not kv_unified and n_ctx % n_seq_max:
@@ -293,6 +295,7 @@ class FakeContext:
         self.kv_unified = kv_unified
         self.n_ctx_seq = n_ctx if kv_unified else n_ctx // n_seq_max
         self.partial_kv_full = partial_kv_full
+        self.type_k, self.type_v = type_k, type_v
         self.has_memory = True
         self.embeddings = False
         if kv_unified:

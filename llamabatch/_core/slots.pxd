@@ -70,6 +70,10 @@ cdef class SlotTable:
     cdef int32_t n_decode_tokens
     cdef int32_t n_prefill_tokens
     cdef readonly int32_t n_draft_tokens   # draft tokens in the last fill (speculative decoding)
+    # drafts keep a tick's query rows per KV stream under this (0: no bound): from 64 rows a
+    # stream, CPU flash attention on an f16/f32 cache takes a tiled kernel that rounds otherwise
+    # than the one-row kernel of a decode without drafts, and near-tie tokens would flip
+    cdef public int32_t draft_rows_below
     cdef readonly int64_t n_commits
     cdef readonly int64_t n_rollbacks
     cdef bint in_plan            # a Python strategy's plan() is running: no mutation

@@ -474,7 +474,7 @@ cdef class SlotTable:
         as the pending fill; DECODE slots with a draft get draft tokens from the budget the
         plan left spare."""
         cdef int32_t e, w, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0, d, ndr = 0
-        cdef int32_t spare = budget
+        cdef int32_t spare = budget, below = self.draft_rows_below, d_max = C_MAX_DRAFT
         cdef slot_t * sl
         cdef int32_t * tok = batch.c.token
         cdef int32_t * pos = batch.c.pos
@@ -488,11 +488,15 @@ cdef class SlotTable:
             self.slots[j].fill_draft = 0
         for e in range(n):
             spare -= self.s_plan_n[e]
+        if below > 0:  # drafts must not move a stream's rows onto the tiled kernel (see .pxd)
+            d_max = max(below - 2, 0)  # a decode row and its drafts
+            if self.kv.kv_unified and budget - spare < below:  # one stream: all rows count
+                spare = min(spare, below - 1 - (budget - spare))
         for e in range(n):  # drafts take the spare budget in the plan's order
             s = self.s_plan_slot[e]
             d = 0
             if self.slots[s].state == ST_DECODE and self.slots[s].n_draft > 0 and spare > 0:
-                d = min(self.slots[s].n_draft, spare)
+                d = min(self.slots[s].n_draft, spare, d_max)
                 spare -= d
                 ndr += d
             self.slots[s].fill_draft = d

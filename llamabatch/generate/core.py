@@ -48,7 +48,7 @@ from llamabatch.errors import QueueFull
 from llamabatch.generate.admission import TickLimit, Verdict, order_prefill
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import kv_cache_for
-from llamabatch.generate.kv_memory import ubatch_cost_cells
+from llamabatch.generate.kv_memory import draft_rows_below, ubatch_cost_cells
 from llamabatch.generate.lora_schedule import install_lora
 from llamabatch.generate.policies import admission_for
 from llamabatch.generate.request import CoreOutput, Request, RequestKind, RequestStatus, cells_to_compute
@@ -134,6 +134,7 @@ class EngineCore:
         )
         if not unified:  # a long stream gets a ubatch of its own when that is cheaper
             self.table.ubatch_cost_cells = ubatch_cost_cells(model)
+        self.table.draft_rows_below = draft_rows_below(config, context)  # answers as without drafts
         self.kv = kv_cache_for(model, context, self.table, config)
         #: cells kept free at admission for running sequences' next tokens (unified KV only)
         self.watermark = min(n_parallel, max(1, self.table.cells_total // 8)) if unified else 0

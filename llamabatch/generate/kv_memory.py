@@ -26,16 +26,19 @@ from llamabatch.generate.batch_invariant import invariant_config
 from llamabatch.generate.slot_count import MIN_PER_STREAM_SLOTS, SlotCount, slots_for_kv
 
 if TYPE_CHECKING:
+    from llamabatch._ffi.context import Context
     from llamabatch._ffi.model import Model
     from llamabatch.config import EngineConfig
 
 __all__ = [
+    "CPU_FA_TILE_ROWS",
     "KV_BUDGET_FRACTION",
     "MIN_N_CTX",
     "PER_STREAM_BUDGET_FRACTION",
     "KVPlan",
     "choose_flash_attn",
     "choose_layout",
+    "draft_rows_below",
     "kv_budget_bytes",
     "log_plan",
     "per_stream_flash_attn",
@@ -45,6 +48,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("llamabatch")
+
+#: ggml's CPU flash attention takes its tiled kernel from this many query rows of one KV
+#: stream in a ubatch (``GGML_FA_TILE_Q``, ggml-cpu/common.h at the pinned commit)
+CPU_FA_TILE_ROWS = 64
 
 #: the share of physical memory the default ``n_ctx``'s KV cache may take
 KV_BUDGET_FRACTION = 0.25
@@ -320,3 +327,21 @@ def ubatch_cost_cells(model: Model) -> float:
     head_k, head_v = head_dims(model)
     per_cell = model.n_layer * model.n_head * (head_k + head_v)
     return float(model.n_params) / per_cell if per_cell > 0 and model.n_params > 0 else 0.0
+
+
+def draft_rows_below(config: EngineConfig, context: Context) -> int:
+    """The bound on a tick's query rows per KV stream that drafts keep to
+    (``SlotTable.draft_rows_below``; 0: none), so that a run with drafts computes each token's
+    row as a run without them does, and near-tie greedy tokens do not flip.
+
+    On the CPU, flash attention over an f16 or f32 cache computes a stream's rows one by one
+    (the kernel of a decode) below :data:`CPU_FA_TILE_ROWS` rows in a ubatch and in 64 x 64
+    tiles from there, which round otherwise: SmolLM2's answer asked again with ``suffix``
+    (64-token drafts) parted from the first at its 31st token. Other caches (``q8_0``,
+    ``bf16``) always take the one-row kernel; without flash attention, attention of two rows
+    and more goes through another product than one row's whatever the drafts' length; a GPU's
+    kernels were not checked."""
+    cpu_tiles = config.flash_attn is True and config.n_gpu_layers == 0
+    if cpu_tiles and context.type_k == context.type_v and context.type_k in ("f16", "f32"):
+        return CPU_FA_TILE_ROWS
+    return 0

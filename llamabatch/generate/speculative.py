@@ -324,8 +324,9 @@ class Speculator:
         if not self.draft_costs and not self.ledger.allows_drafts():  # over budget: not even lookups
             return
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
+        below = table.draft_rows_below or policy.max_batch_tokens + 2  # (kv_memory.draft_rows_below)
         if table.kv_unified:
-            room = min(room, table.cells_free - core.watermark - n_decode)
+            room = min(room, table.cells_free - core.watermark - n_decode, below - 1 - n_decode)
         if room > 0 and core.tick_limit is not None:
             room = latency_room(core, n_decode, room)
         if room <= 0:
@@ -338,7 +339,7 @@ class Speculator:
                 continue
             if request.kind is RequestKind.PIN:
                 continue
-            cap = min(self.k, request.params.max_tokens - len(request.output_tokens) - 1)
+            cap = min(self.k, below - 2, request.params.max_tokens - len(request.output_tokens) - 1)
             if cap <= 0:
                 continue
             st = self.state(request)
@@ -353,7 +354,6 @@ class Speculator:
         timer = self.draft_timer if self.draft_costs else None
         pinned = sum(cap for cap, f in zip(caps, fixed, strict=True) if f)
         pinned_longest = max((cap for cap, f in zip(caps, fixed, strict=True) if f), default=0)
-
         row_cost = self.row_cost
 
         def cost(total: int, longest: int) -> float:

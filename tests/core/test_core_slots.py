@@ -281,6 +281,43 @@ def test_order_prefill_deals_the_start_counters_again():
     assert t.view().prefill_slots == [2, 1, 0]
 
 
+def _decoding(t, b, slot, prompt):
+    """Slot ``slot`` through its prompt to DECODE."""
+    t.start(slot, prompt)
+    t.fill(b, "decode_maximal", 256)
+    t.commit()
+    t.accept(slot, 7)
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_drafts_keep_a_tick_under_the_rows_bound(kv_unified):
+    """``draft_rows_below`` 64: a stream's decode row and drafts stay at 63 rows; with one
+    unified stream, all the tick's rows do (a prompt chunk's too); no bound: ``MAX_DRAFT``."""
+    p = BatchPool(n_batch=256)
+    b = p.acquire()
+    t = SlotTable(2, 512, chunk_size=512, kv_unified=kv_unified, kv_size=1024 if kv_unified else 0)
+    _decoding(t, b, 0, list(range(1, 10)))
+    t.start(1, list(range(1, 31)))  # a 30-token prompt beside the decode
+    for below, drafted in ((0, 64), (64, 32 if kv_unified else 62)):
+        t.draft_rows_below = below
+        assert t.set_draft(0, list(range(100))) == 64  # (MAX_DRAFT)
+        t.fill(b, "decode_maximal", 256)
+        assert t.n_draft_tokens == drafted
+        t.rollback()
+    t.draft_rows_below = 64
+    t.set_draft(0, list(range(100)))
+    t.fill(b, "decode_maximal", 256)  # the prompt joins; 1 + 30 rows: 32 drafts
+    t.commit()
+    t.accept(1, 7)
+    t.reject(0, t.draft_in_fill(0))
+    t.accept(0, 8)
+    t.set_draft(0, list(range(100)))
+    t.fill(b, "decode_maximal", 256)  # two decode rows
+    assert t.n_draft_tokens == (61 if kv_unified else 62)
+    t.rollback()
+    p.release(b)
+
+
 # --------------------------------------------------------------------- user strategies
 
 

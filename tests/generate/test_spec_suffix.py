@@ -222,3 +222,27 @@ def test_bench_retry_workload_with_the_suffix_method(tiny_path, capsys):
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["workload"], r["npl"], r["speculative"]) for r in rows] == [("retry", 1, "suffix:64")]
+
+
+def test_drafts_longer_than_a_tile_do_not_change_the_answer(smollm2_path, always_draft):
+    """SmolLM2, a 120-token story asked twice with ``suffix``: the second time the whole first
+    answer is drafted, 64 tokens a tick. A tick of 64 rows or more in one KV stream switches
+    CPU flash attention (f16 cache) to its tiled kernel, whose sums round otherwise than the
+    one-row kernel a decode without drafts takes, and a near tie flipped at token 31. Drafts
+    keep the tick's rows per stream under 64 (``SlotTable.draft_rows_below``): the answers are
+    the plain run's token for token, and the second one's drafts hold."""
+    from llamabatch import LLM, SamplingParams
+
+    story = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    chat = [{"role": "user", "content": story}]
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    outs = {}
+    for spec in (None, {"method": "suffix"}):
+        with LLM(smollm2_path, n_ctx=1024, n_parallel=1, speculative_config=spec) as llm:
+            outs[spec is None] = [llm.chat(chat, params)[0].outputs[0] for _ in range(2)]
+            if spec:
+                assert llm.stats().flash_attn and llm.stats().kv_type_k == "f16"
+    plain, speculated = outs[True], outs[False]
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    second = speculated[1].timings
+    assert second.spec_accepted_tokens >= len(plain[1].token_ids) // 2, second
