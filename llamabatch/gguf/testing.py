@@ -1,8 +1,8 @@
 """The test models, in one place (the README's ``llamabatch.testing`` is this module): the
 random-weight Llama models and English sentences (``testing_llama.py``), draft/target pairs and
 the loop model for speculative decoding (``testing_draft.py``), a sliding-window model
-(``testing_swa.py``), a vision projector (``testing_vision.py``), LoRA adapters
-(``testing_lora.py``), the real SmolLM2-135M-Instruct (``real_model.py``); and
+(``testing_swa.py``), vision projectors (``testing_vision.py``, ``testing_gemma3_vision.py``),
+LoRA adapters (``testing_lora.py``), the real SmolLM2-135M-Instruct (``real_model.py``); and
 :func:`loop_prompts`, which runs a loop model through llama.cpp to find its prompts.
 """
 
@@ -34,7 +34,7 @@ from llamabatch.gguf.testing_llama import (
 )
 from llamabatch.gguf.testing_lora import LORA_TARGETS, lora_ranks, make_lora
 from llamabatch.gguf.testing_swa import SWASpec, make_swa_model
-from llamabatch.gguf.testing_vision import QWEN2VL_TEXT, VisionSpec, make_vision_model
+from llamabatch.gguf.testing_vision import GEMMA3_TEXT, QWEN2VL_TEXT, VisionSpec, make_vision_model
 
 __all__ = [
     "BOS_ID",
@@ -42,6 +42,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "EOS_ID",
     "FORMAT_VERSION",
+    "GEMMA3_TEXT",
     "IM_END_ID",
     "IM_START_ID",
     "LORA_TARGETS",

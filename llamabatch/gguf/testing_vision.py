@@ -20,6 +20,11 @@ and a merger MLP (``mm.0``, ``mm.2``) over each 2x2 block of patches, so an imag
 text model is architecture ``qwen2vl`` (Llama's tensors, RoPE sections in
 ``rope.dimension_sections``); libmtmd wraps each image in ``<|vision_start|>`` and
 ``<|vision_end|>`` text.
+
+Gemma 3's projector (``clip.projector_type = "gemma3"``, ``testing_gemma3_vision.py``)
+average-pools the encoder's patches and projects them for a random Gemma 3 text model
+(:data:`GEMMA3_TEXT`, a ``testing_swa.py`` model); its images are decoded with
+bidirectional attention.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ from typing import Literal
 
 import numpy as np
 
+from llamabatch.gguf.testing_gemma3_vision import GEMMA3_POOL, GEMMA3_TEXT, gemma3_tensors, swa_spec_hash
 from llamabatch.gguf.testing_llama import ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
+from llamabatch.gguf.testing_swa import SWASpec, write_swa_gguf
 
 __all__ = [
+    "GEMMA3_TEXT",
     "QWEN2VL_ROPE_SECTIONS",
     "QWEN2VL_TEXT",
     "VLM_TEXT",
@@ -55,7 +63,7 @@ QWEN2VL_TEXT = ModelSpec(
 #: Its RoPE sections (rotation pairs of a 16-wide head: temporal, height, width, unused).
 QWEN2VL_ROPE_SECTIONS = (2, 3, 3, 0)
 
-Projector = Literal["mlp", "qwen2vl_merger"]
+Projector = Literal["mlp", "qwen2vl_merger", "gemma3"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,9 @@ class VisionSpec:
     last (its features come from the penultimate block). ``projector`` is ``"mlp"`` (LLaVA)
     or ``"qwen2vl_merger"`` (Qwen2-VL, M-RoPE; ``text`` should then be :data:`QWEN2VL_TEXT`;
     libmtmd sizes its images itself, in multiples of ``2 * patch_size``, and ``image_size``
-    is only the warm-up image's)."""
+    is only the warm-up image's) or ``"gemma3"`` (Gemma 3, bidirectional image attention;
+    ``text`` must then be a Gemma 3 :class:`SWASpec` such as :data:`GEMMA3_TEXT`, and
+    ``image_size / patch_size`` a multiple of 4, the pooling factor)."""
 
     image_size: int = 32
     patch_size: int = 8
@@ -74,12 +84,14 @@ class VisionSpec:
     n_ff: int = 48
     n_layer: int = 2
     seed: int = 7
-    text: ModelSpec = VLM_TEXT
+    text: ModelSpec | SWASpec = VLM_TEXT
     projector: Projector = "mlp"
 
     def __post_init__(self) -> None:
-        if self.projector not in ("mlp", "qwen2vl_merger"):
-            raise ValueError(f"projector must be 'mlp' or 'qwen2vl_merger', not {self.projector!r}")
+        if self.projector not in ("mlp", "qwen2vl_merger", "gemma3"):
+            raise ValueError(f"projector must be 'mlp', 'qwen2vl_merger' or 'gemma3', not {self.projector!r}")
+        if isinstance(self.text, SWASpec) != (self.projector == "gemma3"):
+            raise ValueError("the gemma3 projector, and only it, pairs with a Gemma 3 text model (SWASpec)")
         for field in ("image_size", "patch_size", "n_embd", "n_head", "n_ff", "n_layer"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive")
@@ -94,26 +106,34 @@ class VisionSpec:
                 raise ValueError("qwen2vl_merger needs a head size (n_embd / n_head) that is a multiple of 4")
             if self.image_size % (2 * self.patch_size):
                 raise ValueError("qwen2vl_merger needs image_size to be a multiple of 2 * patch_size")
+        elif self.projector == "gemma3":
+            if (self.image_size // self.patch_size) % GEMMA3_POOL:
+                raise ValueError(f"gemma3 needs image_size / patch_size to be a multiple of {GEMMA3_POOL}")
         elif self.n_layer < 2:
             raise ValueError("n_layer must be >= 2 (LLaVA uses the penultimate block's output)")
 
     @property
     def n_image_tokens(self) -> int:
-        """Embeddings per image (LLaVA's; Qwen2-VL's depend on the image's size)."""
-        return (self.image_size // self.patch_size) ** 2
+        """Embeddings per image (LLaVA's and Gemma 3's; Qwen2-VL's depend on the image's size)."""
+        side = self.image_size // self.patch_size
+        return (side // GEMMA3_POOL) ** 2 if self.projector == "gemma3" else side**2
 
     @property
     def name(self) -> str:
         """The projector file's name: every field of the shape and the text model's hash."""
-        kind = "mlp" if self.projector == "mlp" else "qwen2vl"
+        kind = {"mlp": "mlp", "qwen2vl_merger": "qwen2vl", "gemma3": "gemma3"}[self.projector]
+        text = swa_spec_hash(self.text) if isinstance(self.text, SWASpec) else spec_hash(self.text)
         return (
             f"mmproj-{kind}-i{self.image_size}-p{self.patch_size}-e{self.n_embd}-h{self.n_head}-f{self.n_ff}"
-            f"-l{self.n_layer}-s{self.seed}-t{spec_hash(self.text)}.gguf"
+            f"-l{self.n_layer}-s{self.seed}-t{text}.gguf"
         )
 
 
 def _tensors(spec: VisionSpec) -> list[tuple[str, tuple[int, ...], float | None]]:
     """``(name, numpy shape, std)``; ``std`` None: a norm weight (ones), 0.0: a bias (zeros)."""
+    if spec.projector == "gemma3":
+        args = (spec.image_size, spec.patch_size, spec.n_embd, spec.n_ff, spec.n_layer, spec.text.n_embd)
+        return gemma3_tensors(*args)
     d, ff, p, out = spec.n_embd, spec.n_ff, spec.patch_size, spec.text.n_embd
     plan: list[tuple[str, tuple[int, ...], float | None]]
     if spec.projector == "qwen2vl_merger":
@@ -223,9 +243,12 @@ def make_vision_model(
     folder.mkdir(parents=True, exist_ok=True)
     text = spec.text
     sections = QWEN2VL_ROPE_SECTIONS if spec.projector == "qwen2vl_merger" else None
-    model = built_once(
-        folder / f"{text.name}-{spec_hash(text)}{'-mrope' if sections else ''}.gguf",
-        lambda p: write_llama_gguf(p, text, rope_sections=sections),
-    )
+    if isinstance(text, SWASpec):
+        model = built_once(folder / text.name, lambda p: write_swa_gguf(p, text))
+    else:
+        model = built_once(
+            folder / f"{text.name}-{spec_hash(text)}{'-mrope' if sections else ''}.gguf",
+            lambda p: write_llama_gguf(p, text, rope_sections=sections),
+        )
     mmproj = built_once(folder / spec.name, lambda p: write_mmproj_gguf(p, spec))
     return model, mmproj

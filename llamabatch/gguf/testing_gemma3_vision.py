@@ -1,0 +1,93 @@
+"""The Gemma 3 half of the random-weight vision test models (``VisionSpec(projector="gemma3")``
+in ``testing_vision.py``): a SigLIP-style encoder with Gemma 3's projector, paired with a
+random Gemma 3 text model (``testing_swa.py``'s, sliding-window layers included).
+
+llama.cpp's clip loader reads ``clip.projector_type = "gemma3"``: the encoder has a
+patch-embedding convolution with a bias, learned position embeddings, pre-norm transformer
+blocks (``v.blk.N.*``, LayerNorm with biases, GELU) and a final LayerNorm (``v.post_ln``);
+no norm before the blocks. Gemma 3's projector then average-pools each ``GEMMA3_POOL x GEMMA3_POOL`` block of
+patches (the loader's default ``n_merge``; the file leaves
+``clip.vision.projector.scale_factor`` out, as real Gemma 3 files do), RMS-normalises the
+pooled vectors (``mm.soft_emb_norm.weight``) and projects them to the text model's width
+(``mm.input_projection.weight``, stored ``n_embd x text.n_embd``, used transposed). An image
+is resized (bilinear) to ``image_size`` square, so it gives ``(image_size / patch_size /
+4)**2`` embeddings. libmtmd wraps them in ``<start_of_image>`` and ``<end_of_image>`` text
+and reports them as needing bidirectional attention (``mtmd_decode_use_non_causal``): they
+are decoded in one batch with the causal mask off.
+
+The text model's token embeddings are scaled by ``sqrt(n_embd)`` in llama.cpp's Gemma 3
+graph (input vectors are not), so the projection's weights are drawn to give unit-scale
+embeddings, as the scaled tokens have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from llamabatch.gguf.testing_swa import SWASpec
+
+__all__ = ["GEMMA3_POOL", "GEMMA3_TEXT", "gemma3_tensors", "swa_spec_hash"]
+
+#: Gemma 3's pooling factor per side (clip.cpp's default ``n_merge`` for ``gemma3``).
+GEMMA3_POOL = 4
+
+#: The text model of a Gemma 3 :class:`VisionSpec`: six layers (five sliding, one global), a
+#: window wider than an image, and the projector's output width. Its embeddings are tied and
+#: undamped (``testing_swa.py``); this seed's greedy answers to the tests' prompts are word
+#: pieces, not byte tokens (llama-server leaves the log-probs out of an answer that is not
+#: valid UTF-8).
+GEMMA3_TEXT = SWASpec(
+    n_vocab=1024,
+    n_embd=64,
+    n_layer=6,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=16,
+    n_ff=128,
+    sliding_window=48,
+    seed=7,
+)
+
+
+def swa_spec_hash(spec: SWASpec) -> str:
+    """A short hex digest of a Gemma 3 text model's shape (for the projector file's name)."""
+    payload = json.dumps({"kind": "swa", **dataclasses.asdict(spec)}, sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def gemma3_tensors(
+    image_size: int, patch_size: int, d: int, ff: int, n_layer: int, out: int
+) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """``(name, numpy shape, std)`` of the projector file's tensors (encoder width ``d``,
+    feed-forward ``ff``, text width ``out``); ``std`` None: a norm weight (ones), 0.0: a bias
+    (zeros)."""
+    p = patch_size
+    n_patches = (image_size // p) ** 2
+    plan: list[tuple[str, tuple[int, ...], float | None]] = [
+        ("v.patch_embd.weight", (d, 3, p, p), (3 * p * p) ** -0.5),
+        ("v.patch_embd.bias", (d,), 0.0),
+        ("v.position_embd.weight", (n_patches, d), 0.5),
+    ]
+    for i in range(n_layer):
+        b = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            plan += [(b + name + ".weight", (d, d), d**-0.5), (b + name + ".bias", (d,), 0.0)]
+        plan += [
+            (b + "ln1.weight", (d,), None),
+            (b + "ln1.bias", (d,), 0.0),
+            (b + "ln2.weight", (d,), None),
+            (b + "ln2.bias", (d,), 0.0),
+            (b + "ffn_up.weight", (ff, d), d**-0.5),
+            (b + "ffn_up.bias", (ff,), 0.0),
+            (b + "ffn_down.weight", (d, ff), ff**-0.5),
+            (b + "ffn_down.bias", (d,), 0.0),
+        ]
+    return [
+        *plan,
+        ("v.post_ln.weight", (d,), None),
+        ("v.post_ln.bias", (d,), 0.0),
+        ("mm.soft_emb_norm.weight", (d,), None),
+        ("mm.input_projection.weight", (d, out), d**-0.5),
+    ]
