@@ -356,9 +356,12 @@ def limits_of(config: Any) -> ImageLimits:
 def image_parts(
     messages: Sequence[Mapping[str, Any]], marker: str
 ) -> tuple[list[Mapping[str, Any]], list[Any], list[str]]:
-    """OpenAI chat ``messages`` with each ``image_url`` content part replaced by a text part
-    holding ``marker`` (where the chat template then renders it), the parts' images (their
-    URLs, in order) and the parts' names (``messages[i].content[j]``). Messages without image
+    """OpenAI chat ``messages`` with each ``image_url`` content part replaced by ``marker``
+    (where the chat template then renders it), the parts' images (their URLs, in order) and
+    the parts' names (``messages[i].content[j]``). A message with image parts gets its parts
+    joined into one string as llama-server joins them (``common_chat_msg``): text parts with
+    newlines, none before or after a marker; one with a part of another kind keeps its parts
+    (the marker as a text part) for the template's check to reject. Messages without image
     parts are passed through as they are. Raises ImageError for an image part without a URL."""
     out: list[Mapping[str, Any]] = []
     images: list[Any] = []
@@ -369,9 +372,17 @@ def image_parts(
             out.append(message)
             continue
         new_content: list[Any] = []
+        joined: str | None = ""
+        after_marker = False
         for j, part in enumerate(content):
             if not (isinstance(part, Mapping) and part.get("type") == "image_url"):
                 new_content.append(part)
+                text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else part
+                if joined is not None and isinstance(text, str):
+                    joined += ("\n" if joined and not after_marker else "") + text
+                    after_marker = False
+                else:
+                    joined = None
                 continue
             name = f"messages[{i}].content[{j}]"
             image = part.get("image_url")
@@ -381,6 +392,11 @@ def image_parts(
             images.append(url)
             parts.append(name)
             new_content.append({"type": "text", "text": marker})
+            if joined is not None:
+                joined, after_marker = joined + marker, True
         had_images = any(isinstance(p, Mapping) and p.get("type") == "image_url" for p in content)
-        out.append({**message, "content": new_content} if had_images else message)
+        if had_images:
+            out.append({**message, "content": new_content if joined is None else joined})
+        else:
+            out.append(message)
     return out, images, parts

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from llamabatch.errors import ImageError
-from llamabatch.prompts.images import ImageLimits, decode_image, image_dimensions, image_key, load_image
+from llamabatch.prompts.images import (
+    ImageLimits,
+    decode_image,
+    image_dimensions,
+    image_key,
+    image_parts,
+    load_image,
+)
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -101,6 +108,29 @@ def test_image_key_is_content():
     a = np.zeros((4, 5, 3), np.uint8)
     assert image_key(a) == image_key(a.copy())
     assert image_key(a) != image_key(np.zeros((5, 4, 3), np.uint8))
+
+
+def test_image_parts_join_as_llama_server():
+    """Text parts joined with newlines, none before or after a marker (llama.cpp's
+    ``common_chat_msg::to_json_oaicompat``); a part of another kind keeps the list."""
+    image = {"type": "image_url", "image_url": {"url": "data:a"}}
+    text = [{"type": "text", "text": t} for t in ("a", "b", "c")]
+    messages = [
+        {"role": "system", "content": "plain"},
+        {"role": "user", "content": [text[0], image, text[1], text[2], image, image]},
+        {"role": "user", "content": [image, "d", text[0]]},
+    ]
+    out, images, parts = image_parts(messages, "<M>")
+    assert out[0] is messages[0] and images == ["data:a"] * 4
+    assert [m["content"] for m in out[1:]] == ["a<M>b\nc<M><M>", "<M>d\na"]
+    assert parts == [
+        "messages[1].content[1]",
+        "messages[1].content[4]",
+        "messages[1].content[5]",
+        "messages[2].content[0]",
+    ]
+    (odd,), _, _ = image_parts([{"role": "user", "content": [image, {"type": "audio"}]}], "<M>")
+    assert odd["content"] == [{"type": "text", "text": "<M>"}, {"type": "audio"}]
 
 
 FUZZ = textwrap.dedent(
