@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -125,13 +125,7 @@ class VisionCounters:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "images": self.images,
-            "encoded": self.encoded,
-            "cache_hits": self.cache_hits,
-            "cache_evictions": self.cache_evictions,
-            "cache_bytes": self.cache_bytes,
-            "image_positions": self.image_positions,
-            "image_slices": self.image_slices,
+            **asdict(self),
             "encode_seconds": round(self.encode_seconds, 6),
             "image_decode_seconds": round(self.image_decode_seconds, 6),
         }
@@ -205,6 +199,7 @@ class Vision:
         limits: what a request's images may be.
         n_batch: the most positions of one decode.
         cache_mb: the encoder cache's bound (MiB of embeddings; 0: no cache).
+        n_ubatch: the most tokens of one micro-batch (default ``n_batch``): a bidirectional image's bound.
     """
 
     def __init__(
@@ -214,6 +209,7 @@ class Vision:
         n_batch: int,
         cache_mb: int = DEFAULT_ENCODER_CACHE_MB,
         overlap: bool = True,
+        n_ubatch: int | None = None,
     ) -> None:
         self.mtmd = mtmd
         #: whether encodes run beside the streams' decodes (else the engine thread waits for
@@ -221,6 +217,7 @@ class Vision:
         self.overlap = overlap
         self.limits = limits
         self.n_batch = n_batch
+        self.n_ubatch = n_batch if n_ubatch is None else min(n_ubatch, n_batch)
         self.cache_bytes = cache_mb * 1024 * 1024
         self.counters = VisionCounters()
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -293,10 +290,11 @@ class Vision:
                         f"libmtmd gave an image {chunk.n_pos} positions for {chunk.n_tokens} embeddings"
                     )
                 extra_cells += max(chunk.n_tokens - chunk.n_pos, 0)
-                if chunk.n_tokens > self.n_batch and self.mtmd.non_causal(chunk):
+                if chunk.n_tokens > self.n_ubatch and self.mtmd.non_causal(chunk):
+                    # llama.cpp computes a non-causal batch in one micro-batch (it aborts otherwise)
                     raise ValueError(
-                        f"an image of {chunk.n_tokens} embeddings needs one decode with bidirectional "
-                        f"attention, more than n_batch={self.n_batch}: raise n_batch"
+                        f"an image of {chunk.n_tokens} embeddings needs one micro-batch with bidirectional "
+                        f"attention, more than n_ubatch={self.n_ubatch} (n_batch={self.n_batch}): raise them"
                     )
                 spans.append((len(tokens), chunk))
                 tokens.extend(self.stand_ins(chunk.key, chunk.n_pos))
@@ -657,7 +655,7 @@ def vision_for(model: Any, config: Any, context: Context) -> Vision | None:
     # spinning threads take turns: bulk captioning ran at 0.85x llama-server's serial pace
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     overlap = context.n_threads + context.n_threads_batch <= cores
-    return Vision(mtmd, limits_of(config), context.n_batch, overlap=overlap)
+    return Vision(mtmd, limits_of(config), context.n_batch, overlap=overlap, n_ubatch=context.n_ubatch)
 
 
 def vision_stats(vision: Vision | None) -> dict[str, Any]:
