@@ -6,8 +6,8 @@ does, even when a small ``chunk_size`` slices other images around decoding strea
 Against llama-server ``--mmproj`` (built from the pinned commit into
 ``~/.cache/llamabatch-anchors``; those tests skip without it): the same files, images and
 prompts, greedy tokens identical and every step's top log-probs equal to 5e-3 (a text stream
-in the same batches moves ggml's CPU rounding by about 1e-3). The random Gemma 3 model repeats
-one token, so the log-probs, which differ from image to image, are what tell answers apart.
+in the same batches moves ggml's CPU rounding by about 1e-3). The random Gemma 3 model mostly
+repeats a token, so the log-probs, which differ from image to image, tell answers apart.
 """
 
 from __future__ import annotations
