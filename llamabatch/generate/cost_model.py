@@ -180,9 +180,15 @@ class LatencyBudget:
         margin_quantile: float = 0.9,
         error_window: int = _ERROR_WINDOW,
         first_margin: float = 1.0,
+        headroom: float = 1.0,
     ) -> None:
         if not 0.0 < margin_quantile <= 1.0:
             raise ValueError(f"margin_quantile must be in (0, 1], got {margin_quantile!r}")
+        if not headroom >= 1.0:
+            raise ValueError(f"headroom must be >= 1, got {headroom!r}")
+        #: a further factor the plans aim under the recent errors' margin by: a tick exceeds
+        #: the largest of the last ``error_window`` errors about once in ``error_window + 1``
+        self.headroom = headroom
         #: the quantile of the recent errors the plans aim under (see ``observe``), over the
         #: last ``error_window`` ticks; until a quarter of them are in, ``first_margin``
         self.margin_quantile = margin_quantile
@@ -221,7 +227,7 @@ class LatencyBudget:
             self._errors.append(waited / predicted)
             if len(self._errors) >= (self._errors.maxlen or 0) // 4:
                 margin = float(np.quantile(np.fromiter(self._errors, float), self.margin_quantile))
-                self.aim = self.target / min(2.0, max(1.0, margin))
+                self.aim = self.target / (min(2.0, max(1.0, margin)) * self.headroom)
         self.model.observe(features, elapsed)
 
     def admits(self, table: SlotTable, slots: list[int], n_prompt: int) -> bool:

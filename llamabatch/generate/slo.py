@@ -9,8 +9,9 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   cost model (``cost_model.DecodeCostModel``) predicts the tick; only then is the prefill
   sliced, to the most prompt tokens whose tick stays under the tightest running ITL SLO
   (``LatencyBudget.budget``, aiming under the SLO by the model's largest recent error: an
-  SLO bounds every gap, not most of them). A prompt always moves by one token a tick at
-  least: when the decodes alone break the SLO, no choice could meet it.
+  SLO bounds every gap, not most of them; and 5% more, ``SLO_HEADROOM``). A prompt always
+  moves by one token a tick at least: when the decodes alone break the SLO, no choice could
+  meet it.
 - **Order.** Before each admission pass the waiting requests are ranked, within each
   priority (aging orders the priorities, each by its longest-waiting request:
   :func:`priority_levels`; preempted requests first, as ``priority.py``): first those that
@@ -24,7 +25,9 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   computed take each tick's prompt tokens in the same order (``prefill_order``), so a
   short prompt admitted behind a long one does not wait for all of it.
 - **Admission.** A request starts unless its stream would push every decode tick over the
-  tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``.
+  tightest ITL SLO (``LatencyBudget.admits``), as under ``target_itl_ms``. From
+  ``RESERVE_FROM`` slots, a request predicted late for its TTFT SLO does not take the last
+  free slot (unless overdue): that one waits for a request that can still be served in time.
 - **Refusal** (``slo_reject``, off by default). At submit, :func:`check_slo` refuses with
   ``SLOUnmet`` a request that, ranked among the waiting ones, is predicted late for its TTFT
   SLO (:meth:`SLOAdmission.refusal`; the running prompts are not counted, so only the
@@ -48,7 +51,7 @@ from llamabatch.generate.priority import aged_priority
 from llamabatch.generate.request import Request
 from llamabatch.status import RequestStatus
 
-__all__ = ["DEFAULT_PATIENCE", "SLOAdmission", "check_slo"]
+__all__ = ["DEFAULT_PATIENCE", "RESERVE_FROM", "SLO_HEADROOM", "SLOAdmission", "check_slo"]
 
 #: a waiting request's rank: aged priority, preempted first, tier (0 overdue, 1 in time,
 #: 2 late), its prefill time or arrival, arrival
@@ -56,6 +59,13 @@ _Key = tuple[int, int, int, float, int]
 
 #: admissions a waiting request lets pass before it is served in arrival order
 DEFAULT_PATIENCE = 16
+
+#: how far under the largest recent error an SLO's ticks aim (``LatencyBudget.headroom``)
+SLO_HEADROOM = 1.05
+
+#: from this many slots, the last free one is kept from requests predicted late
+#: (``SLOAdmission._keeps_the_last_slot``)
+RESERVE_FROM = 4
 
 #: the ITL target of a budget no running stream constrains (never read: no stream has one)
 _NO_TARGET = 1e9
@@ -94,11 +104,18 @@ class SLOAdmission(DelegatingAdmission):
         self.n_batch = n_batch
         self.aging = aging
         #: the tick budget under the tightest running ITL SLO, and its cost model (aiming under
-        #: the SLO by the largest error of the last minute or so: an SLO bounds every gap, not
-        #: most of them)
+        #: the SLO by the largest error of the last minute or so, and 5% more: an SLO bounds
+        #: every gap, not most of them, and a tick over the largest recent error, about one in
+        #: 257, breaks it for every stream in it: at 0.5 req/s 3 of 908 ticks took 251-256 ms
+        #: and cost 7 chats their 250 ms SLO)
         if latency is None:
             latency = LatencyBudget(
-                itl or _NO_TARGET, n_batch, margin_quantile=1.0, error_window=256, first_margin=1.5
+                itl or _NO_TARGET,
+                n_batch,
+                margin_quantile=1.0,
+                error_window=256,
+                first_margin=1.5,
+                headroom=SLO_HEADROOM,
             )
         self.latency = latency
         #: whether a request with an SLO was ever queued (until then: ``inner`` alone)
@@ -162,15 +179,12 @@ class SLOAdmission(DelegatingAdmission):
     def _ranked(self, waiting: list[Request], now: float) -> list[tuple[_Key, Request, float]]:
         """``waiting`` in the order of the module, each with its key and predicted prefill
         time; the key's third member is 2 for a request predicted late."""
-        stamps, n_admitted = self._stamps, self._n_admitted
         levels = priority_levels(waiting, self.aging)
         ranked: list[tuple[_Key, Request, float]] = []
         spans = [(len(r.prompt_tokens) + len(r.output_tokens), r) for r in waiting]
         seconds = self.prefill_seconds()
         estimates = {r.arrival: seconds(n) for n, r in spans}
-        overdue = {
-            r.arrival for r in waiting if n_admitted - stamps.get(r.arrival, n_admitted) >= self.patience
-        }
+        overdue = {r.arrival for r in waiting if self._overdue(r)}
         # the overdue go first; then the requests that can meet their TTFT SLO, shortest
         # first, each behind the ones before it; then the late, in arrival order
         queued = sum(estimates[a] for a in overdue)
@@ -193,6 +207,10 @@ class SLOAdmission(DelegatingAdmission):
             ranked.append((key, request, estimate))
         ranked.sort(key=lambda x: x[0])
         return ranked
+
+    def _overdue(self, request: Request) -> bool:
+        """Whether ``patience`` admissions passed ``request`` while it waited."""
+        return self._n_admitted - self._stamps.get(request.arrival, self._n_admitted) >= self.patience
 
     def _late(self, request: Request, first_token: float) -> bool:
         """Whether ``request`` misses its TTFT SLO with its first token at ``first_token``
@@ -262,7 +280,23 @@ class SLOAdmission(DelegatingAdmission):
             self._aim_at(limit)
             if not self.latency.admits(table, busy, n_prompt):
                 return Verdict.STOP  # one more stream would break the running streams' ITL SLO
+        if self.active and self._keeps_the_last_slot(request, table, len(busy)):
+            return Verdict.PASS
         return self.inner.admits(request, n_prompt, table, busy)
+
+    def _keeps_the_last_slot(self, request: Request, table: SlotTable, n_busy: int) -> bool:
+        """Whether ``request``, predicted late for its TTFT SLO, is kept out of the last free
+        slot (``RESERVE_FROM`` slots and more): that one waits for a request that can still
+        meet its SLO. Late requests otherwise filled every slot under overload, and a short
+        chat arriving then waited 32 s for one to free (0.5 req/s, 1,200-token documents).
+        As requests in time take slots, fewer are left to the late ones; an overdue one
+        (``patience``) takes the last slot too, so none waits forever."""
+        if table.n_parallel < RESERVE_FROM or table.n_parallel - n_busy > 1:
+            return False
+        if self._overdue(request):
+            return False
+        n = len(request.prompt_tokens) + len(request.output_tokens)
+        return self._late(request, time.perf_counter() + self.prefill_seconds()(n))
 
     def admitted(self, request: Request) -> None:
         self._n_admitted += 1

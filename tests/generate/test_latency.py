@@ -12,10 +12,11 @@ from fake_llama import make_core
 from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
-from llamabatch.generate.admission import LatencyAdmission
+from llamabatch.generate.admission import LatencyAdmission, PriorityAdmission
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget, TickFeatures
 from llamabatch.generate.priority import MAX_PRIORITY_PREEMPTIONS
 from llamabatch.generate.request import RequestStatus
+from llamabatch.generate.slo import SLO_HEADROOM, SLOAdmission
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
 
 COST = (0.010, 0.001, 0.002, 0.0)  # 10 ms a decode, 1 ms a token, 2 ms an output row
@@ -217,16 +218,23 @@ def test_an_slo_budget_aims_under_the_largest_recent_error():
         return LatencyBudget(0.05, 512, model=DecodeCostModel((0.01, 0.001, 0.0, 0.0)), **kw)
 
     slo, p90 = budget(margin_quantile=1.0, error_window=256, first_margin=1.5), budget()
+    # and the SLO policy's own: 5% under the largest error (a new tick exceeds the largest of
+    # 256 about once in 257 ticks, and breaks the SLO of every stream in it)
+    slo_policy = SLOAdmission(PriorityAdmission(), ttft=None, itl=0.05, n_batch=512).latency
+    slo_policy.model = DecodeCostModel((0.01, 0.001, 0.0, 0.0))
     assert slo.aim == pytest.approx(0.05 / 1.5) and p90.aim == pytest.approx(0.05)
     for i in range(200):
         features = TickFeatures(8, 4, 0.0)
         truth = (0.01 + 0.008) * (1.5 if i % 10 == 0 else 1.0)
-        slo.observe(features, truth)
-        p90.observe(features, truth)
+        for b in (slo, p90, slo_policy):
+            b.observe(features, truth)
     assert slo.aim == pytest.approx(0.05 / 1.5, rel=0.1)
+    assert slo_policy.aim == pytest.approx(slo.aim / SLO_HEADROOM)
     assert p90.aim > 0.05 / 1.2
     with pytest.raises(ValueError, match="margin_quantile"):
         budget(margin_quantile=0.0)
+    with pytest.raises(ValueError, match="headroom"):
+        budget(headroom=0.9)
 
 
 # -- priorities -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from llamabatch.errors import QueueFull, SLOUnmet
 from llamabatch.generate.admission import PriorityAdmission
 from llamabatch.generate.cost_model import DecodeCostModel, LatencyBudget
 from llamabatch.generate.request import Request
-from llamabatch.generate.slo import SLOAdmission, check_slo
+from llamabatch.generate.slo import RESERVE_FROM, SLOAdmission, check_slo
 from llamabatch.runtime.telemetry import Telemetry, TickEvent
 from llamabatch.status import RequestStatus
 
@@ -267,6 +267,50 @@ def test_a_late_long_request_is_not_starved_by_a_flood_of_meetable_short_ones():
     # admitted as soon as the slots allow once it is overdue: at most one slot's turn later
     assert admissions <= patience + 2, admissions
     assert sum(r.status is RequestStatus.WAITING for r in rec.requests) > 5  # the flood still waits
+
+
+@pytest.mark.parametrize("n_parallel", [RESERVE_FROM, RESERVE_FROM - 1])
+def test_the_last_free_slot_waits_for_a_request_in_time(n_parallel):
+    """Late requests filled every slot under overload, and a short chat arriving then waited
+    32 s for one (0.5 req/s, 1,200-token documents). From ``RESERVE_FROM`` slots, a request
+    predicted late for its TTFT SLO does not take the last free one; a request in time does.
+    Below it, the late one takes it."""
+    core, ctx, model, _ = slo_core(ttft_ms=500, n_parallel=n_parallel)
+    rec = Recorder(core, ctx, model)
+    for seed in range(n_parallel - 1):
+        rec.new(prompt(4, seed), greedy(200))
+    rec.step()
+    (late,) = rec.new(prompt(900, 50), greedy(4))  # its prefill alone: 0.92 s
+    rec.step()
+    rec.step()
+    if n_parallel < RESERVE_FROM:
+        assert late.status is not RequestStatus.WAITING
+        return
+    assert late.status is RequestStatus.WAITING
+    (chat,) = rec.new(prompt(8, 51), greedy(4))
+    rec.step()
+    assert chat.status is not RequestStatus.WAITING and late.status is RequestStatus.WAITING
+
+
+def test_an_overdue_late_request_takes_the_last_slot_too():
+    """``patience`` bounds the wait of a late request kept from the last free slot: under a
+    flood of short requests in time that keeps one slot turning over, it takes that slot once
+    ``patience`` admissions passed it."""
+    core, ctx, model, _ = slo_core(ttft_ms=500, n_parallel=RESERVE_FROM)
+    patience = core.admission.patience
+    rec = Recorder(core, ctx, model)
+    for seed in range(RESERVE_FROM - 1):
+        rec.new(prompt(4, seed), greedy(10_000))
+    rec.step()
+    (late,) = rec.new(prompt(900, 99), greedy(2))
+    for step in range(4 * patience):
+        rec.new(prompt(4, 100 + step), greedy(2))
+        rec.step()
+        if late.status is not RequestStatus.WAITING:
+            break
+    assert late.status is not RequestStatus.WAITING, "starved behind the flood"
+    admitted = sum(r.status is not RequestStatus.WAITING for r in rec.requests)
+    assert admitted <= (RESERVE_FROM - 1) + patience + 1, admitted  # the first ones, the flood's, itself
 
 
 def test_slo_reject_refuses_exactly_the_requests_the_queue_makes_late():
