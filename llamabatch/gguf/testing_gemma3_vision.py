@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 
+from llamabatch.gguf.testing_clip import clip_block_tensors
 from llamabatch.gguf.testing_swa import SWASpec
 
 __all__ = ["GEMMA3_POOL", "GEMMA3_TEXT", "gemma3_tensors", "swa_spec_hash"]
@@ -70,20 +71,7 @@ def gemma3_tensors(
         ("v.patch_embd.bias", (d,), 0.0),
         ("v.position_embd.weight", (n_patches, d), 0.5),
     ]
-    for i in range(n_layer):
-        b = f"v.blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            plan += [(b + name + ".weight", (d, d), d**-0.5), (b + name + ".bias", (d,), 0.0)]
-        plan += [
-            (b + "ln1.weight", (d,), None),
-            (b + "ln1.bias", (d,), 0.0),
-            (b + "ln2.weight", (d,), None),
-            (b + "ln2.bias", (d,), 0.0),
-            (b + "ffn_up.weight", (ff, d), d**-0.5),
-            (b + "ffn_up.bias", (ff,), 0.0),
-            (b + "ffn_down.weight", (d, ff), ff**-0.5),
-            (b + "ffn_down.bias", (d,), 0.0),
-        ]
+    plan += clip_block_tensors(n_layer, d, ff)
     return [
         *plan,
         ("v.post_ln.weight", (d,), None),

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from llamabatch.gguf.testing_clip import clip_block_tensors
 from llamabatch.gguf.testing_gemma3_vision import GEMMA3_POOL, GEMMA3_TEXT, gemma3_tensors, swa_spec_hash
 from llamabatch.gguf.testing_llama import ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
 from llamabatch.gguf.testing_swa import SWASpec, write_swa_gguf
@@ -149,20 +150,7 @@ def _tensors(spec: VisionSpec) -> list[tuple[str, tuple[int, ...], float | None]
             ("v.pre_ln.weight", (d,), None),
             ("v.pre_ln.bias", (d,), 0.0),
         ]
-    for i in range(spec.n_layer):
-        b = f"v.blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            plan += [(b + name + ".weight", (d, d), d**-0.5), (b + name + ".bias", (d,), 0.0)]
-        plan += [
-            (b + "ln1.weight", (d,), None),
-            (b + "ln1.bias", (d,), 0.0),
-            (b + "ln2.weight", (d,), None),
-            (b + "ln2.bias", (d,), 0.0),
-            (b + "ffn_up.weight", (ff, d), d**-0.5),
-            (b + "ffn_up.bias", (ff,), 0.0),
-            (b + "ffn_down.weight", (d, ff), ff**-0.5),
-            (b + "ffn_down.bias", (d,), 0.0),
-        ]
+    plan += clip_block_tensors(spec.n_layer, d, ff)
     # The projector's output scale is that of the text model's token embeddings.
     if spec.projector == "qwen2vl_merger":
         merged = 4 * d  # a 2x2 block of patches, concatenated

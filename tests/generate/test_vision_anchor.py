@@ -10,6 +10,7 @@ embeddings takes 4 positions, sliced by rows)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import struct
@@ -17,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -72,18 +74,10 @@ def _post(port: int, path: str, body: dict) -> dict:
         return dict(json.load(resp))
 
 
-SPECS = {
-    "llava": VisionSpec(),
-    "qwen2vl": VisionSpec(projector="qwen2vl_merger", text=QWEN2VL_TEXT, image_size=16, patch_size=4),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(SPECS))
-def reference(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Path, list[dict]]:
-    model, mmproj = make_vision_model(tmp_path_factory.mktemp("vlm-anchor"), SPECS[request.param])
-    port = 19000 + os.getpid() % 1000 + sorted(SPECS).index(request.param)
+@contextlib.contextmanager
+def anchor_server(model: Path, mmproj: Path, port: int) -> Iterator[str]:
+    """llama-server ``--mmproj`` on ``model`` and ``mmproj`` (one slot, one thread) while the
+    block runs; yields its media marker (its own, from ``/props``)."""
     server = subprocess.Popen(
         [str(ANCHORS / "llama-server"), "-m", str(model), "--mmproj", str(mmproj), "--port", str(port),
          "-t", "1", "-c", "1024", "-np", "1", "--no-warmup"],
@@ -96,29 +90,52 @@ def reference(
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=1) as resp:
-                    marker = json.load(resp)["media_marker"]  # llama-server's marker is its own
+                    marker = json.load(resp)["media_marker"]
                 break
             except (OSError, KeyError):
                 if time.monotonic() > deadline:
                     pytest.fail("llama-server did not start")
                 time.sleep(0.3)
-        answers = []
-        for seed, prompt in CASES:
-            body = {
-                "prompt": {
-                    "prompt_string": prompt.replace("<__media__>", marker),
-                    "multimodal_data": [base64.b64encode(png).decode() for png in _images(seed, prompt)],
-                },
-                "n_predict": N,
-                "temperature": 0,
-                "cache_prompt": False,
-                "n_probs": 3,
-                "return_tokens": True,
-            }
-            answers.append(_post(port, "/completion", body))
+        yield marker
     finally:
         server.terminate()
         server.wait(10)
+
+
+def complete(port: int, prompt: str, images: list[bytes], n_predict: int = N) -> dict:
+    """llama-server's greedy ``/completion`` of ``prompt`` (its media marker in place) with
+    ``images``: ``n_predict`` tokens, the top 3 log-probs of each."""
+    body = {
+        "prompt": {
+            "prompt_string": prompt,
+            "multimodal_data": [base64.b64encode(png).decode() for png in images],
+        },
+        "n_predict": n_predict,
+        "temperature": 0,
+        "cache_prompt": False,
+        "n_probs": 3,
+        "return_tokens": True,
+    }
+    return _post(port, "/completion", body)
+
+
+SPECS = {
+    "llava": VisionSpec(),
+    "qwen2vl": VisionSpec(projector="qwen2vl_merger", text=QWEN2VL_TEXT, image_size=16, patch_size=4),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def reference(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, list[dict]]:
+    model, mmproj = make_vision_model(tmp_path_factory.mktemp("vlm-anchor"), SPECS[request.param])
+    port = 19000 + os.getpid() % 1000 + sorted(SPECS).index(request.param)
+    with anchor_server(model, mmproj, port) as marker:
+        answers = [
+            complete(port, prompt.replace("<__media__>", marker), _images(seed, prompt))
+            for seed, prompt in CASES
+        ]
     return model, mmproj, answers
 
 

@@ -13,17 +13,14 @@ repeats a token, so the log-probs, which differ from image to image, tell answer
 from __future__ import annotations
 
 import base64
-import json
 import os
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from test_vision_anchor import ANCHORS, CASES, _images, _png, _post
+from test_vision_anchor import ANCHORS, CASES, _images, _png, _post, anchor_server, complete
 
 from llamabatch import LLM, LLMEngine, SamplingParams
 from llamabatch._ffi.mtmd import mtmd_available
@@ -125,50 +122,16 @@ def reference(gemma3_files) -> dict[str, list[dict]]:
         pytest.skip("llama-server anchor not built")
     model, mmproj = gemma3_files
     port = 19500 + os.getpid() % 400
-    server = subprocess.Popen(
-        [str(ANCHORS / "llama-server"), "-m", str(model), "--mmproj", str(mmproj), "--port", str(port),
-         "-t", "1", "-c", "1024", "-np", "1", "--no-warmup"],
-        env={**os.environ, "LD_LIBRARY_PATH": str(ANCHORS)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=1) as resp:
-                    marker = json.load(resp)["media_marker"]  # llama-server's marker is its own
-                break
-            except (OSError, KeyError):
-                if time.monotonic() > deadline:
-                    pytest.fail("llama-server did not start")
-                time.sleep(0.3)
-
-        def complete(prompt: str, images: list[bytes]) -> dict:
-            body = {
-                "prompt": {
-                    "prompt_string": prompt,
-                    "multimodal_data": [base64.b64encode(png).decode() for png in images],
-                },
-                "n_predict": N,
-                "temperature": 0,
-                "cache_prompt": False,
-                "n_probs": 3,
-                "return_tokens": True,
-            }
-            return _post(port, "/completion", body)
-
+    with anchor_server(model, mmproj, port) as marker:
         prompts = [
-            complete(prompt.replace("<__media__>", marker), _images(seed, prompt)) for seed, prompt in CASES
+            complete(port, prompt.replace("<__media__>", marker), _images(seed, prompt), N)
+            for seed, prompt in CASES
         ]
         chats = []
         for seed in (3, 4):
             text = _post(port, "/apply-template", {"messages": _chat(seed)})["prompt"]
             assert text.count(marker) == 1
-            chats.append(complete(text, [_png(seed)]))
-    finally:
-        server.terminate()
-        server.wait(10)
+            chats.append(complete(port, text, [_png(seed)], N))
     return {"prompts": prompts, "chats": chats}
 
 
