@@ -93,25 +93,9 @@ def test_the_image_is_decoded_with_bidirectional_attention(llm):
 def test_a_prefix_ending_inside_an_image_restarts_it(llm):
     """Cells of a bidirectional image attended to the whole image: a reused prefix that ends
     inside it cannot keep part of it, and the slot is cut back to the image's first position."""
-    from types import SimpleNamespace
+    from test_vision_mrope import assert_a_prefix_inside_the_image_restarts_it
 
-    from llamabatch.generate.vision import Vision
-
-    shared = llm.core.vision
-    vision = Vision(shared.mtmd, shared.limits, shared.n_batch)  # not the engine thread's
-    media = vision.media_prompt(_ask(6), 1024, 8)
-    ((first, _),) = media.images
-    calls: list[tuple] = []
-    core = SimpleNamespace(
-        context=SimpleNamespace(seq_rm=lambda *a: calls.append(("seq_rm", *a))),
-        table=SimpleNamespace(trim=lambda *a: calls.append(("trim", *a))),
-    )
-    request = SimpleNamespace(media=media)
-    assert vision.prefill(core, 2, request, first + 5) == first
-    assert calls == [("seq_rm", 2, first, -1), ("trim", 2, first)]
-    assert vision.holds[2].pos == first
-    calls.clear()  # a prefix that ends before the image keeps what it has
-    assert vision.prefill(core, 2, request, first - 1) == first - 1 and calls == []
+    assert_a_prefix_inside_the_image_restarts_it(llm, _ask(6), slot=2, inside=5)
 
 
 @pytest.fixture(scope="module")

@@ -135,11 +135,18 @@ def test_sliced_image_decode_equals_whole(qwen_files, llm):
 def test_a_prefix_ending_inside_an_image_restarts_it(llm):
     """M-RoPE image cells share one temporal position, so a reused prefix that ends inside
     the image cannot keep part of it: the slot is cut back to the image's first position."""
+    assert_a_prefix_inside_the_image_restarts_it(llm, _ask(_image(6)), slot=3, inside=2)
+
+
+def assert_a_prefix_inside_the_image_restarts_it(llm, prompt, slot: int, inside: int) -> None:
+    """``llm``'s vision, on ``prompt`` (one image): a reused prefix ending ``inside`` positions
+    into the image is cut back to the image's first position (KV and slot table); one that
+    ends before the image keeps what it has."""
     from llamabatch.generate.vision import Vision
 
     shared = llm.core.vision
     vision = Vision(shared.mtmd, shared.limits, shared.n_batch)  # not the engine thread's
-    media = vision.media_prompt(_ask(_image(6)), 1024, 8)
+    media = vision.media_prompt(prompt, 1024, 8)
     ((first, _),) = media.images
     calls: list[tuple] = []
     core = SimpleNamespace(
@@ -147,12 +154,11 @@ def test_a_prefix_ending_inside_an_image_restarts_it(llm):
         table=SimpleNamespace(trim=lambda *a: calls.append(("trim", *a))),
     )
     request = SimpleNamespace(media=media)
-    assert vision.prefill(core, 3, request, first + 2) == first
-    assert calls == [("seq_rm", 3, first, -1), ("trim", 3, first)]
-    assert vision.holds[3].pos == first and vision.holds[3].row == 0
-    # a prefix that ends before the image keeps what it has
+    assert vision.prefill(core, slot, request, first + inside) == first
+    assert calls == [("seq_rm", slot, first, -1), ("trim", slot, first)]
+    assert vision.holds[slot].pos == first and vision.holds[slot].row == 0
     calls.clear()
-    assert vision.prefill(core, 3, request, first - 1) == first - 1 and calls == []
+    assert vision.prefill(core, slot, request, first - 1) == first - 1 and calls == []
 
 
 @pytest.mark.timeout(120)
