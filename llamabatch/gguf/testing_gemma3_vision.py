@@ -22,14 +22,10 @@ embeddings, as the scaled tokens have.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-
-from llamabatch.gguf.testing_clip import clip_block_tensors
+from llamabatch.gguf.testing_clip import TensorPlan, clip_block_tensors
 from llamabatch.gguf.testing_swa import SWASpec
 
-__all__ = ["GEMMA3_POOL", "GEMMA3_TEXT", "gemma3_tensors", "swa_spec_hash"]
+__all__ = ["GEMMA3_POOL", "GEMMA3_TEXT", "gemma3_tensors"]
 
 #: Gemma 3's pooling factor per side (clip.cpp's default ``n_merge`` for ``gemma3``).
 GEMMA3_POOL = 4
@@ -52,21 +48,13 @@ GEMMA3_TEXT = SWASpec(
 )
 
 
-def swa_spec_hash(spec: SWASpec) -> str:
-    """A short hex digest of a Gemma 3 text model's shape (for the projector file's name)."""
-    payload = json.dumps({"kind": "swa", **dataclasses.asdict(spec)}, sort_keys=True).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]
-
-
-def gemma3_tensors(
-    image_size: int, patch_size: int, d: int, ff: int, n_layer: int, out: int
-) -> list[tuple[str, tuple[int, ...], float | None]]:
+def gemma3_tensors(image_size: int, patch_size: int, d: int, ff: int, n_layer: int, out: int) -> TensorPlan:
     """``(name, numpy shape, std)`` of the projector file's tensors (encoder width ``d``,
     feed-forward ``ff``, text width ``out``); ``std`` None: a norm weight (ones), 0.0: a bias
     (zeros)."""
     p = patch_size
     n_patches = (image_size // p) ** 2
-    plan: list[tuple[str, tuple[int, ...], float | None]] = [
+    plan: TensorPlan = [
         ("v.patch_embd.weight", (d, 3, p, p), (3 * p * p) ** -0.5),
         ("v.patch_embd.bias", (d,), 0.0),
         ("v.position_embd.weight", (n_patches, d), 0.5),

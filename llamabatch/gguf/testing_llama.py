@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -207,8 +207,9 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def spec_hash(spec: ModelSpec) -> str:
-    """A short hex digest of ``spec`` and :data:`FORMAT_VERSION` (changes when either does)."""
+def spec_hash(spec: Any) -> str:
+    """A short hex digest of ``spec`` (a model spec dataclass: :class:`ModelSpec`, or
+    ``testing_swa.SWASpec``) and :data:`FORMAT_VERSION` (changes when either does)."""
     payload = json.dumps(
         {"format_version": FORMAT_VERSION, **dataclasses.asdict(spec)}, sort_keys=True
     ).encode()

@@ -36,8 +36,8 @@ from typing import Literal
 
 import numpy as np
 
-from llamabatch.gguf.testing_clip import clip_block_tensors
-from llamabatch.gguf.testing_gemma3_vision import GEMMA3_POOL, GEMMA3_TEXT, gemma3_tensors, swa_spec_hash
+from llamabatch.gguf.testing_clip import TensorPlan, clip_block_tensors
+from llamabatch.gguf.testing_gemma3_vision import GEMMA3_POOL, GEMMA3_TEXT, gemma3_tensors
 from llamabatch.gguf.testing_llama import ModelSpec, built_once, cache_dir, spec_hash, write_llama_gguf
 from llamabatch.gguf.testing_swa import SWASpec, write_swa_gguf
 
@@ -123,20 +123,19 @@ class VisionSpec:
     def name(self) -> str:
         """The projector file's name: every field of the shape and the text model's hash."""
         kind = {"mlp": "mlp", "qwen2vl_merger": "qwen2vl", "gemma3": "gemma3"}[self.projector]
-        text = swa_spec_hash(self.text) if isinstance(self.text, SWASpec) else spec_hash(self.text)
         return (
             f"mmproj-{kind}-i{self.image_size}-p{self.patch_size}-e{self.n_embd}-h{self.n_head}-f{self.n_ff}"
-            f"-l{self.n_layer}-s{self.seed}-t{text}.gguf"
+            f"-l{self.n_layer}-s{self.seed}-t{spec_hash(self.text)}.gguf"
         )
 
 
-def _tensors(spec: VisionSpec) -> list[tuple[str, tuple[int, ...], float | None]]:
+def _tensors(spec: VisionSpec) -> TensorPlan:
     """``(name, numpy shape, std)``; ``std`` None: a norm weight (ones), 0.0: a bias (zeros)."""
     if spec.projector == "gemma3":
         args = (spec.image_size, spec.patch_size, spec.n_embd, spec.n_ff, spec.n_layer, spec.text.n_embd)
         return gemma3_tensors(*args)
     d, ff, p, out = spec.n_embd, spec.n_ff, spec.patch_size, spec.text.n_embd
-    plan: list[tuple[str, tuple[int, ...], float | None]]
+    plan: TensorPlan
     if spec.projector == "qwen2vl_merger":
         plan = [
             ("v.patch_embd.weight", (d, 3, p, p), (6 * p * p) ** -0.5),
