@@ -160,10 +160,12 @@ class EngineConfig(OptionsConfig):
     """Every option of the generation engine (``LLM``, ``LLMEngine``), checked at construction.
 
     Args:
-        n_ctx: KV cache size in tokens, for all sequences together. ``None`` (default): the
-            model's trained context (``n_ctx_train``), capped by the KV memory budget (a quarter
-            of the machine's physical memory, ``generate/kv_memory.py``); ``stats()`` and a log
-            line at load report the size, the KV bytes and the reason.
+        n_ctx: the context of one request, in tokens: one unified buffer's size, or every
+            stream's with one stream per sequence (``kv_unified=False`` given divides it among
+            the streams instead, as llama.cpp does). ``None`` (default): the model's trained
+            context (``n_ctx_train``), capped by the KV memory budget (a quarter of the
+            machine's physical memory, ``generate/kv_memory.py``); ``stats()`` and a log line
+            at load report the size, the KV bytes and the reason.
         n_parallel: sequences decoded together (slots), a cap. ``None`` (default): chosen at load
             by the KV memory and the tick's cost, at most 32 (``generate/slot_count.py``).
         n_batch: the most tokens in one forward pass (the per-tick token budget).
@@ -200,9 +202,10 @@ class EngineConfig(OptionsConfig):
             the CPU for distinct prompts: README, "Memory"); with ``n_ctx=None`` every stream
             holds the model's whole trained context, under the same memory budget. ``None``
             (default): chosen at load (``generate/kv_memory.py``): one stream per sequence when
-            ``n_ctx`` is not given, the model runs on the CPU and a stream of the whole trained
-            context for every sequence fits the per-stream budget (an eighth of physical
-            memory); else unified. ``stats().kv_unified`` and ``kv_layout_reason`` say which, and why.
+            the model runs on the CPU and a stream of the whole trained context (or of the
+            given ``n_ctx``) for every sequence fits the per-stream budget (an eighth of
+            physical memory); else unified. ``stats().kv_unified`` and ``kv_layout_reason``
+            say which, and why.
         type_k, type_v: the KV cache element types, llama.cpp's names (``-ctk`` / ``-ctv``):
             ``"f16"`` (default), ``"bf16"``, ``"f32"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
             ``"iq4_nl"``, ``"q5_0"``, ``"q5_1"``. A quantized ``type_v`` needs flash attention
@@ -277,7 +280,8 @@ class EngineConfig(OptionsConfig):
             "--n-ctx",
             "--ctx-size",
             type=positive_int,
-            help="KV cache tokens, all sequences (default: the model's trained context, under the KV budget)",
+            help="one request's context in tokens, each stream's or the unified buffer's "
+            "(default: the model's trained context, under the KV budget)",
         ),
     )
     n_parallel: int | None = field(

@@ -243,10 +243,10 @@ def test_config_and_keywords_combine_keywords_winning():
 
 def test_llm_engine_takes_a_config_and_keywords(monkeypatch):
     patch_llamabatch(monkeypatch)
-    config = EngineConfig(n_ctx=256, n_parallel=2, n_batch=16)
+    config = EngineConfig(n_ctx=256, n_parallel=2, n_batch=16, kv_unified=True)
     engine = LLMEngine("fake.gguf", config=config, n_parallel=4)
-    # the config as resolved at load: n_ctx given, so one unified buffer, with flash attention
-    resolved = config.replace(n_parallel=4, kv_unified=True, flash_attn=True)
+    # the config as resolved at load: one unified buffer, so flash attention on
+    resolved = config.replace(n_parallel=4, flash_attn=True)
     assert engine.config == resolved and engine.n_parallel == 4
     engine.close()
     with pytest.raises(TypeError, match="n_slots"):

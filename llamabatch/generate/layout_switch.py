@@ -156,8 +156,6 @@ def layouts_allowed(asked: EngineConfig, default: Layout, pinned_prefixes: bool 
     ):
         return frozenset({default})
     unified = [asked.kv_unified] if asked.kv_unified is not None else [True, False]
-    if asked.n_ctx is not None:  # per-stream would divide the given n_ctx among the slots
-        unified = [u for u in unified if u]
     flash = [asked.flash_attn] if isinstance(asked.flash_attn, bool) else [False, True]
     allowed = {Layout(u, f) for u in unified for f in flash}
     allowed.add(default)
@@ -352,10 +350,13 @@ class LayoutFollower:
         if decision is None:
             return False
         layout, reason = decision
-        config = self.asked.replace(kv_unified=layout.kv_unified, flash_attn=layout.flash_attn)
+        # streams of a given n_ctx are the default's choice (kv_unified=False would divide it)
+        kv_unified = None if self.asked.n_ctx is not None and not layout.kv_unified else layout.kv_unified
+        config = self.asked.replace(kv_unified=kv_unified, flash_attn=layout.flash_attn)
         plan, config = plan_config(host.model, config)
         streams = 1 if plan.kv_unified else config.n_seq_max
-        if plan.n_ctx // streams < host.n_ctx_seq:  # requests accepted for the old one must fit
+        # requests accepted for the old layout must fit; the default may not give the layout
+        if plan.n_ctx // streams < host.n_ctx_seq or plan.kv_unified != layout.kv_unified:
             self.switcher.allowed = self.switcher.allowed - {layout}
             return False
         plan = dataclasses.replace(plan, layout_reason=f"switched for the workload: {reason}")

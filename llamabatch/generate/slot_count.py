@@ -10,7 +10,8 @@ made at load; on the CPU a slot costs only its KV cells, so the count follows th
   admission already starts a request only while its prompt fits the free cells, so more slots
   than fit at once just wait there (``README``, "KV cache layout, admission and preemption");
 - **one stream per sequence**: every stream is allocated whole, so the count is what the KV
-  byte budget holds, ``budget // stream_bytes`` (with ``n_ctx`` given: ``n_ctx //
+  byte budget holds, ``budget // stream_bytes`` (a stream of the trained context or of the
+  given ``n_ctx``; with ``kv_unified=False`` and ``n_ctx`` given, which divide it: ``n_ctx //
   MIN_CELLS_PER_SLOT`` streams, each at least that many cells);
 
 less the pinned-prefix streams; at most ``n_batch`` sequences with the pinned prefixes

@@ -126,7 +126,8 @@ _CHILD = textwrap.dedent(
     seed, n, workdir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     rng = random.Random(seed)
     path = testing.model_path("tiny")
-    options = dict(n_ctx=1024, n_parallel=2, flash_attn=False, cache_ram=0, prefix_cache_dir=str(workdir))
+    options = dict(n_ctx=1024, n_parallel=2, kv_unified=True, flash_attn=False, cache_ram=0)
+    options["prefix_cache_dir"] = str(workdir)
     with LLM(path, **options) as llm:
         prefix = llm.tokenize(" ".join(testing.english_sentences(20)))[:120]
         llm.register_prefix(prefix).release()

@@ -62,8 +62,8 @@ def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog
 
 
 def test_the_layout_chosen_at_load(model_8k: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per-stream while n_seq_max streams of the whole context fit half the KV budget; unified
-    when they do not, when n_ctx is given, on a GPU, for one slot; a given layout wins. (On a
+    """Per-stream while n_seq_max streams of the whole context (or of a given n_ctx) fit half
+    the KV budget; unified when they do not, on a GPU, for one slot; a given layout wins. (On a
     CPU whose per-stream default is the plain attention path, which keeps a scores buffer.)"""
     monkeypatch.setattr(kv_memory, "has_amx_build", lambda: True)
     with Model(model_8k) as model:
@@ -85,7 +85,17 @@ def test_the_layout_chosen_at_load(model_8k: str, monkeypatch: pytest.MonkeyPatc
         assert not layout(2 * 8 * stream, flash_attn=True)[0]  # no scores buffer with flash attention
         assert layout(fits, max_prefixes=2)[0]  # 10 streams no longer fit
         assert not layout(2 * (10 * stream + scores), max_prefixes=2)[0]
-        assert layout(fits, n_ctx=4096) == (True, "unified: n_ctx given, so that a request may use all of it")
+        # a given n_ctx is a request's context: streams of it while they fit, as for the trained one
+        given = plan_kv(model, EngineConfig(n_ctx=4096, n_parallel=8), budget=fits)
+        assert (
+            not given.kv_unified
+            and given.n_ctx == 8 * 4096
+            and given.reason == "n_ctx given, in each of 8 streams"
+        )
+        squeezed = plan_kv(model, EngineConfig(n_ctx=8192, n_parallel=8), budget=fits - 1)
+        assert squeezed.kv_unified and squeezed.n_ctx == 8192 and squeezed.reason == "n_ctx given"
+        divided = plan_kv(model, EngineConfig(n_ctx=4096, n_parallel=8, kv_unified=False), budget=fits)
+        assert not divided.kv_unified and divided.n_ctx == 4096  # kv_unified=False: llama.cpp divides it
         assert layout(fits, n_gpu_layers=-1)[0] and layout(fits, n_parallel=1)[0]
         assert layout(None)[0]  # physical memory unknown
         assert layout(fits - 1, kv_unified=False) == (False, "kv_unified given")
@@ -109,7 +119,8 @@ def test_flash_attention_chosen_with_the_layout(
             return plan_kv(model, EngineConfig(**options), budget=1 << 40).flash_attn
 
         assert flash() is per_stream and flash(kv_unified=False) is per_stream  # per-stream (fits)
-        assert flash(kv_unified=True) is True and flash(n_ctx=4096) is True  # unified
+        assert flash(kv_unified=True) is True and flash(n_ctx=4096, kv_unified=True) is True  # unified
+        assert flash(n_ctx=4096) is per_stream  # streams of the given n_ctx (they fit)
         assert flash(kv_unified=False, type_v="q8_0") is True  # V transposed without it
         assert flash(kv_unified=False, type_k="q8_0") is per_stream  # a quantized K is fine without
         assert flash(n_gpu_layers=-1) is None

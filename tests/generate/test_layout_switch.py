@@ -40,7 +40,8 @@ def test_explicit_choices_pin_the_layout():
     assert ls.layouts_allowed(EngineConfig(kv_unified=False), default) == {PER_STREAM, Layout(False, True)}
     assert ls.layouts_allowed(EngineConfig(flash_attn=False), default) == {PER_STREAM, SHARED}
     assert ls.layouts_allowed(EngineConfig(kv_unified=True, flash_attn=True), LONG) == {LONG}
-    assert ls.layouts_allowed(EngineConfig(n_ctx=4096), LONG) == {SHARED, LONG}
+    # a given n_ctx pins nothing: streams of it are the default's own choice (at_quiet)
+    assert ls.layouts_allowed(EngineConfig(n_ctx=4096), LONG) == ALL | {Layout(False, True)}
     for pinned in (
         EngineConfig(n_gpu_layers=1),
         EngineConfig(batch_invariant=True),

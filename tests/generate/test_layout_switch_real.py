@@ -158,3 +158,31 @@ def test_a_switch_puts_each_state_back_where_it_was(tiny_path):
         outs = engine.run_until_complete()
         assert all(o.usage.reused_tokens >= 60 for o in outs), [o.usage.reused_tokens for o in outs]
         assert engine.stats().ram_cache_restores == 1
+
+
+def test_a_given_n_ctx_stays_each_requests_through_switches(tiny_path, eager):
+    """With ``n_ctx`` given, the default's streams hold ``n_ctx`` each; a shared prefix moves
+    the engine to one unified buffer of ``n_ctx`` and independent prompts move it back to the
+    streams, undivided: a request may use all of ``n_ctx`` in every layout."""
+    params = SamplingParams(max_tokens=6, temperature=0)  # long enough to run together (busy >= 2)
+    options = dict(n_ctx=1024, n_parallel=4, n_batch=256, flash_attn=False, cache_ram=0)
+    with LLMEngine(tiny_path, **options) as engine:
+        stats = engine.stats()
+        assert not stats.kv_unified and engine.n_ctx_seq == 1024 and stats.n_ctx == 4 * 1024
+        system = [1, *range(5, 125)]
+        engine.add_request([*system, 300], params)
+        engine.run_until_complete()
+        for i in range(8):
+            engine.add_request([*system, 301 + i], params)
+        engine.run_until_complete()
+        assert engine.stats().kv_unified and engine.n_ctx_seq == 1024
+        for i in range(layout_switch.WINDOW):  # independent prompts fill the watcher's window
+            engine.add_request([1, *range(400 + 30 * i, 420 + 30 * i)], params)
+        engine.run_until_complete()
+        stats = engine.stats()
+        assert stats.layout_switches == 2
+        assert stats.layout_switch_reasons == {"shared_prefix": 1, "independent": 1}
+        assert not stats.kv_unified and engine.n_ctx_seq == 1024 and stats.n_ctx == 4 * 1024
+        engine.add_request([1, *range(5, 1000)], params)  # nearly all of n_ctx, in one stream
+        (out,) = engine.run_until_complete()
+    assert len(out.token_ids) == 6

@@ -90,7 +90,13 @@ def _system(llm: LLM) -> list[int]:
 def _pin_and_generate(path, cache_dir, **options):
     options = {"cache_ram": 0, **options}  # pinned prefixes only (no RAM tier files at close)
     with LLM(
-        path, n_ctx=2048, n_parallel=2, flash_attn=False, prefix_cache_dir=str(cache_dir), **options
+        path,
+        n_ctx=2048,
+        n_parallel=2,
+        kv_unified=True,
+        flash_attn=False,
+        prefix_cache_dir=str(cache_dir),
+        **options,
     ) as llm:
         system = _system(llm)
         handle = llm.register_prefix(system)
@@ -141,12 +147,19 @@ def test_another_models_file_is_refused(tiny_path, tmp_path):
     _pin_and_generate(tiny_path, tmp_path)
     (path,) = tmp_path.glob(f"*{SUFFIX}")
     # put tiny's file where small's store looks for the same tokens
-    with LLM(small, n_ctx=2048, n_parallel=2, flash_attn=False) as llm:
+    with LLM(small, n_ctx=2048, n_parallel=2, kv_unified=True, flash_attn=False) as llm:
         system = _system(llm)
     store = PrefixStore(tmp_path, small, "unused")
     other_dir = tmp_path / "other"
     other_dir.mkdir()
-    options = dict(n_ctx=2048, n_parallel=2, flash_attn=False, cache_ram=0, prefix_cache_dir=str(other_dir))
+    options = dict(
+        n_ctx=2048,
+        n_parallel=2,
+        kv_unified=True,
+        flash_attn=False,
+        cache_ram=0,
+        prefix_cache_dir=str(other_dir),
+    )
     with LLM(small, **options) as llm:
         target = llm.core.kv.store.path_for(system)
         shutil.copy(path, target)

@@ -106,7 +106,8 @@ def test_a_given_n_parallel_always_wins(model_8k, n_parallel, n_ctx, kv_unified,
 )
 def test_default_slots_fit_the_kv_plan(model_8k, n_ctx, kv_unified, budget, n_batch) -> None:
     """The default's slots fit the memory the plan chose: per-stream ones whole streams of the
-    trained context inside the per-stream budget, when the layout was chosen."""
+    trained context (or of a given n_ctx) inside the per-stream budget, when the layout was
+    chosen."""
     config = EngineConfig(n_ctx=n_ctx, kv_unified=kv_unified, n_batch=n_batch)
     plan = plan_kv(model_8k, config, budget=budget)
     resolved = config.replace(n_parallel=plan.n_parallel, kv_unified=plan.kv_unified)
@@ -116,18 +117,23 @@ def test_default_slots_fit_the_kv_plan(model_8k, n_ctx, kv_unified, budget, n_ba
         assert plan.n_parallel <= MIN_UNIFIED_SLOTS or plan.n_parallel * MIN_CELLS_PER_SLOT <= plan.n_ctx
     elif kv_unified is None and budget is not None:  # per-stream chosen: it fits half the budget
         assert plan.n_ctx * kv_bytes_per_cell(model_8k) <= budget // 2
-        assert plan.n_ctx == n_seq * 8192
+        assert plan.n_ctx == n_seq * (n_ctx or 8192)
 
 
 @pytest.mark.parametrize(
     ("options", "slots", "bound"),
-    [({"n_ctx": 4096}, 16, "KV memory"), ({}, MAX_SLOTS, "tick's cost")],
-    ids=["n_ctx-4096", "no-n_ctx"],
+    [
+        ({"n_ctx": 4096, "kv_unified": True}, 16, "KV memory"),
+        ({"n_ctx": 4096}, MAX_SLOTS, "tick's cost"),
+        ({}, MAX_SLOTS, "tick's cost"),
+    ],
+    ids=["n_ctx-4096-unified", "n_ctx-4096", "no-n_ctx"],
 )
 def test_defaults_run_16_requests_in_one_wave(tiny_path, options, slots, bound) -> None:
-    """16 prompts x (16 + 8) on the defaults: with ``n_ctx=4096`` 16 slots of 256 cells, without
-    it a stream of the tiny model's whole context for as many slots as the tick's cost allows;
-    all 16 decode together (a fixed default of 8 slots ran them in two waves)."""
+    """16 prompts x (16 + 8) on the defaults: in one unified buffer of ``n_ctx=4096`` 16 slots
+    of 256 cells; otherwise a stream of ``n_ctx`` (or of the tiny model's whole context) for as
+    many slots as the tick's cost allows; all 16 decode together (a fixed default of 8 slots
+    ran them in two waves)."""
     busy: list[int] = []
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[1] + [10 + (7 * i + j) % 200 for j in range(15)] for i in range(16)]
