@@ -114,6 +114,24 @@ def test_prefill_is_sliced_only_to_keep_the_streams_slo():
     rec.check_done(long)
 
 
+def test_streams_late_for_their_ttft_no_longer_slice_the_prefill():
+    """A request that missed its TTFT SLO cannot count as goodput any more: it runs on as one
+    without an SLO, and the prompt runs at full speed (under overload, late documents kept
+    every tick under the ITL SLO for nothing)."""
+    core, ctx, model, ticks = slo_core(itl_ms=100.5, n_parallel=8)  # no last free slot to keep
+    late = greedy(120, slo_ttft_ms=0.001)  # a first token within a microsecond: missed
+    rec = Recorder(core, ctx, model)
+    for seed in range(3):
+        rec.new(prompt(4, seed), late)
+    for _ in range(4):
+        rec.step()
+    (long,) = rec.new(prompt(600, 99), greedy(4, slo_ttft_ms=0.001))
+    rec.step()
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (3, 509)
+    rec.run()
+    rec.check_done(long)
+
+
 def test_a_prompt_alone_runs_at_full_speed_under_a_tight_slo():
     core, ctx, model, ticks = slo_core(itl_ms=20)
     rec = Recorder(core, ctx, model)
