@@ -332,9 +332,10 @@ class GroupedAdmission(DelegatingAdmission):
 
 
 def order_prefill(policy: AdmissionPolicy, table: SlotTable, requests: Sequence[Request | None]) -> None:
-    """Let ``policy`` order the prompts being computed, when two or more are, before a tick
-    is filled (``requests``: the request of each slot)."""
-    if table.count(SlotState.PREFILL) < 2:
+    """Let ``policy`` order the prompts being computed, before a tick is filled (``requests``:
+    the request of each slot); also one alone, whose predicted first token the SLO policy
+    weighs (``SLOAdmission.prefill_order``)."""
+    if table.count(SlotState.PREFILL) == 0:
         return
     prefilling = []
     for slot in table.view().prefill_slots:

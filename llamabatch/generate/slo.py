@@ -225,7 +225,8 @@ class SLOAdmission(DelegatingAdmission):
         """The prompts being computed in the order of the waiting ones (see the module): the
         ones that can still meet their TTFT SLO first, fewest tokens left first, then the
         late, in arrival order; each priority apart. A short prompt admitted behind a long
-        one no longer waits for all of it."""
+        one no longer waits for all of it. A prompt predicted late in this order no longer
+        bounds the ticks with its ITL SLO (see ``_tightest``)."""
         inner = self.inner.prefill_order(prefilling, now)
         if not self.active or inner is not None:
             return inner
@@ -236,7 +237,9 @@ class SLOAdmission(DelegatingAdmission):
         for slot, request, n_pending in sorted(prefilling, key=lambda p: (p.n_pending, p.request.arrival)):
             estimate = seconds(n_pending)
             late = self._late(request, now + queued + estimate)
-            if not late:
+            if late:  # predicted to miss its TTFT SLO: its ITL no longer bounds the ticks
+                self._running.pop(id(request), None)
+            else:
                 queued += estimate
             rank = float(request.arrival) if late else estimate
             keyed.append(((levels[request.priority], int(late), rank, request.arrival), slot))

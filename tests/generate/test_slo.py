@@ -132,6 +132,23 @@ def test_streams_late_for_their_ttft_no_longer_slice_the_prefill():
     rec.check_done(long)
 
 
+def test_a_prompt_predicted_late_for_its_ttft_no_longer_slices_its_own_prefill():
+    """Nor does one predicted to miss it: 1,000 tokens at 1 ms each cannot come within 300 ms,
+    so after the tick that ranked it, its prompt runs at full speed beside late streams."""
+    core, ctx, model, ticks = slo_core(itl_ms=100.5, n_parallel=8)
+    rec = Recorder(core, ctx, model)
+    for seed in range(3):
+        rec.new(prompt(4, seed), greedy(120, slo_ttft_ms=0.001))
+    for _ in range(4):
+        rec.step()
+    (long,) = rec.new(prompt(1000, 99), greedy(4, slo_ttft_ms=300))
+    rec.step()
+    rec.step()
+    assert [(t.decode_tokens, t.prefill_tokens) for t in ticks[-2:]] == [(3, 79), (3, 509)]
+    rec.run()
+    rec.check_done(long)
+
+
 def test_a_prompt_alone_runs_at_full_speed_under_a_tight_slo():
     core, ctx, model, ticks = slo_core(itl_ms=20)
     rec = Recorder(core, ctx, model)
