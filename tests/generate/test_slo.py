@@ -430,7 +430,9 @@ def test_no_tick_breaks_the_itl_slo_unless_nothing_could(itl_ms, arrivals):
     """With SLOs set and an exact cost model, a tick in which a stream decodes stays under the
     tightest running ITL SLO, unless its prefill is the one-token floor (one prompt token
     alone cannot meet it) or it holds no prefill at all."""
-    core, ctx, model, ticks = slo_core(ttft_ms=1000, itl_ms=itl_ms, cost=FLAT)
+    # a TTFT SLO no request misses, even on a slow machine: a request late for it (or
+    # predicted late) no longer bounds the ticks (tested above), which this property is not about
+    core, ctx, model, ticks = slo_core(ttft_ms=10_000_000, itl_ms=itl_ms, cost=FLAT)
     rec = Recorder(core, ctx, model)
     pending = sorted(arrivals, key=lambda a: a[0])
     step = 0
