@@ -11,7 +11,8 @@ share of requests that meet theirs. :class:`SLOAdmission` spends slack instead o
   (``LatencyBudget.budget``, aiming under the SLO by the model's largest recent error: an
   SLO bounds every gap, not most of them; and 5% more, ``SLO_HEADROOM``). A prompt always
   moves by one token a tick at least: when the decodes alone break the SLO, no choice could
-  meet it.
+  meet it. Only the requests that met their TTFT SLO or still can (as predicted) bound the
+  ticks: a late one cannot count as goodput, and runs on as a request without an SLO.
 - **Order.** Before each admission pass the waiting requests are ranked, within each
   priority (aging orders the priorities, each by its longest-waiting request:
   :func:`priority_levels`; preempted requests first, as ``priority.py``): first those that
