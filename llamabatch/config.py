@@ -63,6 +63,7 @@ STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
 SPEC_TYPES = ("ngram", "suffix", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
+DEFAULT_N_UBATCH = 512
 #: the prefix directory's default size cap in MiB (``prefix_cache_dir_max_mb``)
 PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
@@ -168,9 +169,10 @@ class EngineConfig(OptionsConfig):
             at load report the size, the KV bytes and the reason.
         n_parallel: sequences decoded together (slots), a cap. ``None`` (default): chosen at load
             by the KV memory and the tick's cost, at most 32 (``generate/slot_count.py``).
-        n_batch: the most tokens in one forward pass (the per-tick token budget).
-        n_ubatch: the physical micro-batch llama.cpp computes at once (<= n_batch).
-        chunk_size: the most prompt tokens one sequence prefills per tick.
+        n_batch: the most tokens in one forward pass, the per-tick budget (default 2048, llama.cpp's).
+        n_ubatch: the physical micro-batch llama.cpp computes at once (default ``min(n_batch, 512)``).
+        chunk_size: the most prompt tokens one sequence prefills per tick (default 2048: whole, as in
+            llama-server; ``slo_itl_ms`` or ``target_itl_ms`` slice it where a stream's gap needs).
         strategy: ``"decode_maximal"`` (default), ``"prefill_priority"``, ``"balanced"``,
             or a strategy object (see ``llamabatch.strategies``).
         max_queue: requests allowed to wait for a slot; beyond it ``submit`` raises
@@ -291,7 +293,7 @@ class EngineConfig(OptionsConfig):
         ),
     )
     n_batch: int = field(
-        default=512,
+        default=2048,
         metadata=flag(
             "-b", "--n-batch", "--batch-size", type=positive_int, help="most tokens per forward pass"
         ),
@@ -301,7 +303,7 @@ class EngineConfig(OptionsConfig):
         metadata=flag("-ub", "--n-ubatch", "--ubatch-size", type=positive_int, help="physical micro-batch"),
     )
     chunk_size: int = field(
-        default=512,
+        default=2048,
         metadata=flag("--chunk-size", type=positive_int, help="most prompt tokens per sequence per tick"),
     )
     strategy: str | Strategy = field(
@@ -585,6 +587,11 @@ class EngineConfig(OptionsConfig):
         if self.max_prefixes is not None:
             return self.max_prefixes
         return 4 if self.kv_unified is not False and self.prefix_cache else 0
+
+    @property
+    def n_ubatch_resolved(self) -> int:
+        """``n_ubatch`` resolved: as given, else ``min(n_batch, 512)`` (llama.cpp's default)."""
+        return self.n_ubatch if self.n_ubatch is not None else min(self.n_batch, DEFAULT_N_UBATCH)
 
     @property
     def n_loras(self) -> int:

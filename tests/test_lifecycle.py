@@ -150,9 +150,9 @@ def test_llm_engine_step_outputs_carry_the_status(monkeypatch):
 DEFAULTS = {
     "n_ctx": None,  # the model's trained context, under the KV budget (generate/kv_memory.py)
     "n_parallel": None,  # chosen at load by the KV memory and the tick's cost (generate/slot_count.py)
-    "n_batch": 512,
+    "n_batch": 2048,
     "n_ubatch": None,
-    "chunk_size": 512,
+    "chunk_size": 2048,
     "strategy": "decode_maximal",
     "max_queue": 1024,
     "n_threads": None,
@@ -269,19 +269,19 @@ SERVE_FLAGS = {
     "kv_unified": (("--kv-unified",), None),
     "type_k": (("-ctk", "--cache-type-k"), "f16"),
     "type_v": (("-ctv", "--cache-type-v"), "f16"),
-    "n_batch": (("-b", "--n-batch", "--batch-size"), 512),
+    "n_batch": (("-b", "--n-batch", "--batch-size"), 2048),
     "n_ubatch": (("-ub", "--n-ubatch", "--ubatch-size"), None),
     "n_threads": (("-t", "--threads"), None),
     "n_threads_batch": (("-tb", "--threads-batch"), None),
     "n_gpu_layers": (("-ngl", "--n-gpu-layers"), 0),
     "max_queue": (("--max-queue",), 1024),
-    "chunk_size": (("--chunk-size",), 512),
+    "chunk_size": (("--chunk-size",), 2048),
     "strategy": (("--strategy",), "decode_maximal"),
 }
 GENERATE_FLAGS = {
     "n_ctx": (("-c", "--n-ctx"), None),
     "n_parallel": (("--n-parallel",), None),
-    "n_batch": (("-b", "--n-batch"), 512),
+    "n_batch": (("-b", "--n-batch"), 2048),
     "n_threads": (("-t", "--threads"), None),
     "strategy": (("--strategy",), "decode_maximal"),
 }

@@ -175,8 +175,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                 "default": None,
                 "help": "KV cache size (default: fits the workload)",
             },
-            "n_batch": {"flags": ("-b", "--n-batch")},
+            # the benchmark's settings for every runner, as its published figures were taken
+            "n_batch": {"flags": ("-b", "--n-batch"), "default": 512},
             "n_ubatch": {"flags": ("-ub", "--n-ubatch"), "help": "default: n_batch"},
+            "chunk_size": {"default": 512},
             "n_parallel": {
                 "flags": ("--n-parallel",),
                 "default": None,

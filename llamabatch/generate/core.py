@@ -90,7 +90,7 @@ def build_engine(
         model,
         n_ctx=config.n_ctx,
         n_batch=config.n_batch,
-        n_ubatch=config.n_ubatch,
+        n_ubatch=config.n_ubatch_resolved,
         n_seq_max=config.n_seq_max,
         n_threads=config.n_threads,
         n_threads_batch=config.n_threads_batch,

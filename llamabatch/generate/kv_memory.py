@@ -127,7 +127,7 @@ def plan_kv(model: Model, config: EngineConfig, budget: int | bool | None = True
         n_ctx_seq, reason = n_train, "the model's trained context (n_ctx_train)"
     # without flash attention llama.cpp keeps one ubatch's f32 attention scores per stream's
     # cells (KQ: cells x tokens x heads), in a compute buffer the KV bytes do not count
-    scores = n_ctx_seq * (config.n_ubatch or config.n_batch) * int(model.n_head or 0) * 4
+    scores = n_ctx_seq * config.n_ubatch_resolved * int(model.n_head or 0) * 4
     slots_asked, streams_fit = config.n_parallel, None
     # with n_ctx given, kv_unified=False divides it among the streams (llama.cpp's own rule)
     divides = config.n_ctx is not None and config.kv_unified is False

@@ -24,7 +24,7 @@ class LongPromptRun:
 
 
 def run_long_prompt(path: Any, **engine: Any) -> LongPromptRun:
-    """Three streams decode (4 slots, n_ctx 8192, 1 thread, 512-token chunks, plus ``engine``);
+    """Three streams decode (4 slots, n_ctx 8192, 1 thread, 512-token ticks and chunks, plus ``engine``);
     once they have, an ``N_LONG``-token prompt arrives; every request runs to its length."""
     ticks: list[TickEvent] = []
     lock = threading.Lock()
@@ -34,7 +34,7 @@ def run_long_prompt(path: Any, **engine: Any) -> LongPromptRun:
             with lock:
                 ticks.append(event)
 
-    with LLM(path, n_parallel=4, n_ctx=8192, n_threads=1, chunk_size=512, **engine) as llm:
+    with LLM(path, n_parallel=4, n_ctx=8192, n_threads=1, n_batch=512, chunk_size=512, **engine) as llm:
         llm.add_listener(listen)
         params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
         streams = [llm.submit([10 + i, 20, 30, 40], params) for i in range(3)]
