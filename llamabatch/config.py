@@ -63,7 +63,6 @@ STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
 SPEC_TYPES = ("ngram", "suffix", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
-DEFAULT_N_UBATCH = 512
 #: the prefix directory's default size cap in MiB (``prefix_cache_dir_max_mb``)
 PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
@@ -591,7 +590,7 @@ class EngineConfig(OptionsConfig):
     @property
     def n_ubatch_resolved(self) -> int:
         """``n_ubatch`` resolved: as given, else ``min(n_batch, 512)`` (llama.cpp's default)."""
-        return self.n_ubatch if self.n_ubatch is not None else min(self.n_batch, DEFAULT_N_UBATCH)
+        return self.n_ubatch if self.n_ubatch is not None else min(self.n_batch, 512)
 
     @property
     def n_loras(self) -> int:

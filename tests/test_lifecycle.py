@@ -197,6 +197,10 @@ def test_config_defaults_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.n_ctx = 8  # type: ignore[misc]
     assert config.replace(n_parallel=2).n_parallel == 2
+    # llama.cpp's batch sizes: a 2,048-token tick in 512-token micro-batches
+    assert (config.n_batch, config.n_ubatch_resolved) == (2048, 512)
+    assert EngineConfig(n_batch=256).n_ubatch_resolved == 256
+    assert EngineConfig(n_ubatch=1024).n_ubatch_resolved == 1024
 
 
 @pytest.mark.parametrize(

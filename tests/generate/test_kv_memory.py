@@ -43,6 +43,7 @@ def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog
     caplog.set_level(logging.INFO, logger="llamabatch")
     with LLM(model_8k) as llm:
         assert llm.n_ctx_seq == 8192  # every request may use it all, in either layout
+        assert (llm.n_batch, llm._host.context.n_ubatch) == (2048, 512)  # llama.cpp's batch sizes
         prompt = [(i * 7) % 3000 + 10 for i in range(2000)]
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
         assert len(out.token_ids) == 4
