@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from llamabatch import LLM, EngineConfig, SamplingParams
+from llamabatch import LLM, EngineConfig, LLMEngine, SamplingParams
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.kv_types import KV_TYPES, kv_bytes_per_cell
 from llamabatch._ffi.model import Model
@@ -39,11 +39,16 @@ def test_defaults_are_the_trained_context_in_a_layout_chosen_at_load() -> None:
     assert (config.type_k, config.type_v) == ("f16", "f16")
 
 
+def test_default_batch_sizes_are_llama_cpps(model_8k: str) -> None:
+    with LLMEngine(model_8k) as engine:
+        assert (engine.context.n_batch, engine.context.n_ubatch) == (2048, 512)
+
+
 def test_default_serves_a_2000_token_prompt_on_an_8k_model(model_8k: str, caplog) -> None:
     caplog.set_level(logging.INFO, logger="llamabatch")
     with LLM(model_8k) as llm:
         assert llm.n_ctx_seq == 8192  # every request may use it all, in either layout
-        assert (llm.n_batch, llm._host.context.n_ubatch) == (2048, 512)  # llama.cpp's batch sizes
+        assert llm.n_batch == 2048  # llama.cpp's default
         prompt = [(i * 7) % 3000 + 10 for i in range(2000)]
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
         assert len(out.token_ids) == 4
