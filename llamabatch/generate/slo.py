@@ -276,7 +276,7 @@ class SLOAdmission(DelegatingAdmission):
         for key, request in list(self._running.items()):
             if self._late(request, now):
                 del self._running[key]
-        limits = [itl for itl in (request.slo[1] for request in self._running.values()) if itl is not None]
+        limits = [r.slo[1] for r in self._running.values() if r.slo[1] is not None]
         if extra is not None:
             limits.append(extra)
         return min(limits) if limits else None

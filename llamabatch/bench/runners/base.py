@@ -79,6 +79,11 @@ class BenchConfig:
         """The thread count every runner uses."""
         return self.n_threads if self.n_threads is not None else (os.cpu_count() or 1)
 
+    @property
+    def micro_batch(self) -> int:
+        """``n_ubatch`` resolved for every runner alike: as given, else ``n_batch``."""
+        return self.n_ubatch or self.n_batch
+
 
 class Runner(Protocol):
     """Serves the requests of a workload point and times them."""

@@ -58,7 +58,7 @@ class EngineRunner:
             n_ctx=n_ctx,
             n_parallel=n_parallel,
             n_batch=config.n_batch,
-            n_ubatch=config.n_ubatch or config.n_batch,  # bench's default, as its other runners
+            n_ubatch=config.micro_batch,
             chunk_size=config.chunk_size,
             strategy=config.strategy,
             n_threads=config.threads,

@@ -74,7 +74,7 @@ class LlamaCppRunner:
             config.model,
             n_ctx=n_ctx,
             n_batch=config.n_batch,
-            n_ubatch=config.n_ubatch or config.n_batch,
+            n_ubatch=config.micro_batch,
             n_threads=config.threads,
             n_threads_batch=config.threads,
             flash_attn=config.flash_attn,

@@ -45,7 +45,7 @@ class RawRunner:
                 self.model,
                 n_ctx=n_ctx,
                 n_batch=config.n_batch,
-                n_ubatch=config.n_ubatch,
+                n_ubatch=config.micro_batch,
                 n_seq_max=n_seq,
                 n_threads=config.threads,
                 flash_attn=config.flash_attn,
