@@ -36,8 +36,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from llamabatch._core.slots import SlotState, TableView
+from llamabatch._core.slot_record import SlotState
 from llamabatch._core.strategies import STRATEGIES, Balanced, DecodeMaximal, PrefillPriority, get_strategy
+from llamabatch._core.user_plans import TableView
 
 __all__ = [
     "STRATEGIES",

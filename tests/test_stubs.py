@@ -28,8 +28,11 @@ from llamabatch.strategies import Balanced, DecodeMaximal, PrefillPriority, Slot
 CORE_MODULES = [
     "llamabatch._core.batch",
     "llamabatch._core.kv_record",
+    "llamabatch._core.slot_record",
     "llamabatch._core.slots",
     "llamabatch._core.strategies",
+    "llamabatch._core.ubatch_runs",
+    "llamabatch._core.user_plans",
 ]
 DUNDERS = {"__len__", "__init__"}  # compared like public names where the runtime shows them
 

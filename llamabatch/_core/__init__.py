@@ -5,10 +5,14 @@ against ``llama.h`` for the ``llama_batch`` layout only: it never links libllama
 never calls a ``llama_*`` function (the cffi layer in ``llamabatch._ffi`` does).
 
 - :mod:`llamabatch._core.batch`: ``BatchPool`` / ``Batch`` (preallocated ``llama_batch``).
-- :mod:`llamabatch._core.slots`: ``SlotTable`` / ``SlotState`` (slot state, fill/commit,
-  the sequences' lengths and tokens, prefix matching).
+- :mod:`llamabatch._core.slots`: ``SlotTable`` (the slot state machine, fill/commit).
+- :mod:`llamabatch._core.slot_record`: ``SlotRecord`` (the table's base: each slot's state
+  and each sequence's lengths and tokens, prefix matching) and ``SlotState``.
 - :mod:`llamabatch._core.kv_record`: ``KVRecord`` (the KV cells: pool, reference counts,
   free list, LRU clock), owned by the slot table.
+- :mod:`llamabatch._core.ubatch_runs`: the cheapest ubatch runs of a per-stream batch.
+- :mod:`llamabatch._core.user_plans`: the ``TableView`` a user strategy's ``plan()`` gets,
+  and the checks of what it returns.
 - :mod:`llamabatch._core.strategies`: ``DecodeMaximal``, ``PrefillPriority``,
   ``Balanced``, ``get_strategy`` and the user strategy protocol.
 """

@@ -1,13 +1,14 @@
 """Type stubs for the compiled ``llamabatch._core.slots`` (see slots.pyx for the behaviour)."""
 
-import enum
 from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
 
 from llamabatch._core.batch import Batch, _Tokens
-from llamabatch._core.kv_record import KVRecord
+from llamabatch._core.slot_record import SlotRecord as SlotRecord
+from llamabatch._core.slot_record import SlotState as SlotState
+from llamabatch._core.user_plans import TableView
 from llamabatch.strategies import Strategy
 
 #: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
@@ -18,39 +19,14 @@ MAX_DRAFT: int
 def live_tables() -> int:
     """Number of ``SlotTable`` C buffers currently allocated in this process."""
 
-class SlotState(enum.IntEnum):
-    """State of a slot (ordered by progress)."""
-
-    IDLE = 0
-    PREFILL = 1
-    AWAIT_SAMPLE = 2
-    DECODE = 3
-
 #: The allowed state transitions, as (from, to) pairs.
 EDGES: frozenset[tuple[SlotState, SlotState]]
 
-class SlotTable:
+class SlotTable(SlotRecord):
     """``n_parallel`` slots of up to ``n_ctx_seq`` tokens; prompt chunks of ``chunk_size``."""
 
     @property
-    def n_parallel(self) -> int: ...
-    @property
-    def n_ctx_seq(self) -> int: ...
-    @property
     def chunk_size(self) -> int: ...
-    @property
-    def n_seq(self) -> int:
-        """Sequences the KV record tracks: the slots, then the pinned prefixes."""
-    @property
-    def kv(self) -> KVRecord:
-        """The cells the sequences occupy (pool, reference counts, free list, LRU clock)."""
-    @property
-    def kv_unified(self) -> bool: ...
-    @property
-    def kv_size(self) -> int:
-        """Cells in the pool (unified) or in each stream."""
-    @property
-    def n_overflow(self) -> int: ...
     @property
     def ubatch_cost_cells(self) -> float:
         """One KV stream per sequence: what one more ubatch costs, in cells attended by one
@@ -123,73 +99,9 @@ class SlotTable:
     @property
     def decode_cursor(self) -> int: ...
 
-    # -- per-slot state
-    def state(self, slot: int) -> SlotState: ...
-    def n_past(self, slot: int) -> int: ...
-    def n_pending(self, slot: int) -> int: ...
-    def n_prompt(self, slot: int) -> int: ...
-    def n_generated(self, slot: int) -> int: ...
-    def reused_tokens(self, slot: int) -> int: ...
-    def room(self, slot: int) -> int: ...
-    def arrival(self, slot: int) -> int: ...
+    # -- prompt order
     def order_prefill(self, order: Iterable[int]) -> None:
         """Serve the PREFILL slots' prompts in ``order`` (a permutation of them)."""
-    def history(self, slot: int) -> npt.NDArray[np.int32]:
-        """A copy of the slot's prompt + accepted tokens."""
-    def common_prefix(self, seq: int, tokens: _Tokens) -> int: ...
-    def common_history(self, slot: int, tokens: _Tokens) -> int: ...
-    def best_prefix(self, tokens: _Tokens) -> tuple[int, int]:
-        """``(seq, n)`` sharing the longest prefix with ``tokens``, or ``(-1, 0)``."""
-
-    # -- the KV record
-    def seq_len(self, seq: int) -> int: ...
-    def seq_tokens(self, seq: int) -> npt.NDArray[np.int32]: ...
-    def trim(self, seq: int, n: int) -> None: ...
-    def copy(self, src: int, dst: int, n: int) -> None: ...
-    def record_cached(self, seq: int, tokens: _Tokens) -> None:
-        """``seq`` holds ``tokens`` at 0..len-1 (empty before, or holding their first ones: the
-        rest are its own)."""
-    def touch(self, seq: int) -> None: ...
-    def lru_slot(self, cached_only: bool = False, exclude: int = -1) -> int:
-        """The least recently used idle slot (cached ones only if ``cached_only``; not ``exclude``), or -1."""
-    def admission_slot(self) -> int:
-        """The idle slot a new request takes when no cached prefix decides it (per-stream KV:
-        one joining a run of busy slots first; else the least recently used), or -1."""
-    @property
-    def cells_total(self) -> int: ...
-    @property
-    def cells_used(self) -> int: ...
-    @property
-    def cells_free(self) -> int: ...
-    def cells_owned(self, seq: int) -> int: ...
-    def check_kv(self) -> None: ...
-    def free_slot(self) -> int:
-        """The lowest IDLE slot, or -1."""
-    def count(self, state: SlotState | int) -> int: ...
-    @property
-    def busy_slots(self) -> int: ...
-    def states(self) -> list[SlotState]: ...
     def view(self) -> TableView:
         """A read-only view of the table (what a user strategy's ``plan`` receives)."""
     def check_invariants(self) -> None: ...
-
-class TableView:
-    """Read-only view of a :class:`SlotTable`, valid during ``plan()`` (made by the table only)."""
-
-    @property
-    def n_parallel(self) -> int: ...
-    @property
-    def decode_slots(self) -> list[int]:
-        """DECODE slots in round-robin order (the order the built-ins serve them)."""
-    @property
-    def prefill_slots(self) -> list[int]:
-        """PREFILL slots in arrival order (oldest first)."""
-    def state(self, slot: int) -> SlotState: ...
-    def n_pending(self, slot: int) -> int:
-        """Prompt tokens still to compute (0 unless PREFILL)."""
-    def n_past(self, slot: int) -> int:
-        """Tokens of the slot already in the KV cache."""
-    def arrival(self, slot: int) -> int:
-        """Start counter of the slot's request (FIFO order of prompts)."""
-    def n_generated(self, slot: int) -> int:
-        """Tokens accepted after the prompt."""

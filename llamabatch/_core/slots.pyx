@@ -30,35 +30,24 @@ One tick, as the engine runs it::
 A fill must be committed or rolled back before the next one; a fill that returns 0
 leaves nothing pending (``commit()``/``rollback()`` right after it are no-ops).
 
-The table is also the one record of the KV cache (what the engine's ``KVCache`` mirrors
-into llama.cpp with ``seq_rm``/``seq_cp``): how many positions every sequence holds
-(``seq_len``: a busy slot's ``n_past``, an idle slot's cached tokens, a pinned prefix),
-the tokens at those positions (the history), and, with a unified KV cache, which cells
-sequences share after a copy (per-cell reference counts over a pool of ``kv_size``
-cells), so ``cells_used``/``cells_free`` are exact. With one KV stream per sequence
-(``kv_unified=False``) every sequence owns ``n_ctx_seq`` cells and copies share nothing.
-The cells themselves (pool, reference counts, free list, LRU clock) are the ``KVRecord`` of
-``kv_record.pyx`` (``table.kv``); this table keeps the lengths and the tokens, and the
-prefix matching over them (``best_prefix``).
+What each slot and sequence holds (states, lengths, token histories, the KV cells, prefix
+matching, the edits of resting sequences between ticks) is the table's base class,
+``SlotRecord`` of ``slot_record.pyx``; this module is the state machine and the tick.
 ``finish(slot, keep=True)`` leaves an idle slot holding its tokens for reuse.
 """
 
-import enum
-
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
-from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t
 from libc.string cimport memcmp, memcpy, memset
 
-import operator
-
-import numpy as np
-
 from llamabatch._core.batch cimport Batch, as_int32, int32_array
-from llamabatch._core.kv_record cimport KVRecord
 from llamabatch._core.includes.debug cimport LLAMABATCH_DEBUG
 from llamabatch._core.strategies cimport Strategy, plan_in_t
+from llamabatch._core.ubatch_runs cimport cheapest_runs
+from llamabatch._core.user_plans cimport TableView, check_native_plan, make_view, read_plan
 
-from llamabatch._core.strategies import get_strategy, strategy_name
+from llamabatch._core.slot_record import SlotState
+from llamabatch._core.strategies import get_strategy
 from llamabatch.errors import PromptTooLong
 
 #: True when the core was built with LLAMABATCH_DEBUG=1 (transition and invariant checks).
@@ -67,22 +56,12 @@ DEBUG = bool(LLAMABATCH_DEBUG)
 #: The most draft tokens a slot can verify in one tick (speculative decoding).
 MAX_DRAFT = C_MAX_DRAFT
 
-cdef object _CREATE = object()
 cdef Py_ssize_t _live_tables = 0
 
 
 def live_tables():
     """Number of ``SlotTable`` C buffers currently allocated in this process."""
     return _live_tables
-
-
-class SlotState(enum.IntEnum):
-    """State of a slot (ordered by progress)."""
-
-    IDLE = ST_IDLE
-    PREFILL = ST_PREFILL
-    AWAIT_SAMPLE = ST_AWAIT_SAMPLE
-    DECODE = ST_DECODE
 
 
 #: The allowed state transitions, as (from, to) pairs.
@@ -109,7 +88,7 @@ cdef tuple _STATE_BY_VALUE = tuple(SlotState)
 cdef dict _BY_NAME = {name: get_strategy(name) for name in ("decode_maximal", "prefill_priority", "balanced")}
 
 
-cdef class SlotTable:
+cdef class SlotTable(SlotRecord):
     """``n_parallel`` slots of up to ``n_ctx_seq`` tokens; prompt chunks of ``chunk_size``.
 
     All memory is allocated here, once: token histories, the FIFO of prompts, the plan,
@@ -119,25 +98,10 @@ cdef class SlotTable:
     def __cinit__(self, int32_t n_parallel, int32_t n_ctx_seq, int32_t chunk_size=512,
                   int32_t n_pinned=0, bint kv_unified=True, int32_t kv_size=0):
         cdef size_t n = n_parallel
-        cdef int32_t i
-        if n_parallel < 1:
-            raise ValueError("n_parallel must be >= 1, got %d" % n_parallel)
-        if n_ctx_seq < 1:
-            raise ValueError("n_ctx_seq must be >= 1, got %d" % n_ctx_seq)
+        self.init_record(n_parallel, n_ctx_seq, n_pinned, kv_unified, kv_size)
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1, got %d" % chunk_size)
-        if n_pinned < 0:
-            raise ValueError("n_pinned must be >= 0, got %d" % n_pinned)
-        if kv_size < 0:
-            raise ValueError("kv_size must be >= 0, got %d" % kv_size)
-        self.n_seq = n_parallel + n_pinned
-        self.kv = KVRecord(self.n_seq, n_ctx_seq, kv_unified, kv_size)
-        self.n_parallel = n_parallel
-        self.n_ctx_seq = n_ctx_seq
         self.chunk_size = chunk_size
-        self.slots = <slot_t *> PyMem_Calloc(n, sizeof(slot_t))
-        self.hist = <int32_t *> PyMem_Calloc(<size_t> self.n_seq * n_ctx_seq, sizeof(int32_t))
-        self.pin_len = <int32_t *> PyMem_Calloc(n_pinned + 1, sizeof(int32_t))
         self.fifo = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_decode = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
         self.s_pending = <int32_t *> PyMem_Calloc(n, sizeof(int32_t))
@@ -154,12 +118,12 @@ cdef class SlotTable:
         # one output per slot, plus one per draft token (speculative decoding)
         self.out_slot_ = <int32_t *> PyMem_Calloc(n * (1 + C_MAX_DRAFT), sizeof(int32_t))
         self.out_index_ = <int32_t *> PyMem_Calloc(n * (1 + C_MAX_DRAFT), sizeof(int32_t))
-        if (self.slots == NULL or self.hist == NULL or self.fifo == NULL or self.s_decode == NULL
+        if (self.fifo == NULL or self.s_decode == NULL
                 or self.s_pending == NULL or self.s_plan_slot == NULL or self.s_plan_n == NULL
                 or self.s_mark == NULL or self.plan_slot == NULL or self.plan_n == NULL
                 or self.s_sorted == NULL or self.s_order == NULL or self.s_cut == NULL or self.s_best == NULL
                 or self.s_ext == NULL
-                or self.out_slot_ == NULL or self.out_index_ == NULL or self.pin_len == NULL):
+                or self.out_slot_ == NULL or self.out_index_ == NULL):
             raise MemoryError(
                 "cannot allocate a slot table of %d x %d tokens" % (n_parallel, n_ctx_seq)
             )
@@ -170,9 +134,6 @@ cdef class SlotTable:
         global _live_tables
         if self.out_index_ != NULL:
             _live_tables -= 1
-        PyMem_Free(self.slots)
-        PyMem_Free(self.hist)
-        PyMem_Free(self.pin_len)
         PyMem_Free(self.fifo)
         PyMem_Free(self.s_decode)
         PyMem_Free(self.s_pending)
@@ -221,14 +182,15 @@ cdef class SlotTable:
         s.state = new_state
         return 0
 
-    cdef int check_slot(self, int32_t slot) except -1:
-        if slot < 0 or slot >= self.n_parallel:
-            raise IndexError("slot %d out of range 0..%d" % (slot, self.n_parallel - 1))
-        return 0
-
     cdef int check_not_planning(self) except -1:
         if self.in_plan:
             raise RuntimeError("the slot table cannot be changed from inside a strategy's plan()")
+        return 0
+
+    cdef int check_quiet(self) except -1:
+        self.check_not_planning()
+        if self.fill_pending:
+            raise RuntimeError("the KV record cannot change while a fill is pending")
         return 0
 
     def start(self, int32_t slot, prompt_tokens, int32_t n_past=0):
@@ -393,14 +355,14 @@ cdef class SlotTable:
         attention spans as many cells in every stream as its longest stream holds. So the
         entries go by slot, in runs: one more ubatch reads the weights once more
         (``ubatch_cost_cells``, in cell reads), a run of r streams reads r x its longest
-        stream. The cheapest runs (dynamic programming over the slots in order, cut at
-        least wherever a slot is missing) are written last run first, which is what makes
+        stream. The cheapest runs (``ubatch_runs.pyx``: dynamic programming over the slots in
+        order, cut at least wherever a slot is missing) are written last run first, which is what makes
         llama.cpp cut between them: a run's lowest seq_id never follows the next run's
         highest. One long stream among short ones then costs its own ubatch instead of
         making every short stream attend over its length (a decode tick of 7 short streams
         and one of 6,000 tokens: 214 ms in one ubatch, 70 ms in two, 135M, 2 threads)."""
-        cdef int32_t e, i, j, m = 0, s, w = 0, k, mn_k, mx_k
-        cdef double ext, mx_ext, mn_ext, sum_k, sum_p, sum_kp, cost, f = self.ubatch_cost_cells
+        cdef int32_t e, j, m = 0
+        cdef double ext, mx_ext, mn_ext, sum_k, f = self.ubatch_cost_cells
         cdef double pad = 256.0, size = self.kv.kv_size  # llama.cpp pads n_kv to 256 cells
         if self.kv.kv_unified or n < 2:
             for e in range(n):
@@ -427,47 +389,8 @@ cdef class SlotTable:
             for e in range(m):
                 self.s_order[e] = self.s_sorted[e]
             return
-        # s_best[j]: the cheapest runs of the first j entries; s_cut[j]: its last run's start.
-        # A run costs a ubatch (two when its streams' tokens differ: the rest of the longer
-        # ones go on alone), its streams' first tokens over its longest stream, and the rest
-        # of each stream's tokens over its own cells.
-        self.s_best[0] = 0.0
-        for j in range(1, m + 1):
-            self.s_best[j] = -1.0
-            mx_ext = 0.0
-            sum_p = 0.0
-            sum_kp = 0.0
-            mn_k = 2147483647
-            mx_k = 0
-            i = j - 1
-            while i >= 0:
-                e = self.s_sorted[i]
-                s = self.s_plan_slot[e]
-                if i < j - 1 and s + 1 != self.s_plan_slot[self.s_sorted[i + 1]]:
-                    break  # a missing slot: llama.cpp cuts here anyway
-                k = self.s_plan_n[e]
-                ext = self.s_ext[e]
-                if ext > mx_ext:
-                    mx_ext = ext
-                sum_p += ext
-                sum_kp += k * ext
-                if k < mn_k:
-                    mn_k = k
-                if k > mx_k:
-                    mx_k = k
-                cost = (self.s_best[i] + f * (2 if mx_k > mn_k else 1)
-                        + (j - i) * mn_k * mx_ext + sum_kp - mn_k * sum_p)
-                if self.s_best[j] < 0.0 or cost <= self.s_best[j]:  # ties: the longer run
-                    self.s_best[j] = cost
-                    self.s_cut[j] = i
-                i -= 1
-        j = m
-        while j > 0:
-            i = self.s_cut[j]
-            for e in range(i, j):
-                self.s_order[w] = self.s_sorted[e]
-                w += 1
-            j = i
+        cheapest_runs(m, self.s_sorted, self.s_plan_slot, self.s_plan_n, self.s_ext, f,
+                      self.s_cut, self.s_best, self.s_order)
 
     cdef int32_t apply_plan(self, Batch batch, int32_t n, int32_t n_decode_cand, int32_t budget) noexcept nogil:
         """Write the (valid) plan in s_plan_* to the batch, in ``batch_order``, and record it
@@ -556,71 +479,16 @@ cdef class SlotTable:
         self.empty_fill = idx == 0
         return idx
 
-    cdef str violation(self, int32_t s, int64_t k, int64_t total, int32_t budget):
-        """Why ``(s, k)`` cannot join a plan already holding ``total`` tokens, or None."""
-        cdef slot_t * sl
-        if s < 0 or s >= self.n_parallel:
-            return "slot %d out of range 0..%d" % (s, self.n_parallel - 1)
-        sl = &self.slots[s]
-        if self.s_mark[s]:
-            return "slot %d planned twice" % s
-        if sl.state == ST_DECODE:
-            if k != 1:
-                return "decoding slot %d must get exactly 1 token, got %d" % (s, k)
-        elif sl.state == ST_PREFILL:
-            if k < 1 or k > min(sl.n_prompt - sl.n_past, self.chunk_size):
-                return "prefilling slot %d must get 1..%d tokens (pending %d, chunk_size %d), got %d" % (
-                    s, min(sl.n_prompt - sl.n_past, self.chunk_size), sl.n_prompt - sl.n_past,
-                    self.chunk_size, k)
-        else:
-            return "slot %d cannot be scheduled (%s)" % (s, _STATE_BY_VALUE[sl.state].name)
-        if total + k > budget:
-            return "plan exceeds the budget of %d tokens (%d so far)" % (budget, total + k)
-        return None
-
-    cdef int32_t fill_python(self, Batch batch, object strategy, plan_in_t * p) except -1:
-        """Run a Python strategy's plan() and validate it into s_plan_*; returns its length."""
-        cdef int32_t n = 0, s
-        cdef int64_t k, total = 0
-        cdef str why
-        name = strategy_name(strategy)
-        view = TableView.__new__(TableView, _CREATE)
-        (<TableView> view).t = self
+    cdef int32_t fill_python(self, object strategy, plan_in_t * p) except -1:
+        """Run a Python strategy's plan() on a view valid only meanwhile, with the table
+        frozen, and validate it into s_plan_* (``user_plans.pyx``); returns its length."""
+        cdef TableView view = make_view(self, &self.rr_cursor, self.fifo, &self.n_fifo)
         self.in_plan = True
         try:
-            result = strategy.plan(view, p.budget, p.chunk_size, p.queue_depth)
-            try:
-                it = iter(result)
-            except TypeError:
-                raise ValueError("strategy %r: plan() returned %r, not an iterable of (slot, n_tokens)"
-                                 % (name, type(result).__name__)) from None
-            memset(self.s_mark, 0, self.n_parallel * sizeof(int32_t))
-            for item in it:
-                try:
-                    a, b = item
-                    a = operator.index(a)
-                    b = operator.index(b)
-                except (TypeError, ValueError):
-                    raise ValueError("strategy %r: plan entry %r is not a (slot, n_tokens) pair of ints"
-                                     % (name, item)) from None
-                if not (0 <= a < self.n_parallel):
-                    raise ValueError("strategy %r: slot %r out of range 0..%d" % (name, a, self.n_parallel - 1))
-                if not (-2**62 < b < 2**62):
-                    raise ValueError("strategy %r: n_tokens %r out of range" % (name, b))
-                s = a
-                k = b
-                why = self.violation(s, k, total, p.budget)
-                if why is not None:
-                    raise ValueError("strategy %r: %s" % (name, why))
-                self.s_mark[s] = 1
-                self.s_plan_slot[n] = s
-                self.s_plan_n[n] = <int32_t> k
-                total += k
-                n += 1
+            return read_plan(view, strategy, p, self.s_mark, self.s_plan_slot, self.s_plan_n)
         finally:
             self.in_plan = False
-            (<TableView> view).t = None
-        return n
+            view.t = None
 
     cpdef int32_t fill(self, Batch batch, object strategy, int32_t n_batch, int32_t queue_depth=0) except -1:
         """Build this tick's batch in place (cleared first); return its ``n_tokens``.
@@ -652,26 +520,13 @@ cdef class SlotTable:
             st = <Strategy> strategy
             n = st.plan_c(&p, self.s_plan_slot, self.s_plan_n)
             if LLAMABATCH_DEBUG:
-                self.debug_check_plan(n, &p, strategy)
+                check_native_plan(self, strategy, &p, n, self.s_mark, self.s_plan_slot, self.s_plan_n)
         else:
-            n = self.fill_python(batch, strategy, &p)
+            n = self.fill_python(strategy, &p)
         self.apply_plan(batch, n, nd, n_batch)
         if LLAMABATCH_DEBUG:
             self.check_invariants()
         return batch.c.n_tokens
-
-    cdef int debug_check_plan(self, int32_t n, plan_in_t * p, object strategy) except -1:
-        cdef int32_t e
-        cdef int64_t total = 0
-        cdef str why
-        memset(self.s_mark, 0, self.n_parallel * sizeof(int32_t))
-        for e in range(n):
-            why = self.violation(self.s_plan_slot[e], self.s_plan_n[e], total, p.budget)
-            if why is not None:
-                raise RuntimeError("built-in strategy %r: %s" % (strategy_name(strategy), why))
-            self.s_mark[self.s_plan_slot[e]] = 1
-            total += self.s_plan_n[e]
-        return 0
 
     cpdef commit(self):
         """The decode of the last fill succeeded: apply it.
@@ -772,46 +627,8 @@ cdef class SlotTable:
         """Slot where the round-robin order of decode slots starts next fill."""
         return self.rr_cursor
 
-    # ------------------------------------------------------------------ per-slot state
+    # ------------------------------------------------------------------ prompt order
 
-    def state(self, int32_t slot):
-        self.check_slot(slot)
-        return _STATE_BY_VALUE[self.slots[slot].state]
-
-    def n_past(self, int32_t slot):
-        """Tokens of the slot already in the KV cache (= its next position)."""
-        self.check_slot(slot)
-        return self.slots[slot].n_past
-
-    def n_pending(self, int32_t slot):
-        """Prompt tokens still to compute (0 unless PREFILL)."""
-        self.check_slot(slot)
-        cdef slot_t * s = &self.slots[slot]
-        return s.n_prompt - s.n_past if s.state == ST_PREFILL else 0
-
-    def n_prompt(self, int32_t slot):
-        self.check_slot(slot)
-        return self.slots[slot].n_prompt
-
-    def n_generated(self, int32_t slot):
-        """Tokens accepted after the prompt."""
-        self.check_slot(slot)
-        return self.slots[slot].n_hist - self.slots[slot].n_prompt
-
-    def reused_tokens(self, int32_t slot):
-        """Prompt tokens that were already in the KV cache at start (``n_past`` of start())."""
-        self.check_slot(slot)
-        return self.slots[slot].reused_tokens
-
-    def room(self, int32_t slot):
-        """How many more tokens the slot's history can hold (``n_ctx_seq - len(history)``)."""
-        self.check_slot(slot)
-        return self.n_ctx_seq - self.slots[slot].n_hist
-
-    def arrival(self, int32_t slot):
-        """Start counter of the slot's request (FIFO order of prompts)."""
-        self.check_slot(slot)
-        return self.slots[slot].arrival
 
     def order_prefill(self, order):
         """Serve the PREFILL slots' prompts in ``order`` (every PREFILL slot once): their
@@ -825,260 +642,11 @@ cdef class SlotTable:
             self.fifo[j] = slot
             self.slots[slot].arrival = arrivals[j]
 
-    def history(self, int32_t slot):
-        """A copy of the slot's prompt + accepted tokens (int32 numpy array)."""
-        self.check_slot(slot)
-        return np.array(int32_array(self, self.hist + <size_t> slot * self.n_ctx_seq,
-                                    self.slots[slot].n_hist, 1))
 
-    def common_prefix(self, int32_t seq, tokens):
-        """Length of the common prefix of ``tokens`` and what sequence ``seq`` holds in the
-        KV cache (a slot, busy or idle, or a pinned prefix)."""
-        self.check_seq(seq)
-        cdef const int32_t[::1] t = as_int32(tokens)
-        return self._common(seq, &t[0] if t.shape[0] else NULL, t.shape[0], self.kv_len(seq)[0])
-
-    def common_history(self, int32_t slot, tokens):
-        """Length of the common prefix of ``tokens`` and the slot's whole history (prompt and
-        accepted tokens, computed or not)."""
-        self.check_slot(slot)
-        cdef const int32_t[::1] t = as_int32(tokens)
-        return self._common(slot, &t[0] if t.shape[0] else NULL, t.shape[0], self.slots[slot].n_hist)
-
-    cdef int32_t _common(self, int32_t seq, const int32_t * t, Py_ssize_t n, int32_t m) noexcept nogil:
-        cdef int32_t i
-        cdef const int32_t * h = self.hist + <size_t> seq * self.n_ctx_seq
-        if n < m:
-            m = <int32_t> n
-        for i in range(m):
-            if h[i] != t[i]:
-                return i
-        return m
-
-    def best_prefix(self, tokens):
-        """``(seq, n)``: the sequence (slot, busy or idle, or pinned prefix) whose KV cache
-        shares the longest prefix with ``tokens`` (``n`` tokens), or ``(-1, 0)``. On a tie an
-        idle slot wins (its cache is reused in place, with no copy), then the lowest seq."""
-        cdef const int32_t[::1] t = as_int32(tokens)
-        cdef int32_t i, c, best = -1, best_n = 0
-        cdef bint best_idle = False, idle
-        cdef Py_ssize_t n = t.shape[0]
-        if n == 0:
-            return (-1, 0)
-        for i in range(self.n_seq):
-            c = self._common(i, &t[0], n, self.kv_len(i)[0])
-            idle = i < self.n_parallel and self.slots[i].state == ST_IDLE
-            if c > best_n or (c == best_n and c > 0 and idle and not best_idle):
-                best, best_n, best_idle = i, c, idle
-        return (best, best_n)
-
-    # ------------------------------------------------------------------ the KV record
-
-    cdef int check_seq(self, int32_t seq) except -1:
-        if seq < 0 or seq >= self.n_seq:
-            raise IndexError("sequence %d out of range 0..%d" % (seq, self.n_seq - 1))
-        return 0
-
-    cdef int32_t * kv_len(self, int32_t seq) noexcept nogil:
-        if seq < self.n_parallel:
-            return &self.slots[seq].n_past
-        return &self.pin_len[seq - self.n_parallel]
-
-    cdef void kv_push(self, int32_t seq, int32_t n) noexcept nogil:
-        """Record cells for ``n`` new positions after the sequence's last (a decode)."""
-        self.kv.push(seq, self.kv_len(seq)[0], n)
-
-    cdef void kv_release(self, int32_t seq, int32_t p0) noexcept nogil:
-        """Drop the sequence's positions ``[p0, end)``; cells no sequence shares are freed."""
-        cdef int32_t * length = self.kv_len(seq)
-        if p0 < length[0]:
-            self.kv.drop(seq, p0, length[0])
-            length[0] = p0
-
-    cdef int check_resting(self, int32_t seq) except -1:
-        """Only idle slots and pinned-prefix sequences change outside a tick."""
-        self.check_not_planning()
-        self.check_seq(seq)
-        if seq < self.n_parallel and self.slots[seq].state != ST_IDLE:
-            raise ValueError("slot %d is busy (%s)" % (seq, _STATE_BY_VALUE[self.slots[seq].state].name))
-        if self.fill_pending:
-            raise RuntimeError("the KV record cannot change while a fill is pending")
-        return 0
-
-    def seq_len(self, int32_t seq):
-        """Positions ``seq`` holds in the KV cache (a slot's ``n_past``; an idle slot's cached
-        tokens; a pinned prefix's length)."""
-        self.check_seq(seq)
-        return self.kv_len(seq)[0]
-
-    def seq_tokens(self, int32_t seq):
-        """A copy of the tokens ``seq`` holds in the KV cache (int32 numpy array)."""
-        self.check_seq(seq)
-        return np.array(int32_array(self, self.hist + <size_t> seq * self.n_ctx_seq, self.kv_len(seq)[0], 1))
-
-    def trim(self, int32_t seq, int32_t n):
-        """Keep the first ``n`` positions of an idle slot or pinned prefix, drop the rest
-        (mirror it with ``llama_memory_seq_rm(seq, n, -1)``)."""
-        self.check_resting(seq)
-        if n < 0:
-            raise ValueError("n must be >= 0, got %d" % n)
-        self.kv_release(seq, n)
-        if seq < self.n_parallel:
-            self.slots[seq].n_hist = self.slots[seq].n_past
-
-    def copy(self, int32_t src, int32_t dst, int32_t n):
-        """Make the empty idle slot or pinned prefix ``dst`` hold positions ``[0, n)`` of
-        ``src`` (mirror it with ``llama_memory_seq_cp``): shared cells with a unified KV
-        cache, a copy in ``dst``'s own stream otherwise."""
-        self.check_resting(dst)
-        self.check_seq(src)
-        if src == dst:
-            raise ValueError("cannot copy sequence %d onto itself" % src)
-        if self.kv_len(dst)[0]:
-            raise ValueError("sequence %d is not empty (trim it first)" % dst)
-        if n < 0 or n > self.kv_len(src)[0]:
-            raise ValueError("sequence %d holds %d positions, cannot copy %d" % (src, self.kv_len(src)[0], n))
-        memcpy(self.hist + <size_t> dst * self.n_ctx_seq, self.hist + <size_t> src * self.n_ctx_seq,
-               n * sizeof(int32_t))
-        self.kv.share(src, dst, n)
-        self.kv_len(dst)[0] = n
-        if dst < self.n_parallel:
-            self.slots[dst].n_hist = n
-
-    def record_cached(self, int32_t seq, tokens):
-        """Record that the idle slot or pinned sequence ``seq`` holds ``tokens`` at positions
-        ``0..len-1`` (computed outside a tick, or restored from a saved state). ``seq`` is empty,
-        or already holds the first of ``tokens`` (a prefix shared with ``copy``): only the rest
-        are recorded as its own new cells."""
-        self.check_resting(seq)
-        cdef const int32_t[::1] toks = as_int32(tokens)
-        cdef int32_t n = <int32_t> toks.shape[0]
-        cdef int32_t have = self.kv_len(seq)[0]
-        cdef int32_t * h = self.hist + <size_t> seq * self.n_ctx_seq
-        if have and (have > n or memcmp(h, &toks[0], have * sizeof(int32_t)) != 0):
-            raise ValueError("sequence %d holds tokens that do not start these (trim it first)" % seq)
-        if n > self.n_ctx_seq:
-            raise PromptTooLong("%d tokens do not fit the %d-token context of a sequence" % (n, self.n_ctx_seq))
-        if n > have:
-            memcpy(h + have, &toks[have], (n - have) * sizeof(int32_t))
-        self.kv_push(seq, n - have)
-        self.kv_len(seq)[0] = n
-        if seq < self.n_parallel:
-            self.slots[seq].n_hist = n
-
-    def touch(self, int32_t seq):
-        """Mark ``seq`` as just used (LRU order of eviction and slot choice)."""
-        self.check_seq(seq)
-        self.kv.touch_seq(seq)
-
-    def lru_slot(self, bint cached_only=False, int32_t exclude=-1):
-        """The least recently used idle slot (holding cached tokens, if ``cached_only``; not
-        ``exclude``), or -1."""
-        cdef int32_t i, best = -1
-        for i in range(self.n_parallel):
-            if i != exclude and self.slots[i].state == ST_IDLE and (self.slots[i].n_past or not cached_only):
-                if best < 0 or self.kv.last_used[i] < self.kv.last_used[best]:
-                    best = i
-        return best
-
-    def admission_slot(self):
-        """The idle slot a new request takes when no cached prefix decides it, or -1.
-
-        One KV stream per sequence: llama.cpp decodes each run of *consecutive* busy seq_ids
-        as a separate forward pass (every pass reads all the weights), so the slot that joins
-        or extends a run of busy slots goes first (seqs 0, 3, 6 decode ~1.5x slower than 0,
-        1, 2 on a 2-core CPU); ties, and a unified cache, go to the least recently used."""
-        cdef int32_t i, best = -1, score, best_score = -1
-        if self.kv.kv_unified:
-            return self.lru_slot()
-        for i in range(self.n_parallel):
-            if self.slots[i].state != ST_IDLE:
-                continue
-            score = 0
-            if i > 0 and self.slots[i - 1].state != ST_IDLE:
-                score += 1
-            if i + 1 < self.n_parallel and self.slots[i + 1].state != ST_IDLE:
-                score += 1
-            if score > best_score or (score == best_score and self.kv.last_used[i] < self.kv.last_used[best]):
-                best, best_score = i, score
-        return best
-
-    @property
-    def kv_unified(self):
-        """One cell pool for all sequences (else one KV stream per sequence)."""
-        return self.kv.kv_unified
-
-    @property
-    def kv_size(self):
-        """Cells in the pool (unified) or in each stream."""
-        return self.kv.kv_size
-
-    @property
-    def n_overflow(self):
-        """Positions without a cell: llama.cpp held more than the pool (accounting drift)."""
-        return self.kv.n_overflow
-
-    @property
-    def cells_total(self):
-        """KV cells: the pool (unified) or all streams together."""
-        return self.kv.kv_size if self.kv.kv_unified else self.kv.kv_size * self.n_seq
-
-    @property
-    def cells_used(self):
-        """Cells holding some sequence's position (shared cells counted once)."""
-        cdef int32_t i
-        cdef int64_t n = 0
-        if self.kv.kv_unified:
-            return self.kv.cells_used
-        for i in range(self.n_seq):
-            n += self.kv_len(i)[0]
-        return n
-
-    @property
-    def cells_free(self):
-        """Free cells of the pool (unified; 0 when overcommitted), or of all streams."""
-        return max(0, self.cells_total - self.cells_used)
-
-    def cells_owned(self, int32_t seq):
-        """Cells only ``seq`` holds: what dropping it frees."""
-        self.check_seq(seq)
-        return self.kv.owned(seq, self.kv_len(seq)[0])
-
-    def check_kv(self):
-        """Raise ``AssertionError`` unless every cell's reference count equals the number of
-        sequence positions that hold it, and the free cells are exactly the unreferenced ones."""
-        self.kv.check([self.kv_len(i)[0] for i in range(self.n_seq)])
-
-    def free_slot(self):
-        """The lowest IDLE slot, or -1."""
-        cdef int32_t i
-        for i in range(self.n_parallel):
-            if self.slots[i].state == ST_IDLE:
-                return i
-        return -1
-
-    def count(self, state):
-        """How many slots are in ``state``."""
-        cdef int32_t i, c = 0, st = int(state)
-        for i in range(self.n_parallel):
-            if self.slots[i].state == st:
-                c += 1
-        return c
-
-    @property
-    def busy_slots(self):
-        return self.n_parallel - self.count(ST_IDLE)
-
-    def states(self):
-        """A list of every slot's state."""
-        cdef int32_t i
-        return [_STATE_BY_VALUE[self.slots[i].state] for i in range(self.n_parallel)]
 
     def view(self):
         """A read-only view of the table (what a user strategy's ``plan`` receives)."""
-        cdef TableView v = TableView.__new__(TableView, _CREATE)
-        v.t = self
-        return v
+        return make_view(self, &self.rr_cursor, self.fifo, &self.n_fifo)
 
     def check_invariants(self):
         """Raise ``AssertionError`` if the table is inconsistent (tests; debug builds check
@@ -1111,54 +679,3 @@ cdef class SlotTable:
         return "<SlotTable n_parallel=%d n_ctx_seq=%d chunk_size=%d busy=%d>" % (
             self.n_parallel, self.n_ctx_seq, self.chunk_size, self.busy_slots
         )
-
-
-cdef class TableView:
-    """Read-only view of a :class:`SlotTable` (the ``view`` a strategy's plan receives)."""
-
-    def __cinit__(self, *args):
-        if not args or args[0] is not _CREATE:
-            raise TypeError("TableView objects are made by SlotTable; they cannot be created from Python")
-
-    cdef SlotTable table(self):
-        if self.t is None:
-            raise RuntimeError("this view was only valid during plan()")
-        return self.t
-
-    @property
-    def n_parallel(self):
-        return self.table().n_parallel
-
-    @property
-    def decode_slots(self):
-        """DECODE slots in round-robin order (the order the built-ins serve them)."""
-        cdef SlotTable t = self.table()
-        cdef int32_t j, i
-        out = []
-        for j in range(t.n_parallel):
-            i = (t.rr_cursor + j) % t.n_parallel
-            if t.slots[i].state == ST_DECODE:
-                out.append(i)
-        return out
-
-    @property
-    def prefill_slots(self):
-        """PREFILL slots in arrival order (oldest first)."""
-        cdef SlotTable t = self.table()
-        cdef int32_t j
-        return [t.fifo[j] for j in range(t.n_fifo)]
-
-    def state(self, slot):
-        return self.table().state(slot)
-
-    def n_pending(self, slot):
-        return self.table().n_pending(slot)
-
-    def n_past(self, slot):
-        return self.table().n_past(slot)
-
-    def arrival(self, slot):
-        return self.table().arrival(slot)
-
-    def n_generated(self, slot):
-        return self.table().n_generated(slot)

@@ -7,7 +7,7 @@ The protocol a user strategy satisfies is :class:`llamabatch.strategies.Strategy
 from collections.abc import Iterable
 from typing import ClassVar, Literal, Protocol, TypeVar, overload
 
-from llamabatch._core.slots import TableView
+from llamabatch._core.user_plans import TableView
 from llamabatch.strategies import Strategy as StrategyProtocol
 
 _S = TypeVar("_S", bound=StrategyProtocol)

@@ -9,7 +9,7 @@ from array import array
 import numpy as np
 import pytest
 
-from llamabatch._core import EDGES, BatchPool, DecodeMaximal, SlotState, SlotTable
+from llamabatch._core import EDGES, BatchPool, DecodeMaximal, SlotState, SlotTable, slot_record, user_plans
 from llamabatch._core import slots as slots_mod
 from llamabatch.errors import PromptTooLong
 
@@ -235,7 +235,9 @@ def test_debug_build_rejects_illegal_edges():
 
 def test_internal_classes_refuse_construction():
     with pytest.raises(TypeError):
-        slots_mod.TableView()
+        user_plans.TableView()
+    with pytest.raises(TypeError, match="make a SlotTable"):
+        slot_record.SlotRecord()
     assert "TableView" in repr(type(SlotTable(1, 1).view()))
 
 
