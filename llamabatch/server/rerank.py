@@ -37,6 +37,10 @@ MAX_DOCUMENTS = 4096
 MAX_QUERY_BYTES_PER_TOKEN = 16
 
 
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "replace"))
+
+
 def _documents(body: Body) -> list[str]:
     docs = body.data.get("documents")
     body.read.add("documents")
@@ -80,10 +84,14 @@ async def rerank_endpoint(
     if query is None:
         raise bad_request("'query' is required (a string)", param="query")
     max_bytes = reranker.max_length * MAX_QUERY_BYTES_PER_TOKEN
-    if len(query) > max_bytes // 4 and len(query.encode("utf-8", "replace")) > max_bytes:
+    # a character is 1 to 4 bytes: only a query between the two bounds is encoded (on the
+    # event loop), and once
+    exact = max_bytes // 4 < len(query) <= max_bytes
+    size = _utf8_size(query) if exact else len(query)
+    if size > max_bytes:
         raise bad_request(
-            f"'query' is {len(query.encode('utf-8', 'replace'))} bytes, more than the {max_bytes} a query "
-            f"may have ({MAX_QUERY_BYTES_PER_TOKEN} per token of the {reranker.max_length} one pair holds)",
+            f"'query' is {'' if exact else 'at least '}{size} bytes, more than the {max_bytes} a query may "
+            f"have ({MAX_QUERY_BYTES_PER_TOKEN} per token of the {reranker.max_length} one pair holds)",
             param="query",
         )
     documents = _documents(body)

@@ -149,6 +149,10 @@ def test_a_1mb_rerank_query_is_refused_at_once(server: Server) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "query" and "bytes" in r.json()["error"]["message"]
     assert took < 2, took
+    # fewer characters than the byte bound (64 tokens x 16), more bytes: counted exactly
+    emoji = {"query": "\U0001f600" * 300, "documents": ["b"]}
+    r = httpx.post(f"{server.url}/v1/rerank", json=emoji, timeout=60)
+    assert r.status_code == 400 and "'query' is 1200 bytes" in r.json()["error"]["message"], r.text
     # a query of more tokens than one pair holds (within the byte bound): 400 naming query
     r = httpx.post(f"{server.url}/v1/rerank", json={"query": "a " * 200, "documents": ["b"]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
