@@ -1,6 +1,6 @@
 """A fake llama.cpp model and context, honest enough to drive ``EngineCore`` tick by tick.
 
-The scheduler tests (``test_scheduler_fake.py``) use it in addition to the tests on real
+The scheduler tests (``test_scheduler_fake.py`` and its neighbours) use it in addition to the tests on real
 llama.cpp, never instead: it runs in microseconds, is deterministic, and lets a test
 script what ``llama_decode`` returns.
 

@@ -7,7 +7,7 @@ a policy composed over it (``GroupedAdmission``) and the verdicts the core obeys
 from __future__ import annotations
 
 from fake_llama import make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 
 from llamabatch.generate.admission import (
     AdmissionPolicy,

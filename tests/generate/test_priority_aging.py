@@ -8,9 +8,9 @@ from collections import deque
 
 import pytest
 from fake_llama import make_core
+from fake_scheduling import check_core, greedy, prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler_fake import check_core, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
 from llamabatch.generate.priority import ClientTurns, enqueue, priority_victim

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fake_llama import make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 
 from llamabatch.config import EngineConfig
 from llamabatch.generate.ram_cache import BLOCK, RamCache, ram_cache_for

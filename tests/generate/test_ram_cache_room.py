@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_llama import make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 
 #: every prompt starts with the same token, as a BOS token makes real prompts do
 BOS = 1

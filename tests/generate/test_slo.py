@@ -12,9 +12,9 @@ from collections import deque
 
 import pytest
 from fake_llama import make_core
+from fake_scheduling import Recorder, greedy, prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler_fake import Recorder, greedy, prompt
 
 from llamabatch import EngineConfig, SamplingParams
 from llamabatch.errors import QueueFull, SLOUnmet

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 from fake_llama import make_core
-from test_scheduler_fake import check_core, greedy, prompt
+from fake_scheduling import check_core, greedy, prompt
 
 from llamabatch.generate.priority import MAX_SHARE_PREEMPTIONS, ClientSlots, share_victim
 from llamabatch.generate.request import Request, RequestKind

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from fake_llama import make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 from test_speculative_fake import OracleDrafter
 
 from llamabatch.generate.cost_model import TickFeatures

@@ -11,7 +11,7 @@ import random
 
 import pytest
 from fake_llama import make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 from test_speculative_fake import OracleDrafter, _speculate
 
 from llamabatch import SamplingParams

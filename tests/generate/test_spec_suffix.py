@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 from fake_llama import make_core
+from fake_scheduling import Recorder, greedy, prompt
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from test_scheduler_fake import Recorder, SchedulerMachine, greedy, prompt
+from test_scheduler_machine import SchedulerMachine
 from test_speculative_fake import CHEAP_DRAFTS
 
 from llamabatch.generate import speculative

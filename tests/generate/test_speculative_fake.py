@@ -2,7 +2,7 @@
 completion what it would be alone (greedy and seeded sampled), the KV record exact and
 every request ending once, with drafts right, wrong or partly right, in both KV layouts,
 with prefix reuse, preemption, cancellation and scripted decode failures (the scheduler
-state machine of ``test_scheduler_fake.py`` with speculating requests)."""
+state machine of ``test_scheduler_machine.py`` with speculating requests)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 from fake_llama import FakeModel, FakeSampler, make_core
+from fake_scheduling import Recorder, check_core, greedy, prompt
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from test_scheduler_fake import Recorder, SchedulerMachine, check_core, greedy, prompt
+from test_scheduler_machine import SchedulerMachine
 
 from llamabatch import SamplingParams
 from llamabatch._core.slots import SlotState

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fake_llama import FakeModel, make_core
-from test_scheduler_fake import Recorder, greedy, prompt
+from fake_scheduling import Recorder, greedy, prompt
 
 from llamabatch import LLM, SamplingParams, testing
 from llamabatch.generate.swa import SKIP_SLIDING_WINDOW, SlidingWindow, sliding_window_for
