@@ -66,6 +66,24 @@ static bool llamabatch_abort_flag_cb(void * data) {
     return data != NULL && *(volatile int *) data != 0;
 }
 
+/* llama.cpp's log, filtered before Python: a line under WARN (with its continuations) reaches
+ * the Python callback only while llamabatch_log_debug is set (log.sync_level). Every line that
+ * reaches Python takes the GIL from inside llama.cpp: a KV copy's debug lines in a decode
+ * waited behind the event loop's Python for each of them. */
+static void _llamabatch_log_callback(enum ggml_log_level, const char *, void *);
+int llamabatch_log_debug = 0;
+static thread_local int llamabatch_log_line_level = GGML_LOG_LEVEL_NONE;
+
+static void llamabatch_log_filter(enum ggml_log_level level, const char * text, void * user_data) {
+    if (level != GGML_LOG_LEVEL_CONT) {
+        llamabatch_log_line_level = level;
+    }
+    if (llamabatch_log_debug || llamabatch_log_line_level == GGML_LOG_LEVEL_WARN ||
+            llamabatch_log_line_level == GGML_LOG_LEVEL_ERROR) {
+        _llamabatch_log_callback(level, text, user_data);
+    }
+}
+
 static void llamabatch_set_error(char * err, size_t err_size, const char * what) {
     if (err != NULL && err_size > 0) {
         std::strncpy(err, what, err_size - 1);

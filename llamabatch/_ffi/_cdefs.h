@@ -105,6 +105,10 @@ void llama_backend_init(void);
 size_t llama_max_parallel_sequences(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 extern "Python" void _llamabatch_log_callback(enum ggml_log_level, const char *, void *);
+/* llamabatch's C filter in front of it (defined in _build.py): lines under WARN go on to
+ * Python only while llamabatch_log_debug is set. */
+extern int llamabatch_log_debug;
+void llamabatch_log_filter(enum ggml_log_level, const char *, void *);
 
 /* model */
 struct llama_model_params llama_model_default_params(void);

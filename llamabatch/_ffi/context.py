@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from llamabatch._ffi import ffi, lib
+from llamabatch._ffi import ffi, lib, log
 from llamabatch._ffi.kv_types import check_kv_types, kv_type
 from llamabatch._ffi.model import POOLING_NAMES, Model
 from llamabatch.errors import ContextError, DecodeError, KVCacheFull
@@ -229,6 +229,7 @@ class Context:
         type_v: str = "f16",
     ) -> None:
         self._ptr = ffi.NULL
+        log.sync_level()  # llama.cpp's debug lines reach Python only if asked for now
         #: the LoRA adapter set on this context and its scales (``_ffi/lora.py``: ``set_adapters``)
         self.adapters: tuple[Any, ...] = ()
         self.adapter_scales: tuple[float, ...] = ()

@@ -1,7 +1,9 @@
 """Route llama.cpp's log to the ``llamabatch.llama_cpp`` logger (quiet by default).
 
 llama.cpp logs a lot at INFO while loading a model; we forward WARN and ERROR as warnings and
-errors, and everything else at DEBUG, so nothing shows unless asked for.
+errors, and everything else at DEBUG, so nothing shows unless asked for. Lines under WARN do
+not even reach Python unless the logger is enabled for DEBUG when a model or context is made
+(:func:`sync_level`): each line that does takes the GIL from inside llama.cpp.
 
 Some of llama.cpp's warnings and errors are expected in normal operation and handled by
 llamabatch: a decode aborted because a request was cancelled or the engine closed, a batch
@@ -151,5 +153,13 @@ def load_reason(lines: list[str]) -> str:
     return "; ".join(reasons)
 
 
+def sync_level() -> None:
+    """Let llama.cpp's lines under WARN reach Python only while the ``llamabatch.llama_cpp``
+    logger is enabled for DEBUG: a C filter drops them otherwise, before they take the GIL.
+    Called when the log is installed and whenever a model or context is made."""
+    lib.llamabatch_log_debug = 1 if logger.isEnabledFor(logging.DEBUG) else 0
+
+
 def install() -> None:
-    lib.llama_log_set(lib._llamabatch_log_callback, ffi.NULL)
+    sync_level()
+    lib.llama_log_set(lib.llamabatch_log_filter, ffi.NULL)

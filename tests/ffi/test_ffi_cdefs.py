@@ -3,7 +3,8 @@
 ``_cdefs.h`` is parsed into its declarations: functions, enums (type and values), structs and
 typedefs, and the fields of the structs whose layout the compiler completes (``...;``).
 Every function must be called as ``lib.<name>`` (or taken as ``ffi.addressof(lib, "<name>")``)
-somewhere in ``llamabatch/``; every enum value read as ``lib.<VALUE>``; every partial-struct
+somewhere in ``llamabatch/``, or, declared ``extern "Python"``, written with ``@ffi.def_extern()``;
+every global variable read or set as ``lib.<name>``; every enum value read as ``lib.<VALUE>``; every partial-struct
 field accessed as ``.<field>``; every type named by another declaration or by an
 ``ffi.new``/``ffi.cast`` in the package. A declaration nobody uses fails the test.
 """
@@ -28,6 +29,10 @@ class Declarations:
     """What a cdef source declares."""
 
     functions: set[str] = field(default_factory=set)
+    #: functions declared ``extern "Python"``: written in Python (``@ffi.def_extern()``), called by C
+    python_functions: set[str] = field(default_factory=set)
+    #: global variables (``extern TYPE NAME;``: llamabatch's own, read and set as ``lib.NAME``)
+    variables: set[str] = field(default_factory=set)
     defines: set[str] = field(default_factory=set)
     #: enum type -> its listed values
     enums: dict[str, list[str]] = field(default_factory=dict)
@@ -80,6 +85,10 @@ def parse(source: str) -> Declarations:
             out.types.append(({m.group(1)}, st))
         elif "(" in st:
             out.functions.add(re.search(rf"({IDENT})\s*\(", st).group(1))
+            if st.startswith('extern "Python"'):
+                out.python_functions.add(re.search(rf"({IDENT})\s*\(", st).group(1))
+        elif m := re.match(rf"extern\s+[\w\s*]+?\b({IDENT})$", st):
+            out.variables.add(m.group(1))
         else:
             raise AssertionError(f"unparsed cdef statement: {st!r}")
         struct = re.match(rf"(?:typedef\s+)?struct\s+({IDENT})\s*\{{", st)
@@ -103,11 +112,13 @@ def unused(decl: Declarations, python: str) -> list[str]:
     for name in sorted(decl.functions):
         called = re.search(rf"\blib\.{name}\b", python)
         addressed = re.search(rf"addressof\(\s*lib\s*,\s*[\"']{name}[\"']\s*\)", python)
-        if not (called or addressed):
+        written = name in decl.python_functions and re.search(rf"def_extern\(\)\s*\ndef {name}\(", python)
+        if not (called or addressed or written):
             problems.append(f"function {name}")
     for name in sorted(decl.defines):
         if not re.search(rf"\blib\.{name}\b", python):
             problems.append(f"#define {name}")
+    problems += [f"variable {n}" for n in sorted(decl.variables) if not re.search(rf"\blib\.{n}\b", python)]
     for values in decl.enums.values():
         problems += [f"enum value {v}" for v in values if not re.search(rf"\blib\.{v}\b", python)]
     for struct, fields in decl.partial_fields.items():
@@ -130,6 +141,7 @@ def cdefs() -> Declarations:
 def test_the_parser_reads_the_whole_cdef(cdefs):
     assert len(cdefs.functions) > 60
     assert {"llama_decode", "llamabatch_abort_flag_cb", "_llamabatch_log_callback"} <= cdefs.functions
+    assert cdefs.variables == {"llamabatch_log_debug"}
     assert cdefs.enums["llama_pooling_type"][0] == "LLAMA_POOLING_TYPE_UNSPECIFIED"
     assert "n_ctx" in cdefs.partial_fields["llama_context_params"]
     assert "llama_batch" not in cdefs.partial_fields  # a full layout: every field is declared
@@ -176,15 +188,19 @@ def test_the_usage_check_catches_an_unused_declaration():
     struct llama_params llama_default_params(void);
     llama_token llama_used(struct llama_thing * t, enum llama_kind k);
     void llama_unused(void);  /* nobody calls this one */
+    extern int llamabatch_used_flag;
+    extern int llamabatch_unused_flag;
     """
     python = """
     lib.LLAMA_USED, lib.LLAMA_KIND_A
     p = lib.llama_default_params(); p.used_field = 1
     lib.llama_used(thing, kind)
+    lib.llamabatch_used_flag = 1
     """
     assert unused(parse(source), python) == [
         "function llama_unused",
         "#define LLAMA_UNUSED",
+        "variable llamabatch_unused_flag",
         "enum value LLAMA_KIND_B",
         "field llama_params.unused_field",
         "type llama_orphan",

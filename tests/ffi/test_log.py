@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llamabatch import LLM, ModelLoadError
+from llamabatch import LLM, ModelLoadError, SamplingParams
 from llamabatch._ffi import ensure_backend, ffi, lib, log
 from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
@@ -196,3 +196,54 @@ def test_training_context_warning_is_quiet(tiny: Path, caplog: pytest.LogCapture
         pass
     assert any("n_ctx_train" in r.getMessage() for r in _records(caplog))
     assert not _records(caplog, logging.WARNING), [r.getMessage() for r in _records(caplog, logging.WARNING)]
+
+
+# --------------------------------------------------------------------------- the C filter
+
+
+def _filter(level: int, text: str) -> None:
+    """Send ``text`` through the C filter llama.cpp calls (``llamabatch_log_filter``)."""
+    ensure_backend()
+    lib.llamabatch_log_filter(level, ffi.new("char[]", text.encode()), ffi.NULL)
+
+
+def test_lines_under_warn_stop_in_c_unless_debug_was_asked_for(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    log.sync_level()
+    try:
+        assert lib.llamabatch_log_debug == 0
+        caplog.set_level(logging.DEBUG, logger=LOGGER)  # not synced: C still drops them
+        _filter(LEVELS["INFO"], "print_info: ")
+        _filter(lib.GGML_LOG_LEVEL_CONT, "dropped with its line\n")
+        _filter(lib.GGML_LOG_LEVEL_WARN, "load: ")
+        _filter(lib.GGML_LOG_LEVEL_CONT, "kept with its line\n")
+        _filter(lib.GGML_LOG_LEVEL_ERROR, "init: kept too\n")
+        assert [r.getMessage() for r in _records(caplog)] == ["load: kept with its line", "init: kept too"]
+        caplog.clear()
+        log.sync_level()  # what a new model or context does
+        _filter(LEVELS["INFO"], "print_info: shown\n")
+        shown = [(r.getMessage(), r.levelno) for r in _records(caplog)]
+        assert shown == [("print_info: shown", logging.DEBUG)]
+    finally:
+        caplog.set_level(logging.WARNING, logger=LOGGER)
+        log.sync_level()
+
+
+def test_a_decodes_debug_lines_never_reach_python_by_default(
+    tiny: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parallel samples copy their prompt across KV streams, and llama.cpp logs each copy and
+    the graph it reserves again at DEBUG: from inside llama_decode, each line took the GIL."""
+    lines: list[str] = []
+    monkeypatch.setattr(log, "_emit", lambda level, line: lines.append(line))
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    with LLM(tiny, n_ctx=1024, n_parallel=4, kv_unified=False, n_threads=1) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, n=4), use_tqdm=False)
+        assert llm.stats().kv_unified is False
+    assert lines == []
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with LLM(tiny, n_ctx=1024, n_parallel=4, kv_unified=False, n_threads=1) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, n=4), use_tqdm=False)
+    assert any("copying KV buffer" in line for line in lines), lines[-5:]
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    log.sync_level()
