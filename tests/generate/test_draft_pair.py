@@ -72,4 +72,7 @@ def test_the_loop_model_continues_its_prompts_text_and_ngram_drafts_hold() -> No
     assert fast == plain
     for prompt, out in zip(prompts, plain, strict=True):
         assert set(out) <= set(prompt)  # the continuation is the prompt's own text
-    assert stats.spec_draft_tokens >= 64 and stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens
+    # how much is drafted is the policy's call from measured tick costs, which on a model this
+    # small are mostly timer noise (54 to 116 of 128 tokens in 15 runs, 30 once in a CI run);
+    # that drafts happen and hold is what this model is for
+    assert stats.spec_draft_tokens >= 16 and stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens
