@@ -62,7 +62,7 @@ class Field:
     label: str
 
 
-def _nbytes(dims: list[int], ttype: int) -> int:
+def nbytes(dims: list[int], ttype: int) -> int:
     block, size = GGML_QUANT_SIZES[Q(ttype)]
     return math.prod(dims) // block * size
 

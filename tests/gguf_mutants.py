@@ -41,7 +41,7 @@ from gguf.constants import Keys
 from gguf_bases import write_bases
 from gguf_byte_mutations import BYTE
 from gguf_editor import GGUF, VT, Field, Tensor
-from gguf_semantic import ISSUE_CLASSES, SEMANTIC, NotApplicable, _set_tokens
+from gguf_semantic import ISSUE_CLASSES, SEMANTIC, NotApplicable, set_tokens
 
 #: what the tests import from here (the parts' names among them)
 __all__ = [
@@ -147,7 +147,7 @@ def issue_mutants(bases: Bases) -> dict[str, bytes]:
     def dup(g: GGUF) -> None:
         tokens = list(g.tokens)
         tokens[300] = tokens[299]
-        _set_tokens(g, tokens)
+        set_tokens(g, tokens)
 
     def model(name: bytes) -> Callable[[GGUF], None]:
         return lambda g: g.set(Keys.Tokenizer.MODEL, VT.STRING, name)
@@ -164,7 +164,7 @@ def issue_mutants(bases: Bases) -> dict[str, bytes]:
         ),
         "bert_tokenizer_on_llama_vocab": edit("llama", model(b"bert")),
         "tokenizer_none": edit("llama", model(b"none")),
-        "all_token_texts_empty": edit("llama", lambda g: _set_tokens(g, [b""] * len(g.tokens))),
+        "all_token_texts_empty": edit("llama", lambda g: set_tokens(g, [b""] * len(g.tokens))),
     }
 
 

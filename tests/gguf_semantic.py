@@ -65,7 +65,7 @@ def _normal_ids(g: GGUF) -> list[int]:
     return [i for i, t in enumerate(types)] if types is None else [i for i, t in enumerate(types) if t == 1]
 
 
-def _set_tokens(g: GGUF, tokens: list[bytes]) -> None:
+def set_tokens(g: GGUF, tokens: list[bytes]) -> None:
     g.set(Keys.Tokenizer.LIST, VT.ARRAY, tokens, VT.STRING)
 
 
@@ -79,13 +79,13 @@ def _(g: GGUF, rng: random.Random) -> str:
     if rng.random() < 0.3:  # a special token and a normal one
         i = rng.choice([0, 1, 2, 3])
     tokens[j] = tokens[i]
-    _set_tokens(g, tokens)
+    set_tokens(g, tokens)
     return f"token {j} := text of token {i} {tokens[i]!r}"
 
 
 @semantic("vocab.all_empty")
 def _(g: GGUF, rng: random.Random) -> str:
-    _set_tokens(g, [b""] * len(g.tokens))
+    set_tokens(g, [b""] * len(g.tokens))
     return "every token text empty"
 
 
@@ -98,7 +98,7 @@ def _(g: GGUF, rng: random.Random) -> str:
     if rng.random() < 0.5:  # and a text llama.cpp's renaming of an empty one collides with
         k = rng.choice([i for i in range(len(tokens)) if i not in ids])
         tokens[k] = f"[EMPTY_{ids[0]}]".encode()
-    _set_tokens(g, tokens)
+    set_tokens(g, tokens)
     return f"{len(ids)} empty token texts"
 
 
@@ -126,7 +126,7 @@ def _(g: GGUF, rng: random.Random) -> str:
         kv = g.get(key)
         if kv is not None:
             kv.value = (kv.value[: len(tokens)] + [kv.value[-1]] * len(tokens))[: len(tokens)]
-    _set_tokens(g, tokens)
+    set_tokens(g, tokens)
     return f"{delta:+d} tokens (arrays resized: {bool(arrays)})"
 
 
@@ -189,9 +189,9 @@ def _(g: GGUF, rng: random.Random) -> str:
     elif choice == "missing":
         g.drop(Keys.Tokenizer.LIST)
     elif choice == "empty_array":
-        _set_tokens(g, [])
+        set_tokens(g, [])
     else:
-        _set_tokens(g, [b"a"])
+        set_tokens(g, [b"a"])
     return f"tokenizer.ggml.tokens: {choice}"
 
 
@@ -202,12 +202,12 @@ def _(g: GGUF, rng: random.Random) -> str:
     if not byte_ids:  # WordPiece: add SentencePiece byte tokens instead
         for i in rng.sample(range(10, len(tokens)), 3):
             tokens[i] = f"<0x{i:02X}>".encode()
-        _set_tokens(g, tokens)
+        set_tokens(g, tokens)
         return "SentencePiece byte tokens in a WordPiece vocabulary"
     drop = rng.sample(byte_ids, rng.choice([1, 10, len(byte_ids)]))
     for i in drop:
         tokens[i] = f"nobyte{i}".encode()
-    _set_tokens(g, tokens)
+    set_tokens(g, tokens)
     return f"{len(drop)} byte tokens renamed"
 
 
@@ -242,7 +242,7 @@ def _(g: GGUF, rng: random.Random) -> str:
         g.set(Keys.Tokenizer.ADD_BOS, VT.BOOL, True)
         g.drop(Keys.Tokenizer.BOS_ID)
         if rng.random() < 0.5:  # and the default id out of range
-            _set_tokens(g, g.tokens[:1] + [f"z{i}".encode() for i in range(1, len(g.tokens))])
+            set_tokens(g, g.tokens[:1] + [f"z{i}".encode() for i in range(1, len(g.tokens))])
     elif choice == "eos_without_id":
         g.set(Keys.Tokenizer.ADD_EOS, VT.BOOL, True)
         g.drop(Keys.Tokenizer.EOS_ID)
@@ -293,7 +293,7 @@ def _(g: GGUF, rng: random.Random) -> str:
         "nul": b"a\0b",
         "control": b"\x01\x02",
     }[choice]
-    _set_tokens(g, tokens)
+    set_tokens(g, tokens)
     return f"token {i}: {choice}"
 
 

@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, Keys
-from gguf_editor import GGUF, VT, Q, Tensor, _nbytes
+from gguf_editor import GGUF, VT, Q, Tensor, nbytes
 from gguf_semantic import SEMANTIC, NotApplicable, semantic
 
 # -- architecture ------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _(g: GGUF, rng: random.Random) -> str:
     if dims[0] % block:
         dims[0] += block - dims[0] % block
     t.dims = dims
-    size = _nbytes(dims, t.type)
+    size = nbytes(dims, t.type)
     t.data = (t.data * (size // max(len(t.data), 1) + 1))[:size]
     return f"{t.name} {old} -> {dims}"
 
@@ -144,7 +144,7 @@ def _(g: GGUF, rng: random.Random) -> str:
     if t.dims[0] % block:
         new = Q.F16
     t.type = int(new)
-    size = _nbytes(t.dims, new)
+    size = nbytes(t.dims, new)
     if new in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0) and len(t.data) == 4 * math.prod(t.dims):
         from gguf.quants import quantize
 

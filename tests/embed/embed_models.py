@@ -16,11 +16,11 @@ MIN_COSINE = 0.999
 THREADS = 1  # one thread: robust when other processes share the cores (no spinning barriers)
 
 
-def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
     """Wait until ``predicate()`` holds (an embedder thread's progress), at most ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():

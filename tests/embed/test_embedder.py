@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from embed_models import MIN_COSINE, REFERENCE, THREADS, _cos
+from embed_models import MIN_COSINE, REFERENCE, THREADS, cosine
 
 from llamabatch import Embedder, EmbedderConfig, PromptTooLong
 from llamabatch.gguf.testing import english_sentences
@@ -29,7 +29,7 @@ def test_minilm_matches_sentence_transformers(bert: Embedder, sentences: list[st
     reference = np.load(REFERENCE)
     ours = bert.embed(sentences)
     assert ours.dtype == np.float32 and ours.shape == reference.shape == (len(sentences), 384)
-    cos = _cos(ours, reference)
+    cos = cosine(ours, reference)
     worst = int(np.argmin(cos))
     assert cos.min() >= MIN_COSINE, f"sentence {worst} {sentences[worst]!r}: cosine {cos[worst]:.6f}"
     assert bert.pooling == "mean" and not bert.context.has_memory
@@ -41,7 +41,7 @@ def test_encoder_gets_n_ubatch_equal_to_n_batch(minilm: Path, sentences: list[st
         assert embedder.context.n_ubatch >= 256 and embedder.capacity == 256
         vectors = embedder.embed(sentences)
         assert embedder.stats().tokens_per_pack > 64
-    assert _cos(vectors, np.load(REFERENCE)).min() >= MIN_COSINE
+    assert cosine(vectors, np.load(REFERENCE)).min() >= MIN_COSINE
 
 
 @pytest.mark.parametrize(("n_batch", "n_seq_max"), [(512, 256), (128, 5), (128, 1), (110, 3)])

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from embed_models import MIN_COSINE, REFERENCE, THREADS, _cos, _wait_for
+from embed_models import MIN_COSINE, REFERENCE, THREADS, cosine, wait_for
 
 from llamabatch import Embedder, EngineClosed, PromptTooLong
 from llamabatch.gguf.testing import english_sentences
@@ -29,12 +29,12 @@ def test_encode_as_a_sentence_transformers_user_calls_it(
     assert (
         isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.shape == reference.shape
     )
-    assert _cos(vectors, reference).min() >= MIN_COSINE
+    assert cosine(vectors, reference).min() >= MIN_COSINE
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
     err = capsys.readouterr().err
     assert f"{len(sentences)}/{len(sentences)}" in err and "Embedding" in err  # tqdm, per text, on stderr
     one = model.encode(sentences[3])
-    assert one.shape == (384,) and _cos(one, reference[3]) >= MIN_COSINE
+    assert one.shape == (384,) and cosine(one, reference[3]) >= MIN_COSINE
 
 
 def test_encode_shapes_and_batch_size(llama: Embedder) -> None:
@@ -112,7 +112,7 @@ def test_encode_options(llama: Embedder) -> None:
     with pytest.raises(PromptTooLong, match="text 5 "):
         llama.encode([*texts[:5], too_long], batch_size=2)
     np.testing.assert_allclose(llama.encode(texts), full, atol=2e-4)
-    _wait_for(lambda: llama.stats().pending_tokens == 0)
+    wait_for(lambda: llama.stats().pending_tokens == 0)
 
 
 def test_encode_token_embeddings(tiny: Path) -> None:

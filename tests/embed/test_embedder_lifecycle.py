@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from embed_models import THREADS, _wait_for
+from embed_models import THREADS, wait_for
 
 from llamabatch import Embedder, EmbedderStats, EngineClosed, KVCacheFull, PromptTooLong
 from llamabatch.cli import main
@@ -73,9 +73,9 @@ def test_retry_by_halving_fails_only_what_cannot_fit(tiny: Path) -> None:
         assert gate.entered.wait(10)
         callers = [threading.Thread(target=bad), threading.Thread(target=good)]
         callers[0].start()  # the failing call first, then the other: they share the next pack
-        _wait_for(lambda: e.stats().queue_depth == 2)
+        wait_for(lambda: e.stats().queue_depth == 2)
         callers[1].start()
-        _wait_for(lambda: e.stats().queue_depth == 14)
+        wait_for(lambda: e.stats().queue_depth == 14)
         gate.release.set()
         for t in [holder, *callers]:
             t.join(30)
@@ -162,7 +162,7 @@ def test_close_ends_pending_calls(tiny: Path) -> None:
     loop = asyncio.new_event_loop()
     task = loop.create_task(async_call())
     loop.run_until_complete(asyncio.sleep(0))  # the coroutine enqueues its texts
-    _wait_for(lambda: e.stats().queue_depth == 65)
+    wait_for(lambda: e.stats().queue_depth == 65)
     threading.Timer(0.2, gate.release.set).start()
     e.close()
     for t in [holder, *pending]:

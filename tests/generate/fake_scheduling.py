@@ -86,7 +86,7 @@ class Recorder:
             )
             if not r.fast_greedy:
                 seed = None if params.seed is None else params.seed + i
-                r.sampler = FakeSampler(self.model, _with_seed(params, seed))
+                r.sampler = FakeSampler(self.model, with_seed(params, seed))
             group.append(r)
         return self.add(*group)
 
@@ -125,7 +125,7 @@ class Recorder:
         sampler = None
         if r.sampler is not None:
             seed = None if r.params.seed is None else r.params.seed + r.index
-            sampler = FakeSampler(self.model, _with_seed(r.params, seed))
+            sampler = FakeSampler(self.model, with_seed(r.params, seed))
         return self.model.completion(
             r.prompt_tokens, r.params.max_tokens, self.ctx.n_ctx_seq, r.params.ignore_eos, sampler
         )
@@ -150,7 +150,7 @@ class Recorder:
             assert out.token_ids == tokens[: len(out.token_ids)], f"request {r.request_id}"
 
 
-def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+def with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
     from dataclasses import replace
 
     return params if seed is None or seed == params.seed else replace(params, seed=seed % 2**32)
@@ -160,7 +160,7 @@ def slot_of(core: EngineCore, request: Request) -> int:
     return core.running.index(request)
 
 
-def _oversubscribed(n_ctx=64, n_parallel=2, **options) -> tuple[EngineCore, Recorder]:
+def oversubscribed(n_ctx=64, n_parallel=2, **options) -> tuple[EngineCore, Recorder]:
     """A core of ``n_parallel`` slots over ``n_ctx`` cells, to oversubscribe, and its recorder."""
     core, ctx, model = make_core(n_parallel=n_parallel, n_ctx=n_ctx, **options)
     return core, Recorder(core, ctx, model)

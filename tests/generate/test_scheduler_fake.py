@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from fake_llama import FakeContext, FakeLlamaError, FakeModel, make_core
-from fake_scheduling import Recorder, _oversubscribed, greedy, prompt
+from fake_scheduling import Recorder, greedy, oversubscribed, prompt
 
 from llamabatch import QueueFull, SamplingParams
 from llamabatch.runtime.telemetry import RequestEvent, Telemetry, TickEvent
@@ -283,7 +283,7 @@ def test_eviction_keeps_the_prefix_the_new_request_reuses():
 
 
 def test_preemption_takes_the_latest_arrival_back_to_the_front_of_the_queue():
-    core, rec = _oversubscribed()
+    core, rec = oversubscribed()
     a = rec.new(prompt(20, 1), greedy(30))[0]
     b = rec.new(prompt(20, 2), greedy(30))[0]
     c = rec.new(prompt(5, 3), greedy(3))[0]
@@ -310,7 +310,7 @@ def test_preempted_request_resumes_without_repeating_or_losing_a_delta():
     events = []
     telemetry = Telemetry()
     telemetry.add_listener(events.append)
-    core, rec = _oversubscribed(n_ctx=48, n_parallel=3, telemetry=telemetry)
+    core, rec = oversubscribed(n_ctx=48, n_parallel=3, telemetry=telemetry)
     requests = [rec.new(prompt(12, i), greedy(25))[0] for i in range(3)]
     rec.run()
     assert core.counters.preemptions >= 1
@@ -326,7 +326,7 @@ def test_preempted_request_resumes_without_repeating_or_losing_a_delta():
 
 def test_a_preempted_sampled_request_draws_what_it_would_have_drawn_alone():
     """The sampler chain (seeded RNG, penalty history) lives on across a preemption."""
-    core, rec = _oversubscribed(n_ctx=48, n_parallel=2)
+    core, rec = oversubscribed(n_ctx=48, n_parallel=2)
     params = SamplingParams(max_tokens=24, temperature=1.5, seed=7, repeat_penalty=1.3, ignore_eos=True)
     a = rec.new(prompt(12, 1), params)[0]
     b = rec.new(prompt(12, 2), params)[0]
@@ -375,7 +375,7 @@ def test_preemptions_reach_telemetry_even_when_the_tick_fails():
 
 
 def test_no_endless_preemption_everything_finishes():
-    core, rec = _oversubscribed(n_ctx=96, n_parallel=4, n_batch=32, chunk_size=16)
+    core, rec = oversubscribed(n_ctx=96, n_parallel=4, n_batch=32, chunk_size=16)
     requests = [rec.new(prompt(8 + (i * 7) % 30, i), greedy(10 + (i * 5) % 40))[0] for i in range(14)]
     steps = rec.run(max_steps=2000)
     assert core.counters.preemptions > 0

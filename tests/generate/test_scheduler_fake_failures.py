@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 from fake_llama import FakeModel, make_core, patch_llamabatch
-from fake_scheduling import Recorder, _oversubscribed, greedy, prompt
+from fake_scheduling import Recorder, greedy, oversubscribed, prompt
 
 from llamabatch import LLM, LLMEngine, PromptTooLong
 from llamabatch.generate.kv_cache import PinnedPrefix
@@ -55,7 +55,7 @@ def test_cancelling_a_running_request_frees_its_slot_and_cells(prefix_cache):
 
 
 def test_cancelling_a_preempted_request_keeps_what_it_generated():
-    core, rec = _oversubscribed()
+    core, rec = oversubscribed()
     a = rec.new(prompt(20, 1), greedy(30))[0]
     b = rec.new(prompt(20, 2), greedy(30))[0]
     while not b.n_preemptions:

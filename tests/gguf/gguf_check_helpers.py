@@ -17,19 +17,19 @@ VT = GGUFValueType
 Q = GGMLQuantizationType
 
 
-def _write(tmp_path: Path, content: GGUF | bytes, name: str = "model.gguf") -> Path:
+def write_model(tmp_path: Path, content: GGUF | bytes, name: str = "model.gguf") -> Path:
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.to_bytes()[0])
     return path
 
 
-def _edit(bases: Bases, base: str, fn: Callable[[GGUF], object]) -> GGUF:
+def edited(bases: Bases, base: str, fn: Callable[[GGUF], object]) -> GGUF:
     g = bases.gguf[base].copy()
     fn(g)
     return g
 
 
-def _rejects(path: Path, *fragments: str, vocab_only: bool = False) -> str:
+def rejects(path: Path, *fragments: str, vocab_only: bool = False) -> str:
     with pytest.raises(ModelLoadError) as info:
         check_gguf(path, vocab_only=vocab_only)
     message = str(info.value)
@@ -39,5 +39,5 @@ def _rejects(path: Path, *fragments: str, vocab_only: bool = False) -> str:
     return message
 
 
-def _set(key: str, vtype: int, value: object, item: int | None = None) -> Callable[[GGUF], None]:
+def set_key(key: str, vtype: int, value: object, item: int | None = None) -> Callable[[GGUF], None]:
     return lambda g: g.set(key, vtype, value, item)

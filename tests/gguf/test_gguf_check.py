@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 from gguf.constants import Keys
-from gguf_check_helpers import VT, Q, _edit, _rejects, _set, _write
+from gguf_check_helpers import VT, Q, edited, rejects, set_key, write_model
 from gguf_mutants import GGUF, Bases, Mutant, Tensor, issue_mutants, run_mutants
 
 from llamabatch import Embedder, ModelLoadError
@@ -82,17 +82,17 @@ def test_generic_architecture_gets_generic_checks(bases: Bases, tmp_path: Path) 
             if kv.key.startswith("llama."):
                 kv.key = arch + kv.key[len("llama") :]
 
-    report = check_gguf(_write(tmp_path, _edit(bases, "llama", lambda g: rename(g, "qwen2"))))
+    report = check_gguf(write_model(tmp_path, edited(bases, "llama", lambda g: rename(g, "qwen2"))))
     assert (report.architecture, report.layout_checked) == ("qwen2", False)
     # an architecture llama.cpp does not know passes the generic checks; llama.cpp says no
-    path = _write(tmp_path, _edit(bases, "llama", lambda g: rename(g, "nosuch")), "nosuch.gguf")
+    path = write_model(tmp_path, edited(bases, "llama", lambda g: rename(g, "nosuch")), "nosuch.gguf")
     assert check_gguf(path).architecture == "nosuch"
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'nosuch'"):
         Model(path)
     # but its hyper-parameters are checked
-    bad = _edit(bases, "llama", lambda g: rename(g, "nosuch"))
+    bad = edited(bases, "llama", lambda g: rename(g, "nosuch"))
     bad.set("nosuch.block_count", VT.UINT32, 0)
-    _rejects(_write(tmp_path, bad, "bad.gguf"), "nosuch.block_count", "1 to 512")
+    rejects(write_model(tmp_path, bad, "bad.gguf"), "nosuch.block_count", "1 to 512")
 
 
 def test_split_model_part_is_not_checked_for_missing_tensors(bases: Bases, tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_split_model_part_is_not_checked_for_missing_tensors(bases: Bases, tmp_p
         g.set("split.count", VT.UINT16, 2)
         g.tensors = g.tensors[:5]  # the rest lives in the second file
 
-    report = check_gguf(_write(tmp_path, _edit(bases, "llama", first_part)))
+    report = check_gguf(write_model(tmp_path, edited(bases, "llama", first_part)))
     assert report.layout_checked is False
     assert report.notes == ("split.count: part of a 2-file model",)
 
@@ -111,15 +111,15 @@ def test_a_few_empty_token_texts_are_noted(bases: Bases, tmp_path: Path) -> None
         tokens[260] = b""  # <|im_end|>, a control token: llama.cpp names it [EMPTY_260]
         g.set(Keys.Tokenizer.LIST, VT.ARRAY, tokens, VT.STRING)
 
-    report = check_gguf(_write(tmp_path, _edit(bases, "llama", empty)))
+    report = check_gguf(write_model(tmp_path, edited(bases, "llama", empty)))
     assert report.notes == (
         "tokenizer.ggml.tokens: 1 empty token text(s), renamed [EMPTY_<id>] by llama.cpp",
     )
 
 
 def test_vocab_only_checks_only_the_vocabulary(bases: Bases, tmp_path: Path) -> None:
-    path = _write(tmp_path, _edit(bases, "llama", lambda g: g.set("llama.block_count", VT.UINT32, 0)))
-    _rejects(path, "llama.block_count")
+    path = write_model(tmp_path, edited(bases, "llama", lambda g: g.set("llama.block_count", VT.UINT32, 0)))
+    rejects(path, "llama.block_count")
     assert check_gguf(path, vocab_only=True).layout_checked is False
     with Model(path, vocab_only=True) as model:  # llama.cpp reads no hyper-parameters either
         assert model.tokenize("hello") == [1, *model.tokenize("hello", add_special=False)]
@@ -146,9 +146,9 @@ ISSUE_CASES = {
 @pytest.mark.parametrize("case", sorted(ISSUE_CASES))
 def test_issue_cases_are_rejected_before_llama_cpp(bases: Bases, tmp_path: Path, case: str) -> None:
     """Each of these killed the process inside llama.cpp (load, tokenize or first decode)."""
-    path = _write(tmp_path, issue_mutants(bases)[case], f"{case}.gguf")
+    path = write_model(tmp_path, issue_mutants(bases)[case], f"{case}.gguf")
     key, what = ISSUE_CASES[case]
-    message = _rejects(path, key, what)
+    message = rejects(path, key, what)
     with pytest.raises(ModelLoadError) as info:
         Model(path)
     assert str(info.value) == message
@@ -232,7 +232,7 @@ def test_container_cases(
     bases: Bases, tmp_path: Path, make: Callable[[Bases], bytes], fragments: tuple[str, ...]
 ) -> None:
     start = time.perf_counter()
-    _rejects(_write(tmp_path, make(bases)), *fragments)
+    rejects(write_model(tmp_path, make(bases)), *fragments)
     assert time.perf_counter() - start < 2.0  # counts are bounded by the file: no long loops
 
 
@@ -267,7 +267,7 @@ def test_container_cases(
 def test_container_edits(
     bases: Bases, tmp_path: Path, edit: Callable[[GGUF], object], fragments: tuple[str, ...]
 ) -> None:
-    _rejects(_write(tmp_path, _edit(bases, "llama", edit)), *fragments)
+    rejects(write_model(tmp_path, edited(bases, "llama", edit)), *fragments)
 
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
@@ -325,7 +325,7 @@ def test_a_large_vocabulary_checks_quickly(tmp_path: Path) -> None:
 
 def test_validate_false_skips_the_check(bases: Bases, tmp_path: Path) -> None:
     """A file llama.cpp loads fine but the validator refuses (special id out of range)."""
-    path = _write(tmp_path, _edit(bases, "llama", _set(Keys.Tokenizer.PAD_ID, VT.UINT32, 5000)))
+    path = write_model(tmp_path, edited(bases, "llama", set_key(Keys.Tokenizer.PAD_ID, VT.UINT32, 5000)))
     with pytest.raises(ModelLoadError, match="padding_token_id"):
         Model(path)
     with Model(path, validate=False) as model:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from gguf.constants import Keys
-from gguf_check_helpers import VT, Q, _edit, _rejects, _set, _write
+from gguf_check_helpers import VT, Q, edited, rejects, set_key, write_model
 from gguf_mutants import GGUF, Bases, Tensor
 
 from llamabatch import ModelLoadError
@@ -52,13 +52,13 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "unknown_tokenizer",
         "llama",
-        _set(Keys.Tokenizer.MODEL, VT.STRING, b"sentencepiece"),
+        set_key(Keys.Tokenizer.MODEL, VT.STRING, b"sentencepiece"),
         ("tokenizer.ggml.model", "unknown tokenizer 'sentencepiece'"),
     ),
     (
         "tokens_not_strings",
         "llama",
-        _set(Keys.Tokenizer.LIST, VT.ARRAY, [1, 2, 3], VT.INT32),
+        set_key(Keys.Tokenizer.LIST, VT.ARRAY, [1, 2, 3], VT.INT32),
         ("tokenizer.ggml.tokens", "must be an array of strings, is an array of 3 INT32"),
     ),
     ("no_tokens", "bert", lambda g: g.drop(Keys.Tokenizer.LIST), ("tokenizer.ggml.tokens", "missing")),
@@ -89,19 +89,19 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "special_id_out_of_range",
         "llama",
-        _set(Keys.Tokenizer.EOS_ID, VT.UINT32, 320),
+        set_key(Keys.Tokenizer.EOS_ID, VT.UINT32, 320),
         ("tokenizer.ggml.eos_token_id", "token id 320 is out of range [0, 320)"),
     ),
     (
         "special_id_huge",
         "bert",
-        _set(Keys.Tokenizer.SEP_ID, VT.UINT32, 2**32 - 1),
+        set_key(Keys.Tokenizer.SEP_ID, VT.UINT32, 2**32 - 1),
         ("tokenizer.ggml.seperator_token_id", "4294967295 is out of range"),
     ),
     (
         "special_id_not_int",
         "llama",
-        _set(Keys.Tokenizer.BOS_ID, VT.FLOAT32, 1.0),
+        set_key(Keys.Tokenizer.BOS_ID, VT.FLOAT32, 1.0),
         ("tokenizer.ggml.bos_token_id", "must be an integer, is a FLOAT32"),
     ),
     (
@@ -127,7 +127,7 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "bpe_without_merges",
         "llama",
-        _set(Keys.Tokenizer.MODEL, VT.STRING, b"gpt2"),
+        set_key(Keys.Tokenizer.MODEL, VT.STRING, b"gpt2"),
         ("tokenizer.ggml.merges", "missing: a 'gpt2' (BPE) tokenizer needs merges"),
     ),
     (
@@ -142,13 +142,13 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "rwkv_on_llama_vocab",
         "llama",
-        _set(Keys.Tokenizer.MODEL, VT.STRING, b"rwkv"),
+        set_key(Keys.Tokenizer.MODEL, VT.STRING, b"rwkv"),
         ("tokenizer.ggml.tokens", "RWKV vocabulary without the single-byte token"),
     ),
     (
         "add_flag_not_bool",
         "llama",
-        _set(Keys.Tokenizer.ADD_BOS, VT.UINT8, 1),
+        set_key(Keys.Tokenizer.ADD_BOS, VT.UINT8, 1),
         ("tokenizer.ggml.add_bos_token", "must be a bool, is a UINT8"),
     ),
     # hyper-parameters
@@ -161,79 +161,79 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "block_count_string",
         "llama",
-        _set("llama.block_count", VT.STRING, b"2"),
+        set_key("llama.block_count", VT.STRING, b"2"),
         ("llama.block_count", "must be an integer"),
     ),
     (
         "block_count_too_few",
         "llama",
-        _set("llama.block_count", VT.UINT32, 1),
+        set_key("llama.block_count", VT.UINT32, 1),
         ("tensor 'blk.1.attn_norm.weight'", "not part of a llama model"),
     ),
     (
         "block_count_too_many",
         "bert",
-        _set("bert.block_count", VT.UINT32, 3),
+        set_key("bert.block_count", VT.UINT32, 3),
         ("tensor 'blk.2.attn_q.weight'", "missing"),
     ),
     (
         "context_length_0",
         "llama",
-        _set("llama.context_length", VT.UINT32, 0),
+        set_key("llama.context_length", VT.UINT32, 0),
         ("llama.context_length", "must be positive"),
     ),
     (
         "embedding_length_mismatch",
         "llama",
-        _set("llama.embedding_length", VT.UINT32, 64),
+        set_key("llama.embedding_length", VT.UINT32, 64),
         ("llama.rope.dimension_count", "8, but llama needs the head size 16"),
     ),
     (
         "head_count_0",
         "bert",
-        _set("bert.attention.head_count", VT.UINT32, 0),
+        set_key("bert.attention.head_count", VT.UINT32, 0),
         ("bert.attention.head_count", "layer 0 has 0 attention heads"),
     ),
     (
         "heads_do_not_divide",
         "bert",
-        _set("bert.attention.head_count", VT.UINT32, 5),
+        set_key("bert.attention.head_count", VT.UINT32, 5),
         ("bert.attention.head_count", "5 heads do not divide embedding_length 32"),
     ),
     (
         "kv_heads_do_not_divide",
         "llama",
-        _set("llama.attention.head_count_kv", VT.UINT32, 3),
+        set_key("llama.attention.head_count_kv", VT.UINT32, 3),
         ("llama.attention.head_count_kv", "3 key-value heads do not divide 4 heads"),
     ),
     (
         "head_count_array_length",
         "llama",
-        _set("llama.attention.head_count", VT.ARRAY, [4, 4, 4], VT.UINT32),
+        set_key("llama.attention.head_count", VT.ARRAY, [4, 4, 4], VT.UINT32),
         ("llama.attention.head_count", "has 3 values, one per layer expected (2)"),
     ),
     (
         "feed_forward_mismatch",
         "llama",
-        _set("llama.feed_forward_length", VT.UINT32, 65),
+        set_key("llama.feed_forward_length", VT.UINT32, 65),
         ("tensor 'blk.0.ffn_gate.weight'", "has shape [32, 64], the hyper-parameters imply [32, 65]"),
     ),
     (
         "key_value_lengths_differ",
         "bert",
-        _set("bert.attention.key_length", VT.UINT32, 16),
+        set_key("bert.attention.key_length", VT.UINT32, 16),
         ("bert.attention.value_length", "key length 16 and value length 8 differ"),
     ),
     (
         "layer_norm_eps_zero",
         "bert",
-        _set("bert.attention.layer_norm_epsilon", VT.FLOAT32, 0.0),
+        set_key("bert.attention.layer_norm_epsilon", VT.FLOAT32, 0.0),
         ("bert.attention.layer_norm_epsilon", "0 must be positive"),
     ),
     (
         "layer_norm_eps_inf",
         "bert",
-        _set("bert.attention.layer_norm_epsilon", VT.FLOAT64, math.inf),
+        set_key("bert.attention.layer_norm_epsilon", VT.FLOAT64, math.inf),
         ("bert.attention.layer_norm_epsilon", "inf is not a finite number"),
     ),
     (
@@ -245,61 +245,61 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "rope_freq_base_0",
         "llama",
-        _set("llama.rope.freq_base", VT.FLOAT32, 0.0),
+        set_key("llama.rope.freq_base", VT.FLOAT32, 0.0),
         ("llama.rope.freq_base", "must be positive"),
     ),
     (
         "rope_scaling_unknown",
         "llama",
-        _set("llama.rope.scaling.type", VT.STRING, b"bogus"),
+        set_key("llama.rope.scaling.type", VT.STRING, b"bogus"),
         ("llama.rope.scaling.type", "unknown RoPE scaling 'bogus'"),
     ),
     (
         "rope_dimension_odd",
         "llama",
-        _set("llama.rope.dimension_count", VT.UINT32, 7),
+        set_key("llama.rope.dimension_count", VT.UINT32, 7),
         ("llama.rope.dimension_count", "7, but llama needs the head size 8"),
     ),
     (
         "experts_used_without_experts",
         "llama",
-        _set("llama.expert_used_count", VT.UINT32, 2),
+        set_key("llama.expert_used_count", VT.UINT32, 2),
         ("llama.expert_used_count", "2 experts used per token, but only 0 experts"),
     ),
     (
         "experts_none_used",
         "bert",
-        _set("bert.expert_count", VT.UINT32, 4),
+        set_key("bert.expert_count", VT.UINT32, 4),
         ("bert.expert_used_count", "missing or 0, with 4 experts"),
     ),
     (
         "experts_too_many",
         "llama",
-        _set("llama.expert_count", VT.UINT32, 2000),
+        set_key("llama.expert_count", VT.UINT32, 2000),
         ("llama.expert_count", "2000 experts"),
     ),
     (
         "nextn_beyond_layers",
         "bert",
-        _set("bert.nextn_predict_layers", VT.UINT32, 3),
+        set_key("bert.nextn_predict_layers", VT.UINT32, 3),
         ("bert.nextn_predict_layers", "3 exceeds block_count 2"),
     ),
     (
         "vocab_size_mismatch",
         "llama",
-        _set("llama.vocab_size", VT.UINT32, 321),
+        set_key("llama.vocab_size", VT.UINT32, 321),
         ("llama.vocab_size", "321 but tokenizer.ggml.tokens holds 320 tokens"),
     ),
     (
         "pooling_unknown",
         "bert",
-        _set("bert.pooling_type", VT.UINT32, 7),
+        set_key("bert.pooling_type", VT.UINT32, 7),
         ("bert.pooling_type", "unknown pooling type 7"),
     ),
     (
         "token_type_count_0",
         "bert",
-        _set(Keys.Tokenizer.TOKEN_TYPE_COUNT, VT.UINT32, 0),
+        set_key(Keys.Tokenizer.TOKEN_TYPE_COUNT, VT.UINT32, 0),
         ("tokenizer.ggml.token_type_count", "bert needs token types"),
     ),
     # architecture
@@ -312,13 +312,13 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
     (
         "architecture_not_string",
         "bert",
-        _set(Keys.General.ARCHITECTURE, VT.UINT32, 1),
+        set_key(Keys.General.ARCHITECTURE, VT.UINT32, 1),
         ("general.architecture", "must be a string, is a UINT32"),
     ),
     (
         "architecture_swapped",
         "llama",
-        _set(Keys.General.ARCHITECTURE, VT.STRING, b"bert"),
+        set_key(Keys.General.ARCHITECTURE, VT.STRING, b"bert"),
         ("bert.context_length", "missing (required)"),
     ),
     # tensors
@@ -396,7 +396,7 @@ SEMANTIC_CASES: list[tuple[str, str, Callable[[GGUF], object], tuple[str, ...]]]
 def test_semantic_cases(
     bases: Bases, tmp_path: Path, base: str, edit: Callable[[GGUF], object], fragments: tuple[str, ...]
 ) -> None:
-    _rejects(_write(tmp_path, _edit(bases, base, edit)), *fragments)
+    rejects(write_model(tmp_path, edited(bases, base, edit)), *fragments)
 
 
 def test_missing_special_token_found_after_loading(bases: Bases, tmp_path: Path) -> None:
@@ -407,7 +407,7 @@ def test_missing_special_token_found_after_loading(bases: Bases, tmp_path: Path)
         g.drop(Keys.Tokenizer.BOS_ID)
         g.set(Keys.Tokenizer.ADD_BOS, VT.BOOL, True)
 
-    path = _write(tmp_path, _edit(bases, "llama", edit))
+    path = write_model(tmp_path, edited(bases, "llama", edit))
     check_gguf(path)  # the ids are fine; what llama.cpp makes of them is not
     with pytest.raises(
         ModelLoadError, match=r"tokenizer\.ggml\.bos_token_id: missing, but the tokenizer adds a BOS"
