@@ -229,7 +229,7 @@ class Context:
         type_v: str = "f16",
     ) -> None:
         self._ptr = ffi.NULL
-        log.sync_level()  # llama.cpp's debug lines reach Python only if asked for now
+        log.install()  # ours again (another binding may have taken it), at the level asked for now
         #: the LoRA adapter set on this context and its scales (``_ffi/lora.py``: ``set_adapters``)
         self.adapters: tuple[Any, ...] = ()
         self.adapter_scales: tuple[float, ...] = ()

@@ -3,7 +3,8 @@
 llama.cpp logs a lot at INFO while loading a model; we forward WARN and ERROR as warnings and
 errors, and everything else at DEBUG, so nothing shows unless asked for. Lines under WARN do
 not even reach Python unless the logger is enabled for DEBUG when a model or context is made
-(:func:`sync_level`): each line that does takes the GIL from inside llama.cpp.
+(:func:`sync_level`): each line that does takes the GIL from inside llama.cpp. The routing is
+set again with every model and context (:func:`install`).
 
 Some of llama.cpp's warnings and errors are expected in normal operation and handled by
 llamabatch: a decode aborted because a request was cancelled or the engine closed, a batch
@@ -155,11 +156,14 @@ def load_reason(lines: list[str]) -> str:
 
 def sync_level() -> None:
     """Let llama.cpp's lines under WARN reach Python only while the ``llamabatch.llama_cpp``
-    logger is enabled for DEBUG: a C filter drops them otherwise, before they take the GIL.
-    Called when the log is installed and whenever a model or context is made."""
+    logger is enabled for DEBUG: a C filter drops them otherwise, before they take the GIL."""
     lib.llamabatch_log_debug = 1 if logger.isEnabledFor(logging.DEBUG) else 0
 
 
 def install() -> None:
+    """Route llama.cpp's log here, at the logger's level now (:func:`sync_level`). Called when
+    the backend starts and again whenever a model or context is made: llama.cpp has one log
+    callback per process, and another binding in it takes it (llama-cpp-python does when
+    imported), which left a failed load without llama.cpp's reason."""
     sync_level()
     lib.llama_log_set(lib.llamabatch_log_filter, ffi.NULL)

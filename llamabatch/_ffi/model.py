@@ -114,7 +114,7 @@ class Model:
         if validate:
             check_gguf(self.path, vocab_only=vocab_only)
         ensure_backend()
-        log.sync_level()  # llama.cpp's debug lines reach Python only if asked for now
+        log.install()  # ours again (another binding may have taken it), at the level asked for now
 
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers

@@ -3,10 +3,11 @@
 ``_cdefs.h`` is parsed into its declarations: functions, enums (type and values), structs and
 typedefs, and the fields of the structs whose layout the compiler completes (``...;``).
 Every function must be called as ``lib.<name>`` (or taken as ``ffi.addressof(lib, "<name>")``)
-somewhere in ``llamabatch/``, or, declared ``extern "Python"``, written with ``@ffi.def_extern()``;
-every global variable read or set as ``lib.<name>``; every enum value read as ``lib.<VALUE>``; every partial-struct
-field accessed as ``.<field>``; every type named by another declaration or by an
-``ffi.new``/``ffi.cast`` in the package. A declaration nobody uses fails the test.
+somewhere in ``llamabatch/``, or, declared ``extern "Python"``, written with
+``@ffi.def_extern()``; every global variable read or set as ``lib.<name>``; every enum value
+read as ``lib.<VALUE>``; every partial-struct field accessed as ``.<field>``; every type named
+by another declaration or by an ``ffi.new``/``ffi.cast`` in the package. A declaration
+nobody uses fails the test.
 """
 
 from __future__ import annotations

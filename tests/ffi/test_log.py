@@ -247,3 +247,19 @@ def test_a_decodes_debug_lines_never_reach_python_by_default(
     assert any("copying KV buffer" in line for line in lines), lines[-5:]
     caplog.set_level(logging.WARNING, logger=LOGGER)
     log.sync_level()
+
+
+def test_the_log_is_routed_here_again_after_llama_cpp_python_takes_it(tmp_path: Path, tiny: Path) -> None:
+    """llama-cpp-python sets its own log callback when imported, for the one libllama both use:
+    a model loaded after that failed with 'no reason given'."""
+    import ctypes
+
+    import llama_cpp
+    import llama_cpp._logger
+
+    ensure_backend()
+    llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(tiny.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="data is not within the file bounds"):
+        Model(bad, validate=False)
