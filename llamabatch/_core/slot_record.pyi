@@ -59,6 +59,9 @@ class SlotRecord:
     def seq_tokens(self, seq: int) -> npt.NDArray[np.int32]: ...
     def trim(self, seq: int, n: int) -> None: ...
     def copy(self, src: int, dst: int, n: int) -> None: ...
+    def move(self, src: int, dst: int) -> None:
+        """Move the DECODE slot ``src``'s sequence into the empty idle slot ``dst``; ``src``
+        becomes idle and empty (mirror: whole-stream ``seq_cp(src, dst)``, ``seq_rm(src)``)."""
     def record_cached(self, seq: int, tokens: _Tokens) -> None:
         """``seq`` holds ``tokens`` at 0..len-1 (empty before, or holding their first ones: the
         rest are its own)."""

@@ -21,7 +21,7 @@ import enum
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from libc.stdint cimport int32_t, int64_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
@@ -246,6 +246,34 @@ cdef class SlotRecord:
         self.kv_len(dst)[0] = n
         if dst < self.n_parallel:
             self.slots[dst].n_hist = n
+
+    def move(self, int32_t src, int32_t dst):
+        """Move the DECODE slot ``src``'s sequence (its state, lengths, tokens and KV record)
+        into the empty idle slot ``dst``; ``src`` becomes idle and empty. A draft set on
+        ``src`` is dropped (drafts are planned each tick). Mirror it with a whole-stream
+        ``llama_memory_seq_cp(src, dst)`` and ``llama_memory_seq_rm(src)`` (``compaction.py``:
+        closing a gap among busy KV streams)."""
+        self.check_quiet()
+        self.check_slot(src)
+        self.check_slot(dst)
+        if src == dst:
+            raise ValueError("cannot move slot %d onto itself" % src)
+        cdef slot_t * s = &self.slots[src]
+        cdef slot_t * d = &self.slots[dst]
+        if s.state != ST_DECODE:
+            raise ValueError("slot %d is not decoding (%s)" % (src, _STATE_BY_VALUE[s.state].name))
+        if d.state != ST_IDLE or d.n_past:
+            raise ValueError("slot %d is not idle and empty (trim it first)" % dst)
+        memcpy(self.hist + <size_t> dst * self.n_ctx_seq, self.hist + <size_t> src * self.n_ctx_seq,
+               s.n_hist * sizeof(int32_t))
+        self.kv.share(src, dst, s.n_past)
+        self.kv.drop(src, 0, s.n_past)
+        d[0] = s[0]
+        d.n_draft = 0
+        d.fill_n = 0
+        d.fill_draft = 0
+        memset(s, 0, sizeof(slot_t))  # ST_IDLE, holding nothing
+        self.kv.touch_seq(dst)
 
     def record_cached(self, int32_t seq, tokens):
         """Record that the idle slot or pinned sequence ``seq`` holds ``tokens`` at positions

@@ -46,6 +46,7 @@ from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
 from llamabatch.generate.admission import TickLimit, Verdict, order_prefill
+from llamabatch.generate.compaction import compact
 from llamabatch.generate.decode_costs import fit_decode_costs
 from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import draft_rows_below, ubatch_cost_cells
@@ -230,6 +231,7 @@ class EngineCore:
         if self.waiting:
             self._admit()
         if self.table.busy_slots:
+            compact(self)  # a gap among busy KV streams costs every tick a forward pass
             self._tick()
         if not self.has_unfinished():
             self.samplers.when_idle()

@@ -297,6 +297,7 @@ class EngineHost:
             preemptions=c.preemptions,
             recomputed_tokens=c.recomputed_tokens,
             evictions=c.evictions,
+            slot_moves=c.slot_moves,
             prefix_cache=core.kv.reuse,
             cached_prefix_tokens=core.kv.cached_tokens,
             pinned_prefixes=len(core.kv.pinned),

@@ -30,6 +30,12 @@ class SlotMap:
             del self._by_key[request.arrival]
         return request
 
+    def move(self, src: int, dst: int) -> None:
+        """The request of slot ``src`` runs in the idle slot ``dst`` now (``compaction.py``)."""
+        request = self.release(src)
+        assert request is not None, f"slot {src} is idle"
+        self.assign(dst, request)
+
     def slot_of(self, request: Request) -> int:
         """The slot ``request`` runs in, or -1."""
         return self._by_key.get(request.arrival, -1)

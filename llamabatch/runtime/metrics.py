@@ -325,6 +325,7 @@ _TIER_GAUGES = {
     "layout_switch_time_s": "Seconds spent rebuilding the context for another KV layout.",
     "layout_carried_tokens": "Cached prompt tokens carried through KV layout switches.",
     "layout_lost_tokens": "Cached prompt tokens a KV layout switch could not carry.",
+    "slot_moves": "Decoding sequences moved into a gap among busy KV streams (fewer passes a tick).",
     "prefix_files_loaded": "Prefix files from prefix_cache_dir whose state llama.cpp loaded.",
     "prefix_files_refused": "Prefix files refused (unsafe, corrupt, over a limit, or by llama.cpp).",
     "swa_prefix_recomputed": "Cached prefixes computed again: a sliding-window cache lost their window.",

@@ -116,6 +116,8 @@ class GenerationCounters:
     #: prompt and generated tokens computed again after a preemption
     recomputed_tokens: int = 0
     evictions: int = 0
+    #: decoding sequences moved into a gap among busy KV streams (``generate/compaction.py``)
+    slot_moves: int = 0
     #: speculative decoding: drafts verified, their tokens, those accepted (and by position)
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -219,6 +221,9 @@ class GenerationStats:
     layout_switch_time_s: float = 0.0
     layout_carried_tokens: int = 0
     layout_lost_tokens: int = 0
+    #: decoding sequences moved into a gap among busy KV streams, so that a tick decodes
+    #: fewer runs of consecutive streams (``generate/compaction.py``)
+    slot_moves: int = 0
     # -- images (``mmproj``, ``generate/vision.py``) --
     #: images in admitted prompts, those encoded and those the encoder cache served, images
     #: the cache dropped for room, its bytes now, image-prompt positions computed, the ticks
