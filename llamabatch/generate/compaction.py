@@ -48,6 +48,11 @@ def _busy(busy: Sequence[bool], i: int) -> bool:
     return 0 <= i < len(busy) and busy[i]
 
 
+def _runs(busy: Sequence[bool]) -> int:
+    """Runs of consecutive busy slots: the forward passes of a tick decoding them all."""
+    return sum(1 for i, b in enumerate(busy) if b and not _busy(busy, i - 1))
+
+
 def _delta(busy: Sequence[bool], i: int, adding: bool) -> int:
     """How many runs of consecutive busy slots adding (or removing) slot ``i`` makes (or
     ends): a slot between two busy ones joins (or splits) two runs; one with no busy
@@ -96,8 +101,8 @@ def compact(core: Any) -> bool:
         return False
     states = table.states()
     busy = [state is not SlotState.IDLE for state in states]
-    if sum(1 for i, b in enumerate(busy) if b and not _busy(busy, i - 1)) < 2:
-        return False  # one run
+    if _runs(busy) < 2:
+        return False
     running = core.slots.requests
     least = tokens_left_to_move(core.n_ctx_seq)
     movable = [
