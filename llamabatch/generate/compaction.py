@@ -6,14 +6,15 @@ of *consecutive* seq_ids, and every ubatch is a forward pass that reads all the 
 Admission already takes the idle slot that joins a run of busy ones
 (``SlotRecord.admission_slot``), but a request that ends between two others leaves a gap, and
 until an admission fills it every tick pays for one more pass. Measured on SmolLM2-135M
-(2 cores, 4,096-cell streams; README, "Gaps among busy slots"): a decode tick of streams
-0, 2, 4, 6 took 43 ms, of streams 0-3 31 ms.
+(2 cores, 4,096-cell streams; README, "KV cache layout, admission and preemption"): a decode
+tick of streams 0, 2, 4, 6 took 43 ms, of streams 0-3 31 ms.
 
-So between ticks, while no request waits for a slot, the engine moves one decoding sequence
-into a gap when that leaves fewer runs (:func:`plan_move`): llama.cpp copies the whole stream
-at the start of the next decode and the engine moves the slot's records (``KVCache.move``,
-``SlotMap.move``). Outputs do not change: the cells are copied as they are. What the gap
-cached is evicted as admission would (to the RAM tier, when on), and an empty gap goes first.
+So between ticks, after admission (a waiting request that can start takes the gap itself),
+the engine moves one decoding sequence into a gap when that leaves fewer runs
+(:func:`plan_move`): llama.cpp copies the whole stream at the start of the next decode and
+the engine moves the slot's records (``KVCache.move``, ``SlotMap.move``). Outputs do not
+change: the cells are copied as they are. What the gap cached is evicted as admission would
+(to the RAM tier, when on), and an empty gap goes first.
 
 The copy is of the whole stream, used or not: 9 ms for 4,096 cells and 34 ms for 16,384 on
 SmolLM2 there, about two and eight of the passes a gap costs. So a sequence moves only with
@@ -97,7 +98,7 @@ def compact(core: Any) -> bool:
     KV streams when that leaves fewer runs (see the module); whether one moved."""
     table = core.table
     n_busy = table.busy_slots
-    if table.kv_unified or core.waiting or not core.kv.copy_supported or not 2 <= n_busy < core.n_parallel:
+    if table.kv_unified or not core.kv.copy_supported or not 2 <= n_busy < core.n_parallel:
         return False
     states = table.states()
     busy = [state is not SlotState.IDLE for state in states]

@@ -99,7 +99,7 @@ def test_a_sequence_moves_into_the_gap_a_finished_request_leaves(prefix_cache):
     assert core.counters.slot_moves == 1
 
 
-def test_nothing_moves_while_a_request_waits():
+def test_a_waiting_request_takes_the_gap_itself():
     core, _, rec, (_, b, _) = _gap_core()
     while not b.done:
         rec.step()
