@@ -20,6 +20,11 @@ The copy is of the whole stream, used or not: 9 ms for 4,096 cells and 34 ms for
 SmolLM2 there, about two and eight of the passes a gap costs. So a sequence moves only with
 :data:`MIN_TOKENS_LEFT` tokens left to generate per 4,096 cells of its stream
 (:func:`tokens_left_to_move`): the ticks left pay the copy back about four times over.
+
+The copy runs inside the next ``llama_decode``, where no tick prediction expects it. So while
+the engine plans ticks under a time limit (``target_itl_ms``, an ITL SLO), a sequence moves
+only into a tick that computes no prompt, and only if the copy, estimated at
+:data:`COPY_BYTES_PER_S` (a fifth of what this CPU measured), takes at most half the limit.
 """
 
 from __future__ import annotations
@@ -28,13 +33,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from llamabatch._core.slots import SlotState
+from llamabatch._ffi.kv_types import kv_bytes_per_cell
 
-__all__ = ["MIN_TOKENS_LEFT", "compact", "plan_move", "tokens_left_to_move"]
+__all__ = [
+    "COPY_BYTES_PER_S",
+    "MIN_TOKENS_LEFT",
+    "compact",
+    "copy_fits_the_tick",
+    "plan_move",
+    "tokens_left_to_move",
+]
 
 #: a sequence moves only with this many tokens left to generate (``max_tokens``, context),
 #: per 4,096 cells of its stream (what the copy costs)
 MIN_TOKENS_LEFT = 8
 _CELLS_PER_STEP = 4096
+#: a stream copy's speed assumed under a tick time limit (measured: about 10 GB/s, SmolLM2's
+#: 4,096-cell stream of 94 MB in 9 ms on a 2-core AMD EPYC)
+COPY_BYTES_PER_S = 2e9
 #: candidates looked at on each side, best first (runs' ends; gaps next to a run)
 _CANDIDATES = 8
 
@@ -93,6 +109,20 @@ def plan_move(busy: Sequence[bool], movable: Sequence[bool], cached: Sequence[in
     return None if best is None else (best[1], best[2])
 
 
+def copy_fits_the_tick(core: Any) -> bool:
+    """Whether a move's copy may join the next tick of ``core``: always without a tick time
+    limit; under one, only in a tick that computes no prompt and within half the limit
+    (see the module)."""
+    limit = core.admission.tick_limit()
+    if limit is None:
+        return True
+    if core.table.count(SlotState.PREFILL):
+        return False
+    config = core.config
+    seconds = kv_bytes_per_cell(core.model, config.type_k, config.type_v) * core.n_ctx_seq / COPY_BYTES_PER_S
+    return seconds <= limit.seconds / 2
+
+
 def compact(core: Any) -> bool:
     """Between ticks: move one decoding sequence of the ``EngineCore`` into a gap among busy
     KV streams when that leaves fewer runs (see the module); whether one moved."""
@@ -102,7 +132,7 @@ def compact(core: Any) -> bool:
         return False
     states = table.states()
     busy = [state is not SlotState.IDLE for state in states]
-    if _runs(busy) < 2:
+    if _runs(busy) < 2 or not copy_fits_the_tick(core):
         return False
     running = core.slots.requests
     least = tokens_left_to_move(core.n_ctx_seq)

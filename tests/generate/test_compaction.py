@@ -221,3 +221,34 @@ def test_a_sliding_window_models_moved_answers_match_the_ones_alone():
             assert logprobs[token] == pytest.approx(ref_logprobs[ref_token], abs=1e-3)
             if token != ref_token:  # a near tie flipped: the rest differs by construction
                 break
+
+
+def test_under_a_tick_time_limit_a_move_waits_for_a_decode_only_tick_its_copy_fits():
+    from types import SimpleNamespace
+
+    from fake_llama import FakeModel
+
+    from llamabatch._core.slots import SlotState
+    from llamabatch.generate.admission import TickLimit
+
+    model = FakeModel()  # 2 layers x 2 KV heads x (32 + 32) f16 values: 512 bytes a cell
+    copy = 512 * 4096 / compaction.COPY_BYTES_PER_S  # one 4,096-cell stream
+
+    def core(limit, prefilling=0):
+        admission = SimpleNamespace(tick_limit=lambda: None if limit is None else TickLimit(None, limit))
+        table = SimpleNamespace(count=lambda state: prefilling if state is SlotState.PREFILL else 0)
+        config = SimpleNamespace(type_k="f16", type_v="f16")
+        return SimpleNamespace(admission=admission, table=table, config=config, model=model, n_ctx_seq=4096)
+
+    fits = compaction.copy_fits_the_tick
+    assert fits(core(None)) and fits(core(None, prefilling=1))  # no limit: the copy is free to join
+    assert fits(core(2 * copy)) and not fits(core(2 * copy * 0.99))  # within half the limit
+    assert not fits(core(1.0, prefilling=1))  # a prompt's slice fills the tick up to the limit
+
+
+def test_a_move_happens_under_a_loose_latency_target():
+    core, _, rec, (a, b, c) = _gap_core(target_itl_ms=10_000.0)
+    rec.run()
+    assert core.counters.slot_moves == 1
+    for r in (a, b, c):
+        rec.check_done(r)
