@@ -150,7 +150,8 @@ def compact(core: Any) -> bool:
     if move is None:
         return False
     src, dst = move
-    core.kv.move(src, dst)
+    if core.kv.move(src, dst):
+        core.counters.evictions += 1
     core.slots.move(src, dst)
     core.counters.slot_moves += 1
     return True

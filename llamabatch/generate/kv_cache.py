@@ -153,18 +153,20 @@ class KVCache:
         self.context.seq_rm(slot, n_past if keep and n_past else -1, -1)
         self.table.finish(slot, keep=keep)
 
-    def move(self, src: int, dst: int) -> None:
+    def move(self, src: int, dst: int) -> bool:
         """Move the decoding sequence of slot ``src`` into the idle slot ``dst`` (its KV, its
         record and its adapter tag); ``src`` is left empty. With one KV stream per sequence
         the whole stream is copied, at the start of the next decode. What ``dst`` cached is
-        evicted first (to the RAM tier, when on)."""
-        if self.table.seq_len(dst):
+        evicted first (to the RAM tier, when on): whether there was any."""
+        evicted = bool(self.table.seq_len(dst))
+        if evicted:
             self.save(dst)
             self.trim(dst, 0)
         self.context.seq_cp(src, dst, -1, -1)
         self.context.seq_rm(src, -1, -1)
         self.table.move(src, dst)
         self.tags[dst], self.tags[src] = self.tags[src], ()
+        return evicted
 
     def drop_uncommitted(self, slot: int) -> None:
         """Remove what a failed decode may have written past the slot's ``n_past``."""

@@ -89,7 +89,7 @@ def test_a_sequence_moves_into_the_gap_a_finished_request_leaves(prefix_cache):
     if prefix_cache:  # the gap caches b's tokens: a moves next to c instead, into an empty slot
         assert core.running == [None, None, c, a]
         assert ctx.log[mark : mark + 2] == [("seq_cp", 0, 3, -1, -1), ("seq_rm", 0, -1, -1)]
-        assert core.table.seq_len(1) > 0
+        assert core.table.seq_len(1) > 0 and core.counters.evictions == 0
     else:
         assert core.running == [a, c, None, None]
         assert ctx.log[mark : mark + 2] == [("seq_cp", 2, 1, -1, -1), ("seq_rm", 2, -1, -1)]
@@ -97,6 +97,22 @@ def test_a_sequence_moves_into_the_gap_a_finished_request_leaves(prefix_cache):
     for r in (a, b, c):
         rec.check_done(r)  # the tokens it would have produced alone
     assert core.counters.slot_moves == 1
+
+
+def test_a_gap_caching_a_prefix_is_taken_when_no_empty_one_would_do():
+    core, ctx, model = make_core(n_parallel=3, kv_unified=False, prefix_cache=True)
+    rec = Recorder(core, ctx, model)
+    params = [greedy(n, ignore_eos=True) for n in (MIN_TOKENS_LEFT + 8, 2, MIN_TOKENS_LEFT + 8)]
+    a, b, c = (rec.new(prompt(6, i), p)[0] for i, p in enumerate(params))
+    while not b.done:
+        rec.step()
+    assert core.table.seq_len(1) > 0  # b's tokens, cached
+    rec.step()
+    assert core.running == [a, c, None] and core.counters.slot_moves == 1
+    assert core.counters.evictions == 1  # counted as admission counts it
+    rec.run()
+    for r in (a, b, c):
+        rec.check_done(r)
 
 
 def test_a_waiting_request_takes_the_gap_itself():
