@@ -268,3 +268,27 @@ def test_a_move_happens_under_a_loose_latency_target():
     assert core.counters.slot_moves == 1
     for r in (a, b, c):
         rec.check_done(r)
+
+
+def test_the_real_models_tokens_are_the_same_with_and_without_moves(smollm2_path, monkeypatch):
+    """SmolLM2 (real weights): moving a stream changes which ubatch its row is decoded in, not
+    its tokens."""
+    from llamabatch.generate import core
+
+    prompts = [
+        "Write a short story about a lighthouse keeper.",
+        "List three colours.",
+        "Explain how a bicycle works, step by step.",
+    ]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (64, 4, 64)]
+
+    def run() -> tuple[list[list[int]], int]:
+        with LLM(smollm2_path, n_ctx=4 * 512, n_parallel=4, kv_unified=False, n_threads=2) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs], llm.stats().slot_moves
+
+    moved, n_moves = run()
+    monkeypatch.setattr(core, "compact", lambda _core: False)
+    kept, no_moves = run()
+    assert n_moves >= 1 and no_moves == 0
+    assert moved == kept
