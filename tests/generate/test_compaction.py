@@ -1,6 +1,7 @@
 """Closing gaps among busy KV streams (``generate/compaction.py``): the move plan against a
-brute force, the engine core over the fake llama.cpp, and real llama.cpp against the
-teacher-forced reference."""
+brute force, the engine core over the fake llama.cpp, and real llama.cpp: the tiny model
+against the teacher-forced reference, a sliding-window model against its answers alone, and
+SmolLM2's tokens with and without moves."""
 
 from __future__ import annotations
 
