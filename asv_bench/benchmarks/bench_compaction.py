@@ -5,8 +5,10 @@ every other one short (24 new tokens) and the others long (192): once the short 
 the long ones run in streams 0, 2, 4, 6, four forward passes a tick, until they move next
 to each other. ``track_speedup`` is generated tokens/s with the moves over without (the
 engine's ``compact`` replaced by a no-op), in one process, alternating, on the same prompts;
-the outputs must be the same. The model: ``$LLAMABATCH_BENCH_MODEL`` (a path; default the
-135M random-weight test model). Threads: ``$LLAMABATCH_BENCH_THREADS``.
+the outputs must be as long (a random model's near ties may flip between tick shapes; SmolLM2's
+tokens are the same, ``tests/generate/test_compaction.py``). The model:
+``$LLAMABATCH_BENCH_MODEL`` (a path; default the 135M random-weight test model). Threads:
+``$LLAMABATCH_BENCH_THREADS``.
 """
 
 from __future__ import annotations

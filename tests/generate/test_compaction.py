@@ -5,6 +5,8 @@ SmolLM2's tokens with and without moves."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import product
 
 import pytest
@@ -171,13 +173,21 @@ arrivals = st.lists(
 )
 
 
+@contextmanager
+def _min_tokens_left(n: int) -> Iterator[None]:
+    """Sequences with ``n`` tokens left move (short test requests move too)."""
+    saved, compaction.MIN_TOKENS_LEFT = compaction.MIN_TOKENS_LEFT, n
+    try:
+        yield
+    finally:
+        compaction.MIN_TOKENS_LEFT = saved
+
+
 @given(arrivals, st.integers(2, 6), st.booleans(), st.sampled_from([1, 4]))
 def test_moves_among_random_arrivals_keep_every_answer(requests, n_parallel, reuse, min_left):
     """Requests arrive and end at random on KV streams; sequences move whenever a gap opens
     (with ``min_left`` tokens left), and every answer is what it would be alone."""
-    saved = compaction.MIN_TOKENS_LEFT
-    compaction.MIN_TOKENS_LEFT = min_left  # short requests move too
-    try:
+    with _min_tokens_left(min_left):
         core, ctx, model = make_core(n_parallel=n_parallel, kv_unified=False, prefix_cache=reuse)
         rec = Recorder(core, ctx, model)
         pending = sorted(requests, key=lambda r: r[2])
@@ -191,15 +201,11 @@ def test_moves_among_random_arrivals_keep_every_answer(requests, n_parallel, reu
             assert step < 2000
         for r in rec.requests:
             rec.check_done(r)
-    finally:
-        compaction.MIN_TOKENS_LEFT = saved
 
 
 def test_random_arrivals_do_move_sequences():
     """The property above is not vacuous: its kind of workload opens gaps that close."""
-    saved = compaction.MIN_TOKENS_LEFT
-    compaction.MIN_TOKENS_LEFT = 1
-    try:
+    with _min_tokens_left(1):
         core, ctx, model = make_core(n_parallel=4, kv_unified=False)
         rec = Recorder(core, ctx, model)
         for seed, n in enumerate([20, 3, 20, 20]):
@@ -208,8 +214,6 @@ def test_random_arrivals_do_move_sequences():
         assert core.counters.slot_moves >= 1
         for r in rec.requests:
             rec.check_done(r)
-    finally:
-        compaction.MIN_TOKENS_LEFT = saved
 
 
 def test_a_longer_stream_asks_for_more_tokens_left_its_copy_costs_more():
