@@ -49,7 +49,8 @@ import numpy as np
 
 from llamabatch._ffi import ffi
 from llamabatch.config import CACHE_RAM_DEFAULT_MIB, EngineConfig
-from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.core import EngineCore
+from llamabatch.generate.engine_build import build_engine
 from llamabatch.generate.kv_memory import plan_config
 from llamabatch.runtime.telemetry import Telemetry
 

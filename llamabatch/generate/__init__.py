@@ -1,7 +1,8 @@
 """Text generation: the engine core and its two drivers.
 
-- :mod:`~llamabatch.generate.core`: ``EngineCore`` (one ``llama_decode`` per ``step()``),
-  ``build_engine`` (the context and core of an ``EngineConfig``);
+- :mod:`~llamabatch.generate.core`: ``EngineCore`` (one ``llama_decode`` per ``step()``);
+- :mod:`~llamabatch.generate.engine_build`: ``build_engine`` (the context and core of an
+  ``EngineConfig``);
 - :mod:`~llamabatch.generate.slot_map`: ``SlotMap`` (which request runs in which slot);
 - :mod:`~llamabatch.generate.request`: ``Request`` (engine side), ``OutputState`` (the
   caller's side: text pipeline, delivery), ``Channel``, ``RequestHandle``, ``CoreOutput``

@@ -23,8 +23,7 @@ and tokens, its end), for the driver to deliver. A request's state is its
 record of what every sequence holds in the KV cache; ``SlotMap`` is the one record of which
 request runs in which slot; ``requests`` holds every unfinished request by its key.
 
-``build_engine`` makes the context and the core of an ``EngineConfig``: ``LLM``,
-``LLMEngine`` and the fake-context tests all build the engine through it.
+``engine_build.build_engine`` makes the context and the core of an ``EngineConfig``.
 """
 
 from __future__ import annotations
@@ -72,40 +71,6 @@ def check_queue_room(n_queued: int, n_new: int, max_queue: int) -> None:
     ``n_queued`` (the one rule, for the core and for ``LLM``'s inbox)."""
     if n_queued + n_new > max_queue:
         raise QueueFull(f"the request queue is full ({n_queued} waiting, max_queue={max_queue})")
-
-
-def build_engine(
-    model: Model,
-    config: EngineConfig,
-    telemetry: Telemetry,
-    *,
-    context_factory: Callable[..., Context] | None = None,
-) -> tuple[Context, EngineCore]:
-    """The context (``n_seq_max``: the slots plus the pinned-prefix sequences) and the
-    engine core of ``config`` over ``model``; the context is closed again if the core fails.
-    ``config`` is resolved: nothing left to the load (``kv_memory.plan_config``)."""
-    make_context = context_factory if context_factory is not None else Context
-    if config.n_ctx is None or config.kv_unified is None:
-        raise ValueError("build_engine needs a resolved config (kv_memory.plan_config)")
-    context = make_context(
-        model,
-        n_ctx=config.n_ctx,
-        n_batch=config.n_batch,
-        n_ubatch=config.n_ubatch_resolved,
-        n_seq_max=config.n_seq_max,
-        n_threads=config.n_threads,
-        n_threads_batch=config.n_threads_batch,
-        flash_attn=config.flash_attn,
-        kv_unified=config.kv_unified,
-        type_k=config.type_k,
-        type_v=config.type_v,
-    )
-    try:
-        core = EngineCore(model, context, config, telemetry)
-    except BaseException:
-        context.close()
-        raise
-    return context, core
 
 
 class EngineCore:

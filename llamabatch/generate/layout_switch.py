@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from llamabatch._core.slots import SlotState
-from llamabatch.generate.core import build_engine
+from llamabatch.generate.engine_build import build_engine
 from llamabatch.generate.kv_memory import KVPlan, plan_config
 from llamabatch.generate.kv_state_format import convert_seq_state
 from llamabatch.runtime.telemetry import RequestEvent, TickEvent

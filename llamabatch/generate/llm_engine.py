@@ -21,7 +21,8 @@ from llamabatch.chat import ChatOptions, ChatRequestOptions, EngineChat, is_conv
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
 from llamabatch.generate.batch_invariant import check_weight_types
-from llamabatch.generate.core import EngineCore, build_engine
+from llamabatch.generate.core import EngineCore
+from llamabatch.generate.engine_build import build_engine
 from llamabatch.generate.kv_memory import log_plan, plan_config
 from llamabatch.generate.layout_switch import LayoutFollower
 from llamabatch.generate.lora_merge import merge_on_load, merged_params
