@@ -249,6 +249,7 @@ class EngineConfig(OptionsConfig):
             or ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": k}``;
             checked by ``generate/spec_config.py``, run by ``generate/speculative.py``. CLI:
             ``--spec-type ngram|suffix|draft``, ``--model-draft FILE``, ``--draft-max N``.
+            With ``mmproj`` the lookups draft text only; a draft model is refused there.
         batch_invariant: ``True``: a request's tokens and log-probs are bit-identical
             whatever else runs (alone or with others, any arrival order, chunked prefill,
             prefix reuse, preemption, speculation). It decides one KV stream per sequence,

@@ -185,6 +185,12 @@ class EngineCore:
     def busy_slots(self) -> int:
         return self.table.busy_slots
 
+    @property
+    def kv_cells_free(self) -> int:
+        """The slot table's free KV cells, less those M-RoPE images hold beyond its positions."""
+        vision = self.vision
+        return self.table.cells_free - (vision.extra_cells(self, None, 0) if vision else 0)
+
     def step(self) -> list[CoreOutput]:
         """One scheduling step: aborts, admission, one decode, sampling. Returns what the
         step produced, per completion."""

@@ -229,7 +229,7 @@ class Speculator:
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         below = table.draft_rows_below or policy.max_batch_tokens + 2  # (kv_memory.draft_rows_below)
         if table.kv_unified:
-            room = min(room, table.cells_free - core.watermark - n_decode, below - 1 - n_decode)
+            room = min(room, core.kv_cells_free - core.watermark - n_decode, below - 1 - n_decode)
         if room > 0 and core.tick_limit is not None:
             room = latency_room(core, n_decode, room)
         if room <= 0:
@@ -275,7 +275,7 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, cap, r.params)
                 for (_, r, _), cap in zip(cands, caps, strict=True)
             ]
-            drafts = self.drafter.draft(jobs)
+            drafts = text_drafts(self.drafter.draft(jobs))
             classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
             found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
             for (_, r, st), _ in found:
@@ -585,6 +585,20 @@ def speculator_for(
     return Speculator.from_config(
         config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
     )
+
+
+def text_drafts(drafts: dict[Hashable, Draft]) -> dict[Hashable, Draft]:
+    """``drafts`` cut before their first image stand-in id (negative, ``vision.py``): a history
+    lookup that runs into a prompt's image would otherwise draft its positions as tokens."""
+    out = {}
+    for key, draft in drafts.items():
+        cut = next((i for i, token in enumerate(draft.tokens) if token < 0), None)
+        if cut is None:
+            out[key] = draft
+        elif cut:
+            q = draft.q[:cut] if draft.q is not None else None
+            out[key] = Draft(draft.tokens[:cut], draft.rule, q)
+    return out
 
 
 def latency_room(core: TickContext, n_decode: int, room: int) -> int:

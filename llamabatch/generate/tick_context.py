@@ -59,6 +59,12 @@ class TickContext(Protocol):
         ...
 
     @property
+    def kv_cells_free(self) -> int:
+        """KV cells free for this tick's tokens (unified KV): the slot table's, less those
+        M-RoPE images hold beyond the positions it counts (``vision.extra_cells``)."""
+        ...
+
+    @property
     def watermark(self) -> int:
         """KV cells kept free for running sequences' next tokens (unified KV)."""
         ...
