@@ -677,7 +677,7 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
     """Make ``LLMEngine``/``LLM`` build fakes instead of llama.cpp objects (pytest's
     ``monkeypatch``); returns the model every engine built from now on uses. The context
     built is kept as ``engine.context``."""
-    import llamabatch.generate.core as engine
+    import llamabatch.generate.engine_build as engine_build
     import llamabatch.generate.llm_engine as llm_engine
     import llamabatch.generate.request_memory as request_memory
 
@@ -691,6 +691,6 @@ def patch_llamabatch(monkeypatch: Any, model: FakeModel | None = None, **context
         return FakeContext(m, **{**options, **context_options})
 
     monkeypatch.setattr(llm_engine, "Model", make_model)
-    monkeypatch.setattr(engine, "Context", make_context)
+    monkeypatch.setattr(engine_build, "Context", make_context)
     monkeypatch.setattr(request_memory, "SamplerChain", FakeSampler)
     return model
