@@ -112,7 +112,7 @@ class KVCache:
     extra_cells: Callable[[np.ndarray], int] | None = None
     _free_pin_seqs: list[int] = field(init=False)
     #: prompts (their tokens' bytes) waiting for a restore's room -> the checks they waited
-    _restore_waits: dict[bytes, int] = field(init=False, default_factory=dict)
+    _restore_waits: dict[tuple[Hashable, bytes], int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reuse = self.reuse and self.copy_supported
@@ -122,8 +122,8 @@ class KVCache:
         table = self.table
         self._free_pin_seqs = list(range(table.n_seq - 1, table.n_parallel - 1, -1))
         #: the adapter set (``SamplingParams.lora``; ``()``: the base model) each sequence's
-        #: KV was computed under: prefix reuse keys on (tag, tokens), and only the base
-        #: model's KV goes to the host-RAM tier and the prefix files
+        #: KV was computed under: prefix reuse and the host-RAM tier key on (tag, tokens), and
+        #: only the base model's KV goes to the prefix files
         self.tags: list[Hashable] = [()] * table.n_seq
         self._tagged = False  # whether any sequence was ever computed under an adapter
 
@@ -204,9 +204,9 @@ class KVCache:
         limit = len(tokens) - 1  # the last prompt token is always computed
         best_seq, best_n, cut = self._best_source(tokens, leader_slot, limit, tag)
         if self._restore_waits:
-            self._restore_waits.pop(np.asarray(tokens, dtype=np.int32).tobytes(), None)
-        if self.ram is not None and len(tokens) > self.ram.block and tag == ():
-            restored = self._restore(tokens, best_n, limit)
+            self._restore_waits.pop((tag, np.asarray(tokens, dtype=np.int32).tobytes()), None)
+        if self.ram is not None and len(tokens) > self.ram.block:
+            restored = self._restore(tokens, best_n, limit, tag)
             if restored is not None:
                 return restored
             # not restored: the attempt may have emptied an idle slot, look again
@@ -270,7 +270,7 @@ class KVCache:
         computing them twice; or when ``restore_worth_waiting``."""
         if not self.reuse:
             return False
-        if self.ram is not None and tag == () and self.restore_worth_waiting(tokens):
+        if self.ram is not None and self.restore_worth_waiting(tokens, tag):
             return True
         table = self.table
         prefilling = [
@@ -291,8 +291,9 @@ class KVCache:
                 return True
         return False
 
-    def restore_worth_waiting(self, tokens: list[int]) -> bool:
-        """True when the best match of ``tokens`` is a state in the RAM tier whose room (unified
+    def restore_worth_waiting(self, tokens: list[int], tag: Hashable = ()) -> bool:
+        """True when the best match of ``tokens`` (under the adapter set ``tag``) is a state in
+        the RAM tier whose room (unified
         KV cache) running requests hold, even with every idle slot's cached tokens evicted,
         and the prompt has waited fewer checks (one an admission step) than the ticks computing
         the restorable tokens would cost (their count over :data:`WAIT_TICK_PROMPT_TOKENS`).
@@ -305,9 +306,9 @@ class KVCache:
             return False
         limit = len(tokens) - 1
         array = np.asarray(tokens, dtype=np.int32)
-        entry, n = ram.match(array)
+        entry, n = ram.match(array, tag)
         n = min(n, limit)
-        best_n = min(self.best_prefix(tokens)[1], limit) if entry is not None else 0
+        best_n = min(self.best_prefix(tokens, tag)[1], limit) if entry is not None else 0
         if (
             entry is None
             or n < ram.block
@@ -316,9 +317,9 @@ class KVCache:
             or self._room_if_idle_evicted(len(entry.tokens))
         ):
             if self._restore_waits:
-                self._restore_waits.pop(array.tobytes(), None)
+                self._restore_waits.pop((tag, array.tobytes()), None)
             return False
-        key = array.tobytes()
+        key = (tag, array.tobytes())
         waited = self._restore_waits.get(key, 0)
         if waited >= math.ceil((n - best_n) / WAIT_TICK_PROMPT_TOKENS):
             return False
@@ -369,19 +370,20 @@ class KVCache:
 
     def save(self, seq: int) -> bool:
         """Copy the state of the idle ``seq`` (about to lose its cached tokens) to the RAM
-        tier; False when off, too short, already there, not copyable or computed under an adapter."""
+        tier, under its adapter set; False when off, too short, already there or not copyable."""
         ram = self.ram
-        if ram is None or self.table.seq_len(seq) < ram.block or self.tags[seq] != ():
+        if ram is None or self.table.seq_len(seq) < ram.block:
             return False
-        tokens = self.table.seq_tokens(seq)
-        covering = ram.covers(tokens)
+        tokens, tag = self.table.seq_tokens(seq), self.tags[seq]
+        covering = ram.covers(tokens, tag)
         if covering is not None:
             ram.touch(covering)
             return False
-        return ram.save(tokens, self.context.state_seq_get(seq, ram.budget_bytes))
+        return ram.save(tokens, self.context.state_seq_get(seq, ram.budget_bytes), tag=tag)
 
-    def _restore(self, tokens: list[int], best_n: int, limit: int) -> Placement | None:
-        """Load the saved state sharing the longest prefix with ``tokens`` into the idle slot
+    def _restore(self, tokens: list[int], best_n: int, limit: int, tag: Hashable) -> Placement | None:
+        """Load the saved state of the adapter set ``tag`` sharing the longest prefix with
+        ``tokens`` into the idle slot
         a fresh placement takes (``admission_slot``) when it beats the KV cache's ``best_n``
         tokens; None when none does (or it cannot be loaded: then the prompt is computed as
         usual, and a hit not loaded is counted in ``restore_skipped`` with its reason).
@@ -395,9 +397,9 @@ class KVCache:
         assert ram is not None
         table = self.table
         array = np.asarray(tokens, dtype=np.int32)
-        if self.store is not None and self.store.disk:
+        if self.store is not None and self.store.disk and tag == ():  # files: the base model's KV
             self._from_disk(array, best_n, limit)
-        entry, n = ram.match(array)
+        entry, n = ram.match(array, tag)
         n = min(n, limit)
         if entry is None or n < ram.block or n <= best_n:
             ram.misses += 1
@@ -407,7 +409,7 @@ class KVCache:
             return None
         slot = table.admission_slot()  # as a fresh placement (per-stream: keeps busy streams together)
         self.save(slot)
-        entry, n = ram.match(array)  # saving may have replaced or dropped that entry
+        entry, n = ram.match(array, tag)  # saving may have replaced or dropped that entry
         n = min(n, limit)
         if entry is None or n < ram.block or n <= best_n:
             ram.skip(SKIP_STATE_DROPPED)
@@ -416,13 +418,13 @@ class KVCache:
             return None
         self.trim(slot, 0)
         ram.touch(entry)  # the evictions' saves below drop older states first
-        if table.kv_unified and not self._room_to_load(entry.tokens):
+        if table.kv_unified and not self._room_to_load(entry.tokens, tag):
             ram.skip(SKIP_ROOM_HELD_BY_RUNNING)
             return None
         if not ram.holds(entry):  # an eviction's save pushed it out of the budget
             ram.skip(SKIP_STATE_DROPPED)
             return None
-        loaded, shared = self.load_state(slot, entry.tokens[:n], entry.data)
+        loaded, shared = self.load_state(slot, entry.tokens[:n], entry.data, tag)
         if not loaded:
             ram.restore_failures += 1
             entry.failures += 1
@@ -458,7 +460,7 @@ class KVCache:
         self.ram.skip(SKIP_SLIDING_WINDOW)
         return True
 
-    def _room_to_load(self, tokens: np.ndarray) -> bool:
+    def _room_to_load(self, tokens: np.ndarray, tag: Hashable = ()) -> bool:
         """Free cells (unified KV cache) to load a state holding ``tokens``: all of them are
         loaded before the prefix other sequences hold is shared again, so idle slots' cached
         tokens are evicted for room (saved to RAM first, least recently used first), the
@@ -468,7 +470,7 @@ class KVCache:
         the prompt instead would take about as many cells, and compute them."""
         table = self.table
         pending = sum(table.n_pending(s) for s in range(table.n_parallel))
-        source, shared = self.best_prefix(tokens)
+        source, shared = self.best_prefix(tokens, tag)
         keep = source if self.ram is not None and shared >= self.ram.block else -1
         extra = self.extra_cells or (lambda _: 0)
         while table.cells_free - pending < len(tokens) + extra(tokens):
@@ -479,10 +481,13 @@ class KVCache:
             keep = -1  # the shared prefix's holder goes too: the state brings that prefix back
         return True
 
-    def load_state(self, slot: int, tokens: np.ndarray, data: bytes | bytearray) -> tuple[bool, int]:
-        """Load ``data`` (a state in this context's layout whose first cells hold ``tokens``)
-        into the empty ``slot`` (from RAM, or a layout switch's carried state; the caller
-        records it); returns whether it loaded and the tokens shared.
+    def load_state(
+        self, slot: int, tokens: np.ndarray, data: bytes | bytearray, tag: Hashable = ()
+    ) -> tuple[bool, int]:
+        """Load ``data`` (a state in this context's layout whose first cells hold ``tokens``,
+        computed under the adapter set ``tag``) into the empty ``slot`` (from RAM, or a layout
+        switch's carried state; the caller records it); returns whether it loaded and the
+        tokens shared.
 
         The prefix of ``tokens`` another sequence holds (the shared system prompt, say) is
         taken from its cells, as a prefix copied at admission is, so each restored
@@ -494,7 +499,7 @@ class KVCache:
         context, table = self.context, self.table
         source, shared = -1, 0
         if table.kv_unified and self.window is None:
-            source, shared = self.best_prefix(tokens)  # a restored state is the base model's
+            source, shared = self.best_prefix(tokens, tag)
             shared = min(shared, len(tokens) - 1)  # a state keeps one cell at least
         if source < 0 or shared <= 0:
             return context.state_seq_set(slot, data), 0
@@ -551,8 +556,9 @@ class KVCache:
             store.scan(self.ram.block, max_tokens=self.table.n_ctx_seq)
 
     def persist(self) -> int:
-        """At close: write the RAM tier's states (idle slots' cached tokens first saved to
-        it) to the prefix store, most recently used first; returns the files written."""
+        """At close: write the RAM tier's base-model states (idle slots' cached tokens first
+        saved to it) to the prefix store, most recently used first (a file names no adapter
+        set); returns the files written."""
         store, ram, table = self.store, self.ram, self.table
         if store is None or ram is None:
             return 0
@@ -561,7 +567,7 @@ class KVCache:
                 if table.state(slot) == SlotState.IDLE:
                     self.save(slot)
             kept, room = [], store.max_bytes
-            for entry in reversed(ram.entries()):  # most recently used first, within the cap
+            for entry in reversed([e for e in ram.entries() if e.tag == ()]):  # newest first, to the cap
                 size = file_size(store.layout, len(entry.tokens), len(entry.data))
                 if size <= room:
                     kept.append(entry)

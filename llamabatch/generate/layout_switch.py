@@ -266,7 +266,10 @@ def carry_states(core: EngineCore) -> list[Carried]:
     carried: list[Carried] = []
     ram = core.kv.ram
     if ram is not None:
-        carried.extend((entry.tokens.tolist(), entry.data, False) for entry in ram.entries())
+        # the base model's only (an engine with adapters never switches; a carried state names
+        # no adapter set)
+        base = (entry for entry in ram.entries() if entry.tag == ())
+        carried.extend((entry.tokens.tolist(), entry.data, False) for entry in base)
     slots = [s for s in range(table.n_parallel) if table.state(s) == SlotState.IDLE and table.seq_len(s)]
     for slot in slots:
         data = context.state_seq_get(slot)

@@ -10,14 +10,17 @@ prefix, exactly as after a prefill. The slot table stays the one record of what 
 cache holds; this module only holds bytes and tokens in host memory, up to ``budget_bytes``,
 least recently used first out.
 
-Lookup: entries are indexed by their first ``BLOCK`` tokens (a dict), and among those the
-longest common prefix is found with numpy; only prefixes of at least ``BLOCK`` tokens are
-saved or restored (a shorter one is cheaper to compute than to copy).
+Lookup: entries are indexed by the LoRA adapter set their KV was computed under (``tag``,
+``()`` for the base model; ``KVCache.tags``) and their first ``BLOCK`` tokens (a dict), and
+among those the longest common prefix is found with numpy; only prefixes of at least
+``BLOCK`` tokens are saved or restored (a shorter one is cheaper to compute than to copy).
+A state is restored only for a request of its own adapter set, as prefix reuse is.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,16 +67,23 @@ class RamCacheStats:
 
 
 class RamEntry:
-    """One saved sequence: its tokens (positions ``0..n-1``) and llama.cpp's state bytes."""
+    """One saved sequence: its tokens (positions ``0..n-1``), llama.cpp's state bytes and the
+    adapter set (``tag``) its KV was computed under."""
 
-    __slots__ = ("data", "failures", "key", "source", "tokens")
+    __slots__ = ("data", "failures", "key", "source", "tag", "tokens")
 
     def __init__(
-        self, tokens: np.ndarray, data: bytes | bytearray, block: int = BLOCK, source: Path | None = None
+        self,
+        tokens: np.ndarray,
+        data: bytes | bytearray,
+        block: int = BLOCK,
+        source: Path | None = None,
+        tag: Hashable = (),
     ) -> None:
         self.tokens = tokens
         self.data = data
-        self.key = tokens[:block].tobytes()
+        self.tag = tag
+        self.key: tuple[Hashable, bytes] = (tag, tokens[:block].tobytes())
         #: loads llama.cpp refused (no contiguous room, or bad bytes: dropped at the second)
         self.failures = 0
         #: where the bytes came from when not from this engine's KV cache (a prefix file),
@@ -100,7 +110,7 @@ class RamCache:
         #: tokens indexing an entry, and the shortest prefix saved or restored
         self.block = block
         self._lru: OrderedDict[int, RamEntry] = OrderedDict()  # id(entry) -> entry, oldest first
-        self._by_key: dict[bytes, list[RamEntry]] = {}
+        self._by_key: dict[tuple[Hashable, bytes], list[RamEntry]] = {}
         self.bytes = 0
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
         self.restore_failures = self.restored_tokens = self.shared_tokens = 0
@@ -114,26 +124,29 @@ class RamCache:
         """The entries, least recently used first."""
         return list(self._lru.values())
 
-    def covers(self, tokens: np.ndarray) -> RamEntry | None:
-        """An entry whose tokens start with all of ``tokens`` (saving them again is useless)."""
-        for entry in self._by_key.get(tokens[: self.block].tobytes(), ()):
+    def covers(self, tokens: np.ndarray, tag: Hashable = ()) -> RamEntry | None:
+        """An entry of ``tag`` whose tokens start with all of ``tokens`` (saving them again is
+        useless)."""
+        for entry in self._by_key.get((tag, tokens[: self.block].tobytes()), ()):
             if len(entry.tokens) >= len(tokens) and common_prefix(entry.tokens, tokens) == len(tokens):
                 return entry
         return None
 
-    def save(self, tokens: np.ndarray, data: bytes | bytearray, source: Path | None = None) -> bool:
-        """Keep ``data``, the state of a sequence holding ``tokens`` (read from ``source``,
-        when not from the KV cache: ``RamEntry.source``); entries that are prefixes of it
-        are dropped, older entries leave while over budget. False when it is too short,
-        empty, or bigger than the whole budget."""
+    def save(
+        self, tokens: np.ndarray, data: bytes | bytearray, source: Path | None = None, tag: Hashable = ()
+    ) -> bool:
+        """Keep ``data``, the state of a sequence holding ``tokens`` computed under the adapter
+        set ``tag`` (read from ``source``, when not from the KV cache: ``RamEntry.source``);
+        entries of ``tag`` that are prefixes of it are dropped, older entries leave while
+        over budget. False when it is too short, empty, or bigger than the whole budget."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if len(tokens) < self.block or not data or len(data) > self.budget_bytes:
             return False
-        covering = self.covers(tokens)
+        covering = self.covers(tokens, tag)
         if covering is not None:
             self.touch(covering)
             return False
-        entry = RamEntry(tokens.copy(), data, self.block, source)
+        entry = RamEntry(tokens.copy(), data, self.block, source, tag)
         for old in list(self._by_key.get(entry.key, ())):
             if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
                 self._remove(old)
@@ -146,13 +159,13 @@ class RamCache:
         self.saves += 1
         return True
 
-    def match(self, tokens: np.ndarray) -> tuple[RamEntry | None, int]:
-        """The entry sharing the longest prefix with ``tokens``, and its length (>= ``block``),
-        or ``(None, 0)``."""
+    def match(self, tokens: np.ndarray, tag: Hashable = ()) -> tuple[RamEntry | None, int]:
+        """The entry of ``tag`` sharing the longest prefix with ``tokens``, and its length
+        (>= ``block``), or ``(None, 0)``."""
         tokens = np.asarray(tokens, dtype=np.int32)
         best, best_n = None, 0
         if len(tokens) >= self.block:
-            for entry in self._by_key.get(tokens[: self.block].tobytes(), ()):
+            for entry in self._by_key.get((tag, tokens[: self.block].tobytes()), ()):
                 n = common_prefix(entry.tokens, tokens)
                 if n > best_n:
                     best, best_n = entry, n

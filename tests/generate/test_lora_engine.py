@@ -246,3 +246,28 @@ def test_lora_stats_in_llm_stats_and_metrics(tiny: Path, adapters: dict[str, Pat
     assert 'llamabatch:lora_loaded_adapters{model_name="tiny"} 2.0' in text
     assert 'llamabatch:lora_requests_total{adapter_set="a*0.5+b",model_name="tiny"} 1.0' in text
     assert "llamabatch:lora_switch_seconds{" in text
+
+
+def test_an_adapters_conversation_comes_back_from_the_ram_tier(tiny: Path, adapters: dict[str, Path]) -> None:
+    """A conversation under adapter "a" pushed out of the KV cache is restored from the RAM
+    tier for its next turn under "a", with the log-probabilities of computing it again; the
+    same tokens under "b" are computed."""
+    options = dict(n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=False, kv_unified=True)
+    params = {lora: SamplingParams(max_tokens=6, temperature=0, logprobs=2, lora=lora) for lora in ("a", "b")}
+    with LLM(tiny, lora_adapters=adapters, cache_ram=64, **options) as llm:
+        words = "the quick brown fox jumps over a lazy dog while seven cats watch it ".split()
+        convs = [llm.tokenize(" ".join(words[i:] + words * 12))[:120] for i in range(3)]
+        first = llm.generate(convs[0], params["a"])[0].outputs[0]
+        llm.generate(convs[1:], params["a"], use_tqdm=False)  # 3 conversations, 2 slots
+        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
+        out = llm.generate(follow, params["a"])[0].outputs[0]
+        restores = llm.stats().ram_cache_restores
+        other = llm.generate(follow, params["b"])[0].outputs[0]
+        assert llm.stats().ram_cache_restores == restores == 1
+    assert out.usage.reused_tokens >= 120 and other.usage.reused_tokens == 0
+    with LLM(tiny, lora_adapters=adapters, cache_ram=0, **options) as llm:
+        computed = llm.generate(follow, params["a"])[0].outputs[0]
+    assert out.token_ids == computed.token_ids
+    for a, b in zip(out.logprobs, computed.logprobs, strict=True):
+        for token, value in b.items():
+            assert a[token] == pytest.approx(value, abs=1e-3)

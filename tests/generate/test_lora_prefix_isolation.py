@@ -1,5 +1,5 @@
 """KV computed under one LoRA adapter set is never given to a request of another: prefix reuse
-keys on (adapter set, tokens), and adapter KV stays out of the host-RAM tier (fake context)."""
+and the host-RAM tier key on (adapter set, tokens) (fake context)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _watch_placements(core: Any, seen: list[tuple[Any, Any, int]]) -> None:
         placement = place(tokens, leader_slot, tag)
         if placement.reused_tokens:
             if kv.ram is not None and kv.ram.restores > restores:
-                source_tag = ()  # a state from the RAM tier, which holds the base model's KV only
+                source_tag = kv.ram.entries()[-1].tag  # the state restored (touched last)
             else:
                 source = placement.source_seq if placement.source_seq >= 0 else placement.slot
                 source_tag = before[source]
@@ -53,16 +53,29 @@ def test_prefix_cache_never_crosses_adapter_sets(
     core, _context, _model = make_core(n_parallel=3, prefix_cache=True, chunk_size=16, cache_ram=cache_ram)
     seen: list[tuple[Any, Any, int]] = []
     _watch_placements(core, seen)
-    saves: list[tuple[Any, bool]] = []
+    saves: list[tuple[Any, Any]] = []  # (the sequence's set, the saved state's)
     save = core.kv.save
 
     def watched_save(seq: int) -> bool:
         tag = core.kv.tags[seq]
         saved = save(seq)
-        saves.append((tag, saved))
+        if saved:
+            saves.append((tag, core.kv.ram.entries()[-1].tag))
         return saved
 
     core.kv.save = watched_save
+    matches: list[tuple[Any, Any]] = []  # (asked, found): what the RAM tier's lookups gave
+    ram = core.kv.ram
+    if ram is not None:
+        match = ram.match
+
+        def watched_match(tokens: Any, tag: Any = ()) -> Any:
+            entry, n = match(tokens, tag)
+            if entry is not None:
+                matches.append((tag, entry.tag))
+            return entry, n
+
+        ram.match = watched_match
     blocks = [list(range(4 + 16 * b, 20 + 16 * b)) for b in range(3)]  # 16-token shared blocks
     requests = []
     for parts, set_index, max_tokens in jobs:
@@ -78,7 +91,8 @@ def test_prefix_cache_never_crosses_adapter_sets(
     assert all(r.done for r in requests)
     for tag, source_tag, _n in seen:
         assert tag == source_tag, (tag, source_tag)
-    assert all(tag == () for tag, saved in saves if saved)  # adapter KV never goes to RAM
+    assert all(tag == saved_tag for tag, saved_tag in saves)  # a state keeps its set
+    assert all(asked == found for asked, found in matches)
 
 
 def test_same_tokens_other_adapter_are_computed_again() -> None:
@@ -122,3 +136,28 @@ def test_room_is_counted_without_a_prefix_of_another_adapter_set() -> None:
         core.step()
     assert late.finish_reason == runner.finish_reason == "length"
     assert late.reused_tokens == 0
+
+
+def test_an_adapters_state_is_restored_for_its_own_set_only() -> None:
+    """A prompt computed under adapter "a", pushed out of the KV cache, goes to the RAM tier
+    under "a": the same tokens under "a" again restore it, under another set or the base
+    model they are computed (and the state stays for "a")."""
+    core, _context, _model = make_core(n_parallel=1, prefix_cache=True, chunk_size=64, cache_ram=64)
+    tokens = [1, *range(2, 50)]  # 49 tokens: over the tier's 32-token block
+
+    def run(prompt: list[int], lora: Any) -> Request:
+        request = Request(prompt, SamplingParams(max_tokens=2, temperature=0.0, lora=lora))
+        core.add([request])
+        while core.has_unfinished():
+            core.step()
+        return request
+
+    run(tokens, "a")
+    run([1, *range(50, 60)], ())  # takes the one slot: "a"'s tokens go to the RAM tier
+    ram = core.kv.ram
+    assert ram is not None and [e.tag for e in ram.entries()] == [(("a", 1.0),)]  # (name, scale)
+    for lora in ("b", ()):
+        other = run([*tokens, 60], lora)
+        assert other.reused_tokens == 0 and ram.restores == 0, lora
+    again = run([*tokens, 60], "a")
+    assert ram.restores == 1 and again.reused_tokens == len(tokens)
