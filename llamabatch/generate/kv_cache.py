@@ -293,10 +293,10 @@ class KVCache:
 
     def restore_worth_waiting(self, tokens: list[int], tag: Hashable = ()) -> bool:
         """True when the best match of ``tokens`` (under the adapter set ``tag``) is a state in
-        the RAM tier whose room (unified
-        KV cache) running requests hold, even with every idle slot's cached tokens evicted,
-        and the prompt has waited fewer checks (one an admission step) than the ticks computing
-        the restorable tokens would cost (their count over :data:`WAIT_TICK_PROMPT_TOKENS`).
+        the RAM tier whose room (unified KV cache) running requests hold, even with every idle
+        slot's cached tokens evicted, and the prompt has waited fewer checks (one an admission
+        step) than the ticks computing the restorable tokens would cost (their count over
+        :data:`WAIT_TICK_PROMPT_TOKENS`).
 
         A ski-rental bound: the running requests end when they end, so the prompt waits at
         most about what computing it would take, and is computed after that (the skip is then
@@ -383,10 +383,10 @@ class KVCache:
 
     def _restore(self, tokens: list[int], best_n: int, limit: int, tag: Hashable) -> Placement | None:
         """Load the saved state of the adapter set ``tag`` sharing the longest prefix with
-        ``tokens`` into the idle slot
-        a fresh placement takes (``admission_slot``) when it beats the KV cache's ``best_n``
-        tokens; None when none does (or it cannot be loaded: then the prompt is computed as
-        usual, and a hit not loaded is counted in ``restore_skipped`` with its reason).
+        ``tokens`` into the idle slot a fresh placement takes (``admission_slot``) when it
+        beats the KV cache's ``best_n`` tokens; None when none does (or it cannot be loaded:
+        then the prompt is computed as usual, and a hit not loaded is counted in
+        ``restore_skipped`` with its reason).
 
         Idle slots' cached prefixes never keep a state out: they are saved (when worth it)
         and evicted for its room. Only cells running requests hold can; then the prompt is
