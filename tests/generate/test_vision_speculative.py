@@ -110,3 +110,36 @@ def test_drafts_beside_images_keep_the_answers(tmp_path, monkeypatch, spec, meth
     assert all(o.outputs[0].finish_reason == "length" for o in drafted)
     assert drafters and drafters[0].into_image > 0
     assert stats.spec_draft_tokens > 0
+
+
+@needs_mtmd
+def test_server_chat_with_an_image_speculates_and_answers_as_without(tmp_path, monkeypatch):
+    """/v1/chat/completions with an image_url part on an engine with n-gram speculation whose
+    drafts run into the image: the answer is the one without drafts (the request's
+    ``speculative: false``)."""
+    import json
+
+    from starlette.testclient import TestClient
+    from test_vision import _chat, _data_url, _image_part
+
+    from llamabatch.server.app import create_app
+    from llamabatch.server.limits import ServerLimits
+
+    lookup = speculative.lookup_drafter
+    monkeypatch.setattr(speculative, "lookup_drafter", lambda config: _IntoTheImage(lookup(config)))
+    model, mmproj = make_vision_model(tmp_path)
+    options = {"n_ctx": 1024, "n_parallel": 2, "n_threads": 1, "speculative_config": {"method": "ngram"}}
+    with LLM(model, mmproj=str(mmproj), **options) as llm:
+        app = create_app(llm, chat_template="chatml", limits=ServerLimits(allowed_hosts=("testserver",)))
+        messages = _chat(_image_part(_data_url(80)), {"type": "text", "text": " one two three one two three"})
+        with TestClient(app) as client:
+            answers = []
+            for drafts_on in (False, True):
+                body = {"messages": messages, "max_tokens": 24, "temperature": 0, "speculative": drafts_on}
+                headers = {"content-type": "application/json"}
+                r = client.post("/v1/chat/completions", content=json.dumps(body), headers=headers)
+                assert r.status_code == 200, r.text
+                answers.append(r.json()["choices"][0]["message"]["content"])
+        drafted = llm.stats().spec_draft_tokens
+    assert answers[0] == answers[1]
+    assert drafted > 0
