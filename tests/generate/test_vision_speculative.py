@@ -120,8 +120,8 @@ def test_server_chat_with_an_image_speculates_and_answers_as_without(tmp_path, m
     import json
 
     from starlette.testclient import TestClient
-    from test_vision import _chat, _data_url, _image_part
 
+    from llamabatch.bench.images import data_url, make_png
     from llamabatch.server.app import create_app
     from llamabatch.server.limits import ServerLimits
 
@@ -131,7 +131,9 @@ def test_server_chat_with_an_image_speculates_and_answers_as_without(tmp_path, m
     options = {"n_ctx": 1024, "n_parallel": 2, "n_threads": 1, "speculative_config": {"method": "ngram"}}
     with LLM(model, mmproj=str(mmproj), **options) as llm:
         app = create_app(llm, chat_template="chatml", limits=ServerLimits(allowed_hosts=("testserver",)))
-        messages = _chat(_image_part(_data_url(80)), {"type": "text", "text": " one two three one two three"})
+        image = {"type": "image_url", "image_url": {"url": data_url(make_png(30, 20, seed=80))}}
+        text = {"type": "text", "text": "What is this? one two three one two three"}
+        messages = [{"role": "user", "content": [text, image]}]
         with TestClient(app) as client:
             answers = []
             for drafts_on in (False, True):
