@@ -589,7 +589,10 @@ def speculator_for(
 
 def text_drafts(drafts: dict[Hashable, Draft]) -> dict[Hashable, Draft]:
     """``drafts`` cut before their first image stand-in id (negative, ``vision.py``): a history
-    lookup that runs into a prompt's image would otherwise draft its positions as tokens."""
+    lookup that runs into a prompt's image would otherwise draft its positions as tokens.
+    Without images (every tick of a text model) this is one ``min`` per draft."""
+    if all(min(draft.tokens, default=0) >= 0 for draft in drafts.values()):
+        return drafts
     out = {}
     for key, draft in drafts.items():
         cut = next((i for i, token in enumerate(draft.tokens) if token < 0), None)
