@@ -106,6 +106,7 @@ def main() -> None:
     columns += ["ours, no n_ctx", "ratio"]
     print("| " + " | ".join([*columns, "slots"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
+    extra = shlex.split(args.bb_args)
     for shape in args.shapes.split(","):
         npp, ntg = (int(x) for x in shape.split("+"))
         for npl in (int(x) for x in args.npl.split(",")):
@@ -115,7 +116,6 @@ def main() -> None:
             alone: list[float] = []
             for _ in range(max(1, args.rounds)):
                 if args.bb.exists():
-                    extra = shlex.split(args.bb_args)
                     bb.append(batched_bench(args.bb, args.model, args.threads, n_ctx, npp, ntg, npl, extra))
                 else:
                     bb.append(None)
