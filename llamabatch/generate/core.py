@@ -340,7 +340,7 @@ class EngineCore:
     def _start(self, request: Request, tokens: list[int]) -> None:
         leader = request.leader
         leader_slot = self.slots.slot_of(leader) if leader is not None else -1
-        placement = self.kv.place(tokens, leader_slot, request.params.lora)
+        placement = self.kv.place(tokens, leader_slot, request.params.lora, request.client)
         slot = placement.slot
         reused = placement.reused_tokens
         if self.vision:  # an image the reused prefix ends inside may be computed again

@@ -125,6 +125,9 @@ class KVCache:
         #: KV was computed under: prefix reuse and the host-RAM tier key on (tag, tokens), and
         #: only the base model's KV goes to the prefix files
         self.tags: list[Hashable] = [()] * table.n_seq
+        #: the client whose request last computed in each sequence (``Request.client``): its
+        #: state goes to the RAM tier as that client's (``RamCache``'s per-client share)
+        self.owners: list[Hashable] = [None] * table.n_seq
         self._tagged = False  # whether any sequence was ever computed under an adapter
 
     # -- the two primitives: every KV change goes through them --------------------------
@@ -166,6 +169,7 @@ class KVCache:
         self.context.seq_rm(src, -1, -1)
         self.table.move(src, dst)
         self.tags[dst], self.tags[src] = self.tags[src], ()
+        self.owners[dst], self.owners[src] = self.owners[src], None
         return evicted
 
     def drop_uncommitted(self, slot: int) -> None:
@@ -174,15 +178,19 @@ class KVCache:
 
     # -- admission ----------------------------------------------------------------------
 
-    def place(self, tokens: list[int], leader_slot: int = -1, tag: Hashable = ()) -> Placement:
-        """Choose an idle slot for ``tokens`` (computed under the adapter set ``tag``) and make
-        it hold the longest reusable prefix computed under the same set.
+    def place(
+        self, tokens: list[int], leader_slot: int = -1, tag: Hashable = (), owner: Hashable = None
+    ) -> Placement:
+        """Choose an idle slot for ``tokens`` (computed under the adapter set ``tag`` for the
+        client ``owner``) and make it hold the longest reusable prefix computed under the same
+        set.
 
         With reuse off, only a parallel-sampling leader's prompt is shared."""
         placement = self._place(tokens, leader_slot, tag)
         if tag != ():
             self._tagged = True
         self.tags[placement.slot] = tag
+        self.owners[placement.slot] = owner
         if placement.source_seq >= 0:  # copied: its source holds it all
             shared = placement.reused_tokens
         else:
@@ -370,7 +378,8 @@ class KVCache:
 
     def save(self, seq: int) -> bool:
         """Copy the state of the idle ``seq`` (about to lose its cached tokens) to the RAM
-        tier, under its adapter set; False when off, too short, already there or not copyable."""
+        tier, under its adapter set and as its client's; False when off, too short, already
+        there or not copyable."""
         ram = self.ram
         if ram is None or self.table.seq_len(seq) < ram.block:
             return False
@@ -379,7 +388,8 @@ class KVCache:
         if covering is not None:
             ram.touch(covering)
             return False
-        return ram.save(tokens, self.context.state_seq_get(seq, ram.budget_bytes), tag=tag)
+        data = self.context.state_seq_get(seq, ram.budget_bytes)
+        return ram.save(tokens, data, tag=tag, owner=self.owners[seq])
 
     def _restore(self, tokens: list[int], best_n: int, limit: int, tag: Hashable) -> Placement | None:
         """Load the saved state of the adapter set ``tag`` sharing the longest prefix with

@@ -43,6 +43,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -255,8 +256,9 @@ class LayoutSwitcher:
         stats.time_s += seconds
 
 
-#: a carried state: its tokens, its bytes, and whether an idle slot held it (else the RAM tier)
-Carried = tuple[list[int], bytes | bytearray, bool]
+#: a carried state: its tokens, its bytes, whether an idle slot held it (else the RAM tier),
+#: and the client it is kept for (``RamEntry.owner``, ``KVCache.owners``)
+Carried = tuple[list[int], bytes | bytearray, bool, Hashable]
 
 
 def carry_states(core: EngineCore) -> list[Carried]:
@@ -269,12 +271,12 @@ def carry_states(core: EngineCore) -> list[Carried]:
         # the base model's only (an engine with adapters never switches; a carried state names
         # no adapter set)
         base = (entry for entry in ram.entries() if entry.tag == ())
-        carried.extend((entry.tokens.tolist(), entry.data, False) for entry in base)
+        carried.extend((entry.tokens.tolist(), entry.data, False, entry.owner) for entry in base)
     slots = [s for s in range(table.n_parallel) if table.state(s) == SlotState.IDLE and table.seq_len(s)]
     for slot in slots:
         data = context.state_seq_get(slot)
         if data:
-            carried.append((table.seq_tokens(slot).tolist(), data, True))
+            carried.append((table.seq_tokens(slot).tolist(), data, True, core.kv.owners[slot]))
     return carried
 
 
@@ -290,8 +292,8 @@ def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tu
     v_trans = not core.config.flash_attn
     carried_tokens = lost = 0
     free_slots = list(range(table.n_parallel))
-    overflow: list[tuple[list[int], bytes | None]] = []  # slots' states that do not fit a slot
-    for tokens, data, _ in reversed([c for c in carried if c[2]]):
+    overflow: list[tuple[list[int], bytes | None, Hashable]] = []  # slots' states that fit no slot
+    for tokens, data, _, owner in reversed([c for c in carried if c[2]]):
         state = convert_seq_state(data, n_stream, v_trans, n_layer)
         fits = len(tokens) <= table.n_ctx_seq and (not table.kv_unified or table.cells_free >= len(tokens))
         if state is not None and free_slots and fits:
@@ -299,15 +301,22 @@ def restore_states(core: EngineCore, carried: list[Carried], n_layer: int) -> tu
             if core.kv.load_state(slot, np.asarray(tokens, dtype=np.int32), state)[0]:
                 table.record_cached(slot, tokens)
                 table.touch(slot)
+                core.kv.owners[slot] = owner
                 carried_tokens += len(tokens)
                 continue
-        overflow.append((tokens, state))
+        overflow.append((tokens, state, owner))
     # converted one at a time, as saved: the RAM tier's states are not held twice at once
     ram_states = (
-        (t, convert_seq_state(d, n_stream, v_trans, n_layer)) for t, d, in_slot in carried if not in_slot
+        (t, convert_seq_state(d, n_stream, v_trans, n_layer), owner)
+        for t, d, in_slot, owner in carried
+        if not in_slot
     )
-    for tokens, state in itertools.chain(ram_states, reversed(overflow)):
-        if state is not None and ram is not None and ram.save(np.asarray(tokens, dtype=np.int32), state):
+    for tokens, state, owner in itertools.chain(ram_states, reversed(overflow)):
+        if (
+            state is not None
+            and ram is not None
+            and ram.save(np.asarray(tokens, dtype=np.int32), state, owner=owner)
+        ):
             carried_tokens += len(tokens)
         else:
             lost += len(tokens)

@@ -237,7 +237,8 @@ class LLM(HostFacts, ThreadedFacade):
         """Queue one prompt (text or token ids); returns at once. Thread-safe. ``priority``:
         lower runs first and may preempt running requests of a higher number (see README).
         ``client``: who the request is for (any hashable; ``None``: no one in particular):
-        at one priority, the requests of different clients take turns.
+        at one priority, the requests of different clients take turns, and each client has
+        its share of the host-RAM prompt cache (``cache_ram``).
 
         Raises ``ValueError`` for an empty prompt or bad params, ``PromptTooLong`` when
         prompt + max_tokens do not fit, ``QueueFull`` beyond ``max_queue``."""

@@ -15,6 +15,13 @@ Lookup: entries are indexed by the LoRA adapter set their KV was computed under 
 among those the longest common prefix is found with numpy; only prefixes of at least
 ``BLOCK`` tokens are saved or restored (a shorter one is cheaper to compute than to copy).
 A state is restored only for a request of its own adapter set, as prefix reuse is.
+
+Sharing: each entry has an ``owner``, the client whose request computed it (``client=`` of
+``LLM.submit`` and the like; the server's peer address; None for the caller and for prefix
+files). While over budget, the owner holding the most bytes gives up its least recently used
+entry first, so one client saving a flood of distinct sequences recycles its own share and
+cannot push other clients' conversations out. With one owner (an app that names no clients)
+this is plain LRU.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class RamEntry:
     """One saved sequence: its tokens (positions ``0..n-1``), llama.cpp's state bytes and the
     adapter set (``tag``) its KV was computed under."""
 
-    __slots__ = ("data", "failures", "key", "source", "tag", "tokens")
+    __slots__ = ("data", "failures", "key", "owner", "source", "tag", "tokens")
 
     def __init__(
         self,
@@ -79,10 +86,13 @@ class RamEntry:
         block: int = BLOCK,
         source: Path | None = None,
         tag: Hashable = (),
+        owner: Hashable = None,
     ) -> None:
         self.tokens = tokens
         self.data = data
         self.tag = tag
+        #: the client whose request computed it (see the module doc: sharing)
+        self.owner = owner
         self.key: tuple[Hashable, bytes] = (tag, tokens[:block].tobytes())
         #: loads llama.cpp refused (no contiguous room, or bad bytes: dropped at the second)
         self.failures = 0
@@ -111,6 +121,9 @@ class RamCache:
         self.block = block
         self._lru: OrderedDict[int, RamEntry] = OrderedDict()  # id(entry) -> entry, oldest first
         self._by_key: dict[tuple[Hashable, bytes], list[RamEntry]] = {}
+        #: each owner's entries (LRU, as ``_lru``) and bytes
+        self._by_owner: dict[Hashable, OrderedDict[int, RamEntry]] = {}
+        self._owner_bytes: dict[Hashable, int] = {}
         self.bytes = 0
         self.hits = self.misses = self.saves = self.restores = self.evictions = 0
         self.restore_failures = self.restored_tokens = self.shared_tokens = 0
@@ -133,12 +146,18 @@ class RamCache:
         return None
 
     def save(
-        self, tokens: np.ndarray, data: bytes | bytearray, source: Path | None = None, tag: Hashable = ()
+        self,
+        tokens: np.ndarray,
+        data: bytes | bytearray,
+        source: Path | None = None,
+        tag: Hashable = (),
+        owner: Hashable = None,
     ) -> bool:
         """Keep ``data``, the state of a sequence holding ``tokens`` computed under the adapter
-        set ``tag`` (read from ``source``, when not from the KV cache: ``RamEntry.source``);
-        entries of ``tag`` that are prefixes of it are dropped, older entries leave while
-        over budget. False when it is too short, empty, or bigger than the whole budget."""
+        set ``tag`` for the client ``owner`` (read from ``source``, when not from the KV cache:
+        ``RamEntry.source``); entries of ``tag`` that are prefixes of it are dropped, and
+        while over budget the biggest owner's oldest entries leave (``_victim``). False when
+        it is too short, empty, or bigger than the whole budget."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if len(tokens) < self.block or not data or len(data) > self.budget_bytes:
             return False
@@ -146,18 +165,29 @@ class RamCache:
         if covering is not None:
             self.touch(covering)
             return False
-        entry = RamEntry(tokens.copy(), data, self.block, source, tag)
+        entry = RamEntry(tokens.copy(), data, self.block, source, tag, owner)
         for old in list(self._by_key.get(entry.key, ())):
             if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
                 self._remove(old)
         while self.bytes + len(data) > self.budget_bytes and self._lru:
-            self._remove(next(iter(self._lru.values())))
+            self._remove(self._victim(owner, len(data)))
             self.evictions += 1
         self._lru[id(entry)] = entry
         self._by_key.setdefault(entry.key, []).append(entry)
+        self._by_owner.setdefault(owner, OrderedDict())[id(entry)] = entry
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + len(data)
         self.bytes += len(data)
         self.saves += 1
         return True
+
+    def _victim(self, owner: Hashable, incoming: int) -> RamEntry:
+        """The entry to drop for ``incoming`` bytes of ``owner``: the least recently used of the
+        owner holding the most bytes (``owner``'s counted with ``incoming``)."""
+        if len(self._by_owner) == 1:
+            return next(iter(self._lru.values()))
+        held = self._owner_bytes
+        biggest = max(self._by_owner, key=lambda o: held[o] + (incoming if o == owner else 0))
+        return next(iter(self._by_owner[biggest].values()))
 
     def match(self, tokens: np.ndarray, tag: Hashable = ()) -> tuple[RamEntry | None, int]:
         """The entry of ``tag`` sharing the longest prefix with ``tokens``, and its length
@@ -177,6 +207,7 @@ class RamCache:
 
     def touch(self, entry: RamEntry) -> None:
         self._lru.move_to_end(id(entry))
+        self._by_owner[entry.owner].move_to_end(id(entry))
 
     def discard(self, entry: RamEntry) -> None:
         """Drop ``entry`` (its state could not be loaded)."""
@@ -197,6 +228,11 @@ class RamCache:
         group.remove(entry)
         if not group:
             del self._by_key[entry.key]
+        owned = self._by_owner[entry.owner]
+        del owned[id(entry)]
+        self._owner_bytes[entry.owner] -= len(entry.data)
+        if not owned:
+            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
         self.bytes -= len(entry.data)
 
     def stats(self) -> RamCacheStats:
@@ -222,6 +258,13 @@ class RamCache:
         assert self.bytes <= self.budget_bytes, "over budget"
         indexed = sorted(id(e) for group in self._by_key.values() for e in group)
         assert indexed == sorted(self._lru), "index and LRU differ"
+        owned = sorted(i for group in self._by_owner.values() for i in group)
+        assert owned == sorted(self._lru), "owners and LRU differ"
+        for owner, group in self._by_owner.items():
+            assert group and all(e.owner == owner for e in group.values()), "owner index"
+            assert self._owner_bytes[owner] == sum(len(e.data) for e in group.values()), "owner bytes"
+            order = [i for i in self._lru if i in group]
+            assert order == list(group), "owner LRU order"
 
 
 def physical_memory_bytes() -> int | None:

@@ -276,7 +276,8 @@ class Request:
         #: when the request was last admitted (the core's admission count): the latest
         #: admitted of a lower priority is preempted first
         self.admitted_order = -1
-        #: who the request is for (``None``: the caller): at one priority, clients take turns
+        #: who the request is for (``None``: the caller): at one priority, clients take turns,
+        #: and each has its share of the RAM tier (``RamCache``)
         self.client = client
         #: the request's turn (``ClientTurns``): the core's admission count when it was first
         #: queued, later for a client with requests queued before (-1 before queueing); its

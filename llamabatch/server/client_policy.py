@@ -20,7 +20,8 @@
   completions are known: the priority to run at, or the 429.
 - :func:`client_key`: the client, passed to the engine (``LLM.agenerate(..., client=)``), in
   whose queue clients take turns at one priority: a client that queued many requests does
-  not make another client's request wait behind all of them (``generate/priority.py``).
+  not make another client's request wait behind all of them (``generate/priority.py``), and
+  by whose share of the host-RAM prompt cache its saved states count (``RamCache``).
 
 The engine ages waiting requests (``EngineConfig.priority_aging``), so within what the
 policy allows no request waits forever behind better priorities either.

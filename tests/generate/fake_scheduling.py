@@ -70,9 +70,15 @@ class Recorder:
         return list(requests)
 
     def new(
-        self, tokens: list[int], params: SamplingParams | None = None, n: int = 1, priority: int = 0
+        self,
+        tokens: list[int],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        priority: int = 0,
+        client: object = None,
     ) -> list[Request]:
-        """Queue ``n`` completions of ``tokens`` (a parallel-sampling group when n > 1)."""
+        """Queue ``n`` completions of ``tokens`` (a parallel-sampling group when n > 1) for
+        ``client``."""
         params = params or greedy()
         group: list[Request] = []
         for i in range(n):
@@ -83,6 +89,7 @@ class Recorder:
                 request_id=group[0].request_id if group else None,
                 leader=group[0] if i else None,
                 priority=priority,
+                client=client,
             )
             if not r.fast_greedy:
                 seed = None if params.seed is None else params.seed + i

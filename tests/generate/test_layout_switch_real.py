@@ -144,15 +144,17 @@ def test_a_switch_puts_each_state_back_where_it_was(tiny_path):
         for p in prompts:
             engine.add_request(p, params)
         engine.run_until_complete()
-        (a, a_state, _), (b, b_state, _) = sorted(layout_switch.carry_states(engine.core))
+        (a, a_state, _, _), (b, b_state, _, _) = sorted(layout_switch.carry_states(engine.core))
     with LLMEngine(tiny_path, n_parallel=4, n_batch=256, kv_unified=True, cache_ram=64) as engine:
         core = engine.core
-        carried = [(a, a_state, False), (b, b_state, True)]
+        carried = [(a, a_state, False, "client a"), (b, b_state, True, "client b")]
         kept, lost = layout_switch.restore_states(core, carried, engine.model.n_layer)
         assert (kept, lost) == (len(a) + len(b), 0)
-        held = [core.table.seq_tokens(s).tolist() for s in range(4) if core.table.seq_len(s)]
-        assert held == [b]
+        held = [(core.table.seq_tokens(s).tolist(), core.kv.owners[s]) for s in range(4)]
+        held = [(tokens, owner) for tokens, owner in held if tokens]
+        assert held == [(b, "client b")]  # each keeps the client it was saved for
         assert engine.stats().ram_cache_entries == 1
+        assert core.kv.ram is not None and [e.owner for e in core.kv.ram.entries()] == ["client a"]
         engine.add_request([*a, 7], params)  # and both are found where they went
         engine.add_request([*b, 7], params)
         outs = engine.run_until_complete()

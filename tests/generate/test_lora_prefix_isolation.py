@@ -21,10 +21,10 @@ def _watch_placements(core: Any, seen: list[tuple[Any, Any, int]]) -> None:
     kv = core.kv
     place = kv.place
 
-    def watched(tokens: list[int], leader_slot: int = -1, tag: Any = ()) -> Any:
+    def watched(tokens: list[int], leader_slot: int = -1, tag: Any = (), owner: Any = None) -> Any:
         before = list(kv.tags)
         restores = kv.ram.restores if kv.ram is not None else 0
-        placement = place(tokens, leader_slot, tag)
+        placement = place(tokens, leader_slot, tag, owner)
         if placement.reused_tokens:
             if kv.ram is not None and kv.ram.restores > restores:
                 source_tag = kv.ram.entries()[-1].tag  # the state restored (touched last)

@@ -1,5 +1,6 @@
 """The host-RAM prompt cache (``cache_ram``) over the fake context: save on evict, restore
-on match, the budget (LRU), the slot table's record after a restore, failures."""
+on match, the budget (LRU), each client's share of it, the slot table's record after a
+restore, failures."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 from fake_llama import make_core
 from fake_scheduling import Recorder, greedy, prompt
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llamabatch.config import EngineConfig
 from llamabatch.generate.ram_cache import BLOCK, RamCache, ram_cache_for
@@ -45,6 +48,67 @@ def test_budget_is_respected_least_recently_used_first():
     assert ram.evictions == 1 and ram.bytes == 200
     assert not ram.save(entries[3], b"d" * 251)  # bigger than the whole budget
     ram.check()
+
+
+def test_a_client_saving_a_flood_recycles_its_own_share():
+    ram = RamCache(1000)
+    kept = toks(50, 100)
+    assert ram.save(kept, b"k" * 200, owner="b")
+    flood = [toks(50, seed) for seed in range(12)]
+    for t in flood:
+        assert ram.save(t, b"f" * 200, owner="flood")
+        ram.check()
+    assert ram.match(kept)[1] == 50  # older than every flood entry, and still held
+    assert [e.owner for e in ram.entries()].count("flood") == 4  # the rest of the budget
+    assert ram.match(flood[-1])[1] == 50 and ram.match(flood[0]) == (None, 0)  # its own oldest left
+    assert ram.save(toks(50, 200), b"n" * 200, owner="c")  # a newcomer: the biggest holder gives way
+    assert ram.match(kept)[1] == 50 and ram.match(flood[-4]) == (None, 0)
+    ram.check()
+
+
+def test_without_clients_the_cache_is_plain_lru():
+    ram = RamCache(400)
+    entries = [toks(50, seed) for seed in range(3)]
+    for t in entries:
+        ram.save(t, b"x" * 200)
+    assert [ram.match(t)[1] for t in entries] == [0, 50, 50]
+    assert {e.owner for e in ram.entries()} == {None}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 400), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_only_the_biggest_holder_gives_up_entries(ops):
+    """Whatever the saves and touches, the index and the budget hold, and an entry leaves for
+    another client's save only while its owner holds the most bytes: after the save, a client
+    that lost entries to it holds, with the biggest entry it lost, at least what any other
+    holds (the saver counted with what it brought, when it held entries already)."""
+    ram = RamCache(1000)
+    for owner, seed, size, touch in ops:
+        tokens = toks(40, seed)
+        if touch and (entry := ram.match(tokens)[0]) is not None:
+            ram.touch(entry)
+            continue
+        before = {id(e): e for e in ram.entries()}
+        held_before = {e.owner for e in before.values()}
+        ram.save(tokens, bytes(size), owner=owner)
+        ram.check()
+        after: dict[object, int] = {}
+        for e in ram.entries():
+            after[e.owner] = after.get(e.owner, 0) + len(e.data)
+        lost: dict[object, int] = {}
+        for gone in before.keys() - {id(e) for e in ram.entries()}:
+            e = before[gone]
+            lost[e.owner] = max(lost.get(e.owner, 0), len(e.data))
+        others = {o: n for o, n in after.items() if o != owner or owner in held_before}
+        for loser, biggest_lost in lost.items():
+            if loser != owner:
+                assert after.get(loser, 0) + biggest_lost >= max(others.values(), default=0), (loser, after)
 
 
 def test_config_and_budget_cap():
@@ -137,3 +201,25 @@ def test_clear_prefix_cache_empties_the_ram_tier():
     assert len(core.kv.ram)
     core.kv.clear()
     assert len(core.kv.ram) == 0 and core.kv.cached_tokens == 0
+
+
+def test_a_flood_of_one_client_keeps_another_clients_conversation():
+    """Budget for about three conversations: client "b" has one saved, then client "flood"
+    runs eight through the two slots. b's next turn comes back from RAM (with one LRU for
+    everyone, the flood pushed it out)."""
+    rec, core, _ctx = _chat_core(True)
+    ram = core.kv.ram
+    ram.budget_bytes = 3 * (8 + 8 * 86)
+    mine = prompt(80, 300)
+    (first,) = rec.new(mine, greedy(6), client="b")
+    rec.run()
+    for c in range(8):
+        rec.new(prompt(80, 400 + c), greedy(6), client="flood")
+        rec.run()
+        ram.check()
+    assert ram.evictions > 0 and {e.owner for e in ram.entries()} == {"b", "flood"}
+    before = ram.restores
+    (again,) = rec.new(mine + first.output.token_ids + prompt(10, 500), greedy(6), client="b")
+    rec.run()
+    rec.check_done(again)
+    assert ram.restores == before + 1 and again.output.usage.reused_tokens >= 80

@@ -62,6 +62,28 @@ def test_restored_conversation_shares_the_system_prompt(tiny_path, reference, fl
             assert a[token] == pytest.approx(value, abs=0.02)
 
 
+def test_a_flood_of_one_client_keeps_another_clients_conversation(tiny_path, reference):
+    """One client's conversation, then another client's distinct prompts until the 1 MiB tier
+    has dropped states for them: the first client's next turn still comes back from RAM (with
+    one LRU for everyone, the flood pushed it out), with the computed log-probabilities."""
+    options = dict(n_ctx=2048, n_parallel=2, n_batch=256, flash_attn=False, kv_unified=True)
+    with LLM(tiny_path, cache_ram=1, **options) as llm:
+        convs = _texts(llm, 80, 120)
+        first = llm.submit(convs[0], PARAMS, client="b").result().outputs[0]
+        for conv in convs[1:]:
+            llm.submit(conv, PARAMS, client="flood").result()
+            if llm.stats().ram_cache_evictions >= 4:
+                break
+        flooded = llm.stats()
+        follow = convs[0] + first.token_ids + llm.tokenize(" And then?", add_special=False)
+        out = llm.submit(follow, PARAMS, client="b").result().outputs[0]
+        stats = llm.stats()
+    assert flooded.ram_cache_evictions >= 4, flooded  # the flood filled the tier
+    assert stats.ram_cache_restores == flooded.ram_cache_restores + 1
+    assert out.usage.reused_tokens >= 120
+    check_against_reference(reference, [first, out])
+
+
 def test_ram_tier_in_metrics(tiny_path):
     prometheus_client = pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families

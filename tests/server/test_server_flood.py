@@ -17,10 +17,10 @@ above its budget; what would be hoarding is memory past it, which the rest of th
 Keeping the flood's sequences out of it was weighed and left: they are ordinary finished
 completions (no error, no cancel, each over the 32-token floor below which nothing is saved),
 and a rule that knew them from a conversation's first turn (whose saved answer the second turn
-restores) would have to guess. One client filling the cache evicts other clients' prefixes
-(least recently used first); ``--cache-ram`` bounds that, a per-client share of it does not
-exist yet. What these tests hold (measured on the project's 2-core VM, shared with other work at a load
-average of 3 to 11, so every figure is loaded):
+restores) would have to guess. A client filling the cache recycles its own share: the one
+holding the most bytes gives up its oldest state first (``RamCache``), so the flood does not
+evict other clients' conversations. What these tests hold (measured on the project's 2-core
+VM, shared with other work at a load average of 3 to 11, so every figure is loaded):
 
 - CPU-work flood (default suite, ~30 s): p99 <= 2 x unloaded p99 + ``SLACK_S`` (100 ms), RSS
   less the cache within ``RSS_GROWTH`` (50%). Six clients keeping both cores busy with
