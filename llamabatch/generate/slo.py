@@ -123,6 +123,10 @@ class SLOAdmission(DelegatingAdmission):
         self.active = ttft is not None or itl is not None
         #: the running requests with an ITL SLO that met their TTFT SLO or still can, by id
         self._running: dict[int, Request] = {}
+        #: those left out while their prompt was predicted late (``prefill_order``), until
+        #: their first token tells: in time after all (a prompt ranked ahead was cancelled,
+        #: say), they bound the ticks again
+        self._predicted_late: dict[int, Request] = {}
         #: the tightest of them for the tick being planned (None: none)
         self._limit: float | None = None
 
@@ -239,7 +243,8 @@ class SLOAdmission(DelegatingAdmission):
             estimate = seconds(n_pending)
             late = self._late(request, now + queued + estimate)
             if late:  # predicted to miss its TTFT SLO: its ITL no longer bounds the ticks
-                self._running.pop(id(request), None)
+                if self._running.pop(id(request), None) is not None:
+                    self._predicted_late[id(request)] = request
             else:
                 queued += estimate
             rank = float(request.arrival) if late else estimate
@@ -273,6 +278,11 @@ class SLOAdmission(DelegatingAdmission):
         does not drop a request: one tick just over the bound breaks every stream in it, and
         dropping them all then let the next ticks stall the chats for seconds.)"""
         now = time.perf_counter()
+        for key, request in list(self._predicted_late.items()):
+            if request.t_first_token is not None:  # the prediction is settled
+                del self._predicted_late[key]
+                if not self._late(request, now):
+                    self._running[key] = request
         for key, request in list(self._running.items()):
             if self._late(request, now):
                 del self._running[key]
@@ -320,6 +330,7 @@ class SLOAdmission(DelegatingAdmission):
 
     def released(self, request: Request) -> None:
         self._running.pop(id(request), None)
+        self._predicted_late.pop(id(request), None)
         self.inner.released(request)
 
     def tick_budget(self, table: SlotTable, busy: list[int], n_batch: int) -> int:

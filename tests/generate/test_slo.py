@@ -149,6 +149,33 @@ def test_a_prompt_predicted_late_for_its_ttft_no_longer_slices_its_own_prefill()
     rec.check_done(long)
 
 
+def test_a_prompt_predicted_late_whose_first_token_comes_in_time_bounds_the_ticks_again():
+    """A prediction can be wrong: here the prompt ranked ahead of it is cancelled. Its first
+    token then comes within its TTFT SLO, so it counts as goodput again, and its ITL SLO
+    slices the next prompt (it was left out for good before)."""
+    core, ctx, model, ticks = slo_core(itl_ms=100.5, n_parallel=8)
+    rec = Recorder(core, ctx, model)
+    for seed in range(3):
+        rec.new(prompt(4, seed), greedy(120, slo_ttft_ms=0.001))  # late streams: never bound
+    for _ in range(4):
+        rec.step()
+    (ahead,) = rec.new(prompt(1000, 98), greedy(4))
+    # ~1.03 s of its own prompt, ~1.05 s more ahead of it: predicted to miss 1.8 s
+    (mine,) = rec.new(prompt(1010, 99), greedy(60, slo_ttft_ms=1800))
+    rec.step()
+    core.abort(ahead)
+    while mine.t_first_token is None:
+        rec.step()
+    assert mine.t_first_token - mine.t_submitted <= 1.8  # in time after all
+    (long,) = rec.new(prompt(600, 97), greedy(4, slo_ttft_ms=0.001))  # late: bounds nothing
+    rec.step()
+    # 4 decodes (10 + 4 + 8 ms) and the chunk's output row (2 ms): 76 tokens fit 100.5 ms
+    assert (ticks[-1].decode_tokens, ticks[-1].prefill_tokens) == (4, 76)
+    rec.run()
+    rec.check_done(mine)
+    rec.check_done(long)
+
+
 def test_a_prompt_alone_runs_at_full_speed_under_a_tight_slo():
     core, ctx, model, ticks = slo_core(itl_ms=20)
     rec = Recorder(core, ctx, model)
