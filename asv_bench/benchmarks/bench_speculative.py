@@ -270,6 +270,25 @@ def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: fl
     return tokens / seconds
 
 
+TRACKS = (NgramDefaultsOnLoopingText, NgramOnQuotingChat, DraftsThatFail, RetrySameAnswer, EightStreams)
+
+
+def _track_rounds(rounds: int) -> None:
+    """Each of ``TRACKS``' speed-ups, ``rounds`` times, every case once a round: a run on this
+    shared 2-core machine moves by 5-10%, so the medians and ranges are what to compare."""
+    import statistics
+
+    speedups: dict[str, list[float]] = {cls.__name__: [] for cls in TRACKS}
+    for r in range(rounds):
+        for cls in TRACKS:
+            case = cls()
+            case.setup()
+            speedups[cls.__name__].append(case.track_speedup())
+            print(f"round {r}: {cls.__name__} {speedups[cls.__name__][-1]:.3f}x", flush=True)
+    for name, values in speedups.items():
+        print(f"{name}: median {statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Ours (defaults) vs off vs a running llama-server (``--spec-type ngram-mod``), side by
     side: ``python asv_bench/benchmarks/bench_speculative.py --url http://127.0.0.1:8090
@@ -280,7 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--url", default=None, help="a llama-server serving the case's model")
     p.add_argument("--case", choices=("looping", "quoting", "fail"), default="looping")
+    p.add_argument(
+        "--tracks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: every default-settings track of this file, N rounds side by side (medians)",
+    )
     args = p.parse_args(argv)
+    if args.tracks:
+        _track_rounds(args.tracks)
+        return
     if args.case == "quoting":
         from llamabatch.testing import real_model_path
 
