@@ -71,6 +71,10 @@ class RamCacheStats:
     #: prompts that waited for running requests to free a restore's room
     #: (``KVCache.restore_worth_waiting``)
     restore_waits: int = 0
+    #: clients holding states now (``RamEntry.owner``; the caller counts as one), and the
+    #: bytes the biggest holds: the first to give up its oldest state when over budget
+    clients: int = 0
+    largest_client_bytes: int = 0
 
 
 class RamEntry:
@@ -251,6 +255,8 @@ class RamCache:
             shared_tokens=self.shared_tokens,
             restore_skipped=dict(self.restore_skipped),
             restore_waits=self.restore_waits,
+            clients=len(self._by_owner),
+            largest_client_bytes=max(self._owner_bytes.values(), default=0),
         )
 
     def check(self) -> None:

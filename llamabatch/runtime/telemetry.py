@@ -210,6 +210,10 @@ class GenerationStats:
     ram_cache_restore_skipped: dict[str, int] = field(default_factory=dict)
     #: prompts that waited for running requests to free the room of their restore
     ram_cache_restore_waits: int = 0
+    #: clients holding saved states now (``client=``; the server's peer addresses; the caller
+    #: counts as one), and the bytes the biggest holds (over budget, it gives up states first)
+    ram_cache_clients: int = 0
+    ram_cache_largest_client_bytes: int = 0
     #: admissions on a sliding-window model whose longest cached prefix was computed again:
     #: its sliding cache no longer held the window there (``generate/swa.py``)
     swa_prefix_recomputed: int = 0

@@ -61,8 +61,10 @@ def test_a_client_saving_a_flood_recycles_its_own_share():
     assert ram.match(kept)[1] == 50  # older than every flood entry, and still held
     assert [e.owner for e in ram.entries()].count("flood") == 4  # the rest of the budget
     assert ram.match(flood[-1])[1] == 50 and ram.match(flood[0]) == (None, 0)  # its own oldest left
+    assert (ram.stats().clients, ram.stats().largest_client_bytes) == (2, 800)
     assert ram.save(toks(50, 200), b"n" * 200, owner="c")  # a newcomer: the biggest holder gives way
     assert ram.match(kept)[1] == 50 and ram.match(flood[-4]) == (None, 0)
+    assert (ram.stats().clients, ram.stats().largest_client_bytes) == (3, 600)
     ram.check()
 
 

@@ -79,6 +79,7 @@ def test_a_flood_of_one_client_keeps_another_clients_conversation(tiny_path, ref
         out = llm.submit(follow, PARAMS, client="b").result().outputs[0]
         stats = llm.stats()
     assert flooded.ram_cache_evictions >= 4, flooded  # the flood filled the tier
+    assert flooded.ram_cache_clients == 2 and 0 < flooded.ram_cache_largest_client_bytes <= 2**20
     assert stats.ram_cache_restores == flooded.ram_cache_restores + 1
     assert out.usage.reused_tokens >= 120
     check_against_reference(reference, [first, out])
