@@ -18,11 +18,15 @@ the slots of ONE adapter set (a request's set is ``SamplingParams.lora``: ``((na
   scores ``work * weight(priority) * (1 + age / horizon) / (tick + switch)``, where ``age`` is
   how long its runnable slots have waited since it last ran, ``tick`` the expected decode time
   and ``switch`` the measured extra time of a tick after a change (0 for the set applied now).
-  The age term grows without bound, so every set runs again: no request starves.
+  The age term grows without bound, so every set runs again: no request starves. ``work``
+  counts each runnable request as ``1 / n``, ``n`` the sets its client (``Request.client``)
+  has runnable: a client that spreads its requests over many sets (a scale of its own in
+  each, say) gets no more ticks than one that keeps them in one set; with one client (an app
+  that names none) every set's work is scaled alike and the choice is unchanged.
 
 KV computed under one set is never given to a request of another: the KV cache keys prefix
-reuse on (set, tokens) (``KVCache``'s ``tag``), and only the base model's KV enters the host-RAM
-tier and the prefix files.
+reuse and the host-RAM tier on (set, tokens) (``KVCache``'s ``tag``); only the base model's KV
+goes to the prefix files.
 """
 
 from __future__ import annotations
@@ -280,13 +284,21 @@ class LoraScheduler:
         if now - self.waiting_since[oldest] > limit and oldest != self.current:
             return oldest  # waited past the limit: it runs now, whatever the scores say
         running = self.running()
+        requests = {
+            key: [r for r in (running[s] for s in slots) if r is not None] for key, slots in work.items()
+        }
+        n_sets: dict[Any, int] = {}  # each client's sets with runnable requests
+        for rs in requests.values():
+            for client in {r.client for r in rs}:
+                n_sets[client] = n_sets.get(client, 0) + 1
         for key, slots in work.items():
             since = self.waiting_since.setdefault(key, now)
             age = max(0.0, now - since)
-            priority = min((r.priority for r in (running[s] for s in slots) if r is not None), default=0)
+            priority = min((r.priority for r in requests[key]), default=0)
             weight = 2.0 ** max(-2, min(2, -priority))
             cost = self.switch.tick_seconds(len(slots)) + (0.0 if key == self.current else switch)
-            score = len(slots) * weight * (1.0 + age / horizon) / max(cost, 1e-6)
+            work_share = sum(1.0 / n_sets[r.client] for r in requests[key]) or float(len(slots))
+            score = work_share * weight * (1.0 + age / horizon) / max(cost, 1e-6)
             if score > best_score or (score == best_score and key == self.current):
                 best, best_score = key, score
         return best

@@ -52,8 +52,8 @@ class Clock:
         return self.now
 
 
-def _request(lora: Any = (), priority: int = 0) -> Any:
-    return SimpleNamespace(params=SamplingParams(lora=lora), priority=priority)
+def _request(lora: Any = (), priority: int = 0, client: Any = None) -> Any:
+    return SimpleNamespace(params=SamplingParams(lora=lora), priority=priority, client=client)
 
 
 def _scheduler(
@@ -152,6 +152,26 @@ def test_no_set_starves(sizes: list[int], priorities: list[int], switch_ms: floa
             assert t - last[other] <= bound, (other, t, last[other], limit)
         last[key] = t
     assert set(order) == keys
+
+
+@pytest.mark.parametrize("switch_seconds", [0.0, 0.02])
+def test_a_client_spreading_its_requests_over_sets_gets_no_more_ticks(switch_seconds: float) -> None:
+    """One client's six requests, each in a set of its own (its own scale), beside another
+    client's one base request: the base request's set runs at least as often as the six
+    together (it ran one tick in seven or six when every set's one request counted alike),
+    and the six still run, within the starvation limit."""
+    requests = [_request({"a": 0.5 + i / 10}, client="many") for i in range(6)]
+    requests.append(_request(client="one"))
+    order = _run(requests, 280, switch_seconds=switch_seconds)[0]
+    share = order.count(BASE) / len(order)
+    assert share >= 0.5, share
+    assert len(set(order)) == 7  # and every set of the other client still runs
+
+
+def test_one_client_or_none_the_choice_is_unchanged() -> None:
+    a = [_request(), _request(), _request("a"), _request("b")]
+    named = [_request(r.params.lora, client="c") for r in a]
+    assert _run(a, 100)[0] == _run(named, 100)[0]
 
 
 def test_switch_cost_is_learnt_on_a_slow_machine() -> None:
