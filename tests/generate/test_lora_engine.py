@@ -271,3 +271,28 @@ def test_an_adapters_conversation_comes_back_from_the_ram_tier(tiny: Path, adapt
     for a, b in zip(out.logprobs, computed.logprobs, strict=True):
         for token, value in b.items():
             assert a[token] == pytest.approx(value, abs=1e-3)
+
+
+def test_a_client_spreading_requests_over_scales_does_not_crowd_out_another(
+    tiny: Path, adapters: dict[str, Path]
+) -> None:
+    """Six requests of one client, each under a scale of its own (six adapter sets), and one
+    base request of another client, all queued together: the base request gets at least half
+    the ticks (it got one in seven when every set's request counted alike), so it ends while
+    the six are far from their end. Ticks are counted through the requests' tokens, not time."""
+    with LLM(tiny, lora_adapters=adapters, n_parallel=8, n_ctx=2048) as llm:
+        params = [
+            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, lora={"a": 0.3 + i / 10})
+            for i in range(6)
+        ]
+        many = [llm.submit("The cat sat on", p, client="many") for p in params]
+        one = llm.submit(
+            "One two three", SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), client="one"
+        )
+        one.result(timeout=120)
+        ticks_by_then = llm.stats().ticks
+        for handle in many:
+            handle.result(timeout=120)
+        ticks_all = llm.stats().ticks
+    # alone, its 64 tokens take 64 ticks; the six's 384 take 384 more, one set a tick
+    assert ticks_by_then <= 0.5 * ticks_all, (ticks_by_then, ticks_all)
