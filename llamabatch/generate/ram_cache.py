@@ -78,8 +78,8 @@ class RamCacheStats:
 
 
 class RamEntry:
-    """One saved sequence: its tokens (positions ``0..n-1``), llama.cpp's state bytes and the
-    adapter set (``tag``) its KV was computed under."""
+    """One saved sequence: its tokens (positions ``0..n-1``), llama.cpp's state bytes, the
+    adapter set (``tag``) its KV was computed under and the client it is kept for (``owner``)."""
 
     __slots__ = ("data", "failures", "key", "owner", "source", "tag", "tokens")
 
