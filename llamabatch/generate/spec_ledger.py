@@ -8,9 +8,13 @@ pure loss, and on a CPU a tick with one draft token costs up to twice a tick wit
 ``SpecLedger`` keeps the measured account: for every tick with drafts, the decode time it
 took (plus its extra rows' sampling) minus the predicted time of the same tick without
 drafts, minus what its accepted drafts saved (each is one more emitted token, worth the
-no-draft tick's time per stream). Both that loss and the time of all decodes decay by the
-same factor per tick, so their ratio is the share of recent decode time speculation cost.
-Exploration is allowed while that share stays under ``share`` (1% by default): the lessons
+no-draft tick's time per stream); and, with lookup drafters (n-gram, suffix), every tick's
+own work of the speculator before the decode (its lookups and choices: about a tenth of a
+millisecond, 1% of a small model's tick on a CPU), from the ``warmup``-th measured decode on
+(before, the account has too little time to weigh it against: a request's first lookup,
+which indexes its prompt, would hold every draft back). Both that loss and the time of all
+decodes decay by the same factor per tick, so their ratio is the share of recent decode time
+speculation cost. Exploration is allowed while that share stays under ``share`` (1% by default): the lessons
 and probes wait where they have been losing, and resume as the account recovers. Drafts the
 estimates chose are allowed up to ``limit`` (2%): estimates that keep hoping (a class of
 drafts whose evidence faded back to its prior) cannot cost more. Where drafts pay the account
@@ -35,6 +39,10 @@ class SpecLedger:
     limit: float = 0.02
     #: per tick, the weight of older ticks decays by this factor (~1000 ticks of memory)
     decay: float = 0.999
+    #: measured decodes before the speculator's own work is booked (``spent``)
+    warmup: int = 32
+    #: decodes measured so far
+    n_decoded: int = 0
     #: net seconds lost to drafts (negative: gained), decayed
     loss: float = 0.0
     #: seconds of every decode, decayed
@@ -54,6 +62,7 @@ class SpecLedger:
             return
         self.total = self.total * self.decay + seconds
         self.loss *= self.decay
+        self.n_decoded += 1
 
     def drafted(self, seconds: float, base: float, n_streams: int, drafts: int, row_cost: float) -> None:
         """The decode just counted held ``drafts`` draft tokens among ``n_streams`` emitting
@@ -66,6 +75,13 @@ class SpecLedger:
         self._per_stream = base / n_streams
         self._accepted = 0
         self._open = True
+
+    def spent(self, seconds: float) -> None:
+        """The speculator's own work before a decode took ``seconds`` (lookups, choosing):
+        a cost of speculating, whatever the drafts then save (from the ``warmup``-th decode)."""
+        if self.n_decoded >= self.warmup and math.isfinite(seconds) and seconds > 0:
+            self.loss += seconds
+            self.lifetime_loss += seconds
 
     def accepted(self, n: int) -> None:
         """``n`` drafts of the current tick were accepted."""

@@ -212,7 +212,18 @@ class Speculator:
     # -- before the fill ------------------------------------------------------------------
 
     def prepare(self, core: TickContext) -> None:
-        """Set this tick's drafts on the DECODE slots that speculate (see ``spec_policy``)."""
+        """Set this tick's drafts on the DECODE slots that speculate (see ``spec_policy``).
+        With lookups (n-gram, suffix), this work's own time is booked in the ledger with the
+        drafts' cost: where drafts fail, it is speculation's price too. (A draft model's
+        decodes are priced by its ``DraftTimer`` when lengths are chosen.)"""
+        if self.draft_costs:
+            self._prepare(core)
+            return
+        start = core.clock()
+        self._prepare(core)
+        self.ledger.spent(core.clock() - start)
+
+    def _prepare(self, core: TickContext) -> None:
         self._tick += 1
         table = core.table
         for slot in self._set:  # drafts a fill left out are not kept for a later tick

@@ -66,6 +66,50 @@ def test_the_ledger_books_losses_and_gains_against_recent_decode_time():
     assert ledger.loss == pytest.approx(-0.01) and ledger.allows_exploration()
 
 
+def test_the_speculators_own_work_is_booked_after_the_warmup():
+    """The lookups' own time counts as loss, from the ``warmup``-th measured decode on: before,
+    a first lookup (a prompt to index) would weigh against almost no decode time and hold every
+    draft back."""
+    ledger = SpecLedger(share=0.01, limit=0.02, decay=1.0, warmup=4)
+    ledger.decoded(0.01)
+    ledger.spent(0.005)  # half a tick, during the warm-up: not booked
+    assert ledger.loss == 0.0 and ledger.allows_drafts()
+    for _ in range(99):
+        ledger.decoded(0.01)
+    for _ in range(15):
+        ledger.spent(0.0001)  # 1.5 ms of lookups against 1 s of decodes: 0.15%
+    assert ledger.loss == pytest.approx(0.0015) and ledger.allows_exploration()
+    ledger.spent(0.02)  # and 20 ms more: over the 2% any drafting may cost
+    assert not ledger.allows_drafts()
+    ledger.spent(-1.0)  # a clock that stepped back books nothing
+    ledger.spent(float("nan"))
+    assert ledger.loss == pytest.approx(0.0215)
+
+
+def test_lookups_that_find_nothing_useful_cost_at_most_two_percent_with_their_own_time():
+    """On the fake context, drafts that always fail and lookups taking a scripted 0.4 ms a
+    tick (5% of a one-token tick): the ledger stops the lookups whenever drafts and lookups
+    together have cost over 2%, so the stream stays within about 2% of one without
+    speculation (it lost the lookups' 5% on top before they were booked)."""
+    plain, _ = _scripted_seconds(None, max_tokens=400)
+    core, ctx, model = make_core(n_parallel=1, n_batch=128, n_ctx=1024)
+    ctx.cost, ctx.batch_jump, core.clock = CPU_COST, CPU_JUMP, ctx.clock
+    drafter = OracleDrafter(model, 1.0)
+    draft = drafter.draft
+
+    def slow_draft(jobs):
+        ctx.now += 0.0004  # the lookups' own time, on the fake clock
+        return draft(jobs)
+
+    drafter.draft = slow_draft
+    core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 64}, drafter)
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(16, 100), greedy(400))
+    rec.run()
+    rec.check_done(r)
+    assert ctx.clock() <= plain * 1.03, (ctx.clock(), plain)
+
+
 def test_the_first_lessons_draft_their_full_size_while_they_hold():
     # the lessons (2, 4, 8, 16 drafts) teach the cost model what long drafts cost: a lesson cut
     # to the token or two an early guess chooses (on a real CPU the first decodes page the
