@@ -14,11 +14,11 @@ millisecond, 1% of a small model's tick on a CPU), from the ``warmup``-th measur
 (before, the account has too little time to weigh it against: a request's first lookup,
 which indexes its prompt, would hold every draft back). Both that loss and the time of all
 decodes decay by the same factor per tick, so their ratio is the share of recent decode time
-speculation cost. Exploration is allowed while that share stays under ``share`` (1% by default): the lessons
-and probes wait where they have been losing, and resume as the account recovers. Drafts the
-estimates chose are allowed up to ``limit`` (2%): estimates that keep hoping (a class of
-drafts whose evidence faded back to its prior) cannot cost more. Where drafts pay the account
-is far below zero and neither bound is near.
+speculation cost. Exploration is allowed while that share stays under ``share`` (1% by
+default): the lessons and probes wait where they have been losing, and resume as the account
+recovers. Drafts the estimates chose are allowed up to ``limit`` (2%): estimates that keep
+hoping (a class of drafts whose evidence faded back to its prior) cannot cost more. Where
+drafts pay the account is far below zero and neither bound is near.
 """
 
 from __future__ import annotations

@@ -216,12 +216,10 @@ class Speculator:
         With lookups (n-gram, suffix), this work's own time is booked in the ledger with the
         drafts' cost: where drafts fail, it is speculation's price too. (A draft model's
         decodes are priced by its ``DraftTimer`` when lengths are chosen.)"""
-        if self.draft_costs:
-            self._prepare(core)
-            return
         start = core.clock()
         self._prepare(core)
-        self.ledger.spent(core.clock() - start)
+        if not self.draft_costs:
+            self.ledger.spent(core.clock() - start)
 
     def _prepare(self, core: TickContext) -> None:
         self._tick += 1
