@@ -323,11 +323,10 @@ def _is_pil_image(value: Any) -> bool:
 
 def check_image_options(config: Any) -> None:
     """Check an ``EngineConfig``'s image options (``mmproj`` and the limits), and what they
-    cannot be combined with: image positions are computed outside the slot table's batches and
-    found again through the prefix cache (``prefix_cache`` must stay on), and a draft model
-    (``speculative_config`` method ``draft_model``) would draft without seeing the images (the
-    ``ngram`` and ``suffix`` methods draft text only: their drafts stop at an image's stand-in
-    ids, ``speculative.text_drafts``)."""
+    cannot be combined with: a draft model (``speculative_config`` method ``draft_model``)
+    would draft without seeing the images (the ``ngram`` and ``suffix`` methods draft text
+    only: their drafts stop at an image's stand-in ids, ``speculative.text_drafts``). With
+    ``prefix_cache=False`` every prompt's images are computed anew into its own slot."""
     for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -339,8 +338,6 @@ def check_image_options(config: Any) -> None:
         return
     if not isinstance(mmproj, (str, os.PathLike)) or not str(mmproj):
         raise ValueError(f"mmproj must be a path (str), got {mmproj!r}")
-    if config.prefix_cache is False:
-        raise ValueError("mmproj needs prefix_cache=True (image positions are found again through it)")
     spec = config.speculative_config
     if spec is not None and spec.get("method") == "draft_model":
         raise ValueError(

@@ -135,10 +135,46 @@ def test_images_need_an_mmproj(tiny_path):
 
 
 def test_config_refuses_what_images_cannot_run_with():
-    with pytest.raises(ValueError, match="prefix_cache"):
-        EngineConfig(mmproj="x.gguf", prefix_cache=False)
     with pytest.raises(ValueError, match="max_image_pixels"):
         EngineConfig(max_image_pixels=0)
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(mmproj="x.gguf", speculative_config={"method": "draft_model", "model": "d.gguf"})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "layout", [{"n_ctx": 1024}, {"n_ctx": 256, "kv_unified": True}], ids=["room", "preempting"]
+)
+def test_images_without_the_prefix_cache(vision_files, layout):
+    """``prefix_cache=False`` computes every prompt's images anew (nothing reused, parallel
+    sampling included), and answers as the engine with the cache does: the image positions
+    are the request's own, computed into its slot, with or without preemption."""
+    model, mmproj = vision_files
+    prompts = [
+        _ask(_image(0)),
+        _ask([_image(0), _image(3)], "Look: <__media__> and <__media__> now"),
+        _ask(_image(2), "tell me " * 30 + "<__media__> ok"),
+    ] * 2
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, n=2)
+    answers = {}
+    for prefix_cache in (True, False):
+        with LLM(
+            model, mmproj=str(mmproj), n_parallel=4, n_threads=1, prefix_cache=prefix_cache, **layout
+        ) as engine:
+            answers[prefix_cache] = engine.generate(prompts, params)
+            stats = engine.stats()
+        assert stats.prefix_cache is prefix_cache
+    # a leader computes its whole prompt without the cache (its samples may share it)
+    assert all(out.outputs[0].usage.reused_tokens == 0 for out in answers[False])
+    assert any(out.outputs[0].usage.reused_tokens > 0 for out in answers[True][3:])
+    for cached, fresh in zip(answers[True], answers[False], strict=True):
+        for mine, theirs in zip(cached.outputs, fresh.outputs, strict=True):
+            assert len(mine.token_ids) == len(theirs.token_ids) == 16
+            for step, (a, b) in enumerate(zip(mine.logprobs, theirs.logprobs, strict=True)):
+                for token in set(a) & set(b):
+                    assert a[token] == pytest.approx(b[token], abs=0.05), step
+                if mine.token_ids[step] != theirs.token_ids[step]:
+                    break  # a near tie flipped between batch shapes (random weights)
 
 
 @pytest.mark.timeout(120)
