@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamabatch.config import OptionsConfig, flag, positive_int
+from llamabatch.prompts.images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    check_image_options,
+)
 from llamabatch.validate import INT32_MAX, check_positive_int
 
 __all__ = [
@@ -93,6 +99,14 @@ class EmbedderConfig(OptionsConfig):
     kv_unified: bool = True
     load_mode: str = "mmap"
     validate: bool = True
+    mmproj: str | None = field(
+        default=None,
+        metadata=flag("--mmproj", metavar="PATH", help="image encoder + projector GGUF: embed images too"),
+    )
+    allow_remote_images: bool = False
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
 
     def __post_init__(self) -> None:
         # Context checks the others; these four are rounded before it sees them.
@@ -113,6 +127,9 @@ class EmbedderConfig(OptionsConfig):
         object.__setattr__(self, "normalize", normalize_mode(self.normalize))
         if not isinstance(self.truncate, bool):
             raise ValueError(f"truncate must be True or False, got {self.truncate!r}")
+        check_image_options(self)
+        if self.mmproj is not None and self.pooling == "rank":
+            raise ValueError("mmproj cannot be combined with pooling 'rank' (a reranker scores text pairs)")
 
     # -- the command line -----------------------------------------------------------------
 

@@ -26,8 +26,10 @@ from llamabatch._core.batch import BatchPool
 from llamabatch._ffi.context import Context, DecodeCode
 from llamabatch._ffi.model import Model
 from llamabatch.embed.config import POOLINGS, EmbedderConfig, round_up
+from llamabatch.embed.images import MediaEmbedder
 from llamabatch.embed.jobs import Job, ProgressBar, Seq
 from llamabatch.errors import DecodeError, KVCacheFull
+from llamabatch.generate.vision import MediaPrompt
 from llamabatch.runtime.telemetry import EmbedderCounters, EmbedderStats, EmbedPackEvent, Telemetry
 from llamabatch.runtime.worker import RetryOutcome, Worker, halve_and_retry
 
@@ -146,6 +148,12 @@ class EmbedCore:
             self.pool = BatchPool(self.capacity, 1)
             self.batch = self.pool.acquire()
             self.forward = ctx.decode_address if ctx.has_memory else ctx.encode_address
+            #: prompts with images (``mmproj``): tokenized by the callers, embedded one at a time
+            self.media: MediaEmbedder | None = None
+            if c.mmproj is not None:
+                self.media = MediaEmbedder(
+                    self.model, c, ctx, self.pooling, min(self.capacity, self.n_ubatch, ctx.n_ubatch)
+                )
         except BaseException:
             self.on_close()  # frees what was made
             raise
@@ -219,7 +227,7 @@ class EmbedCore:
     def submit(
         self,
         worker: Worker,
-        tokens_of: Callable[[int, Any], np.ndarray],
+        tokens_of: Callable[[int, Any], np.ndarray | MediaPrompt],
         items: list[Any],
         offset: int,
         out: Any,
@@ -227,15 +235,18 @@ class EmbedCore:
         new_call: bool,
     ) -> Job:
         """Tokenize and check ``items`` (a call's items from ``offset``) on the caller's thread
-        with ``tokens_of(index, item)``, then enqueue them as one job filling ``out[offset:]``."""
+        with ``tokens_of(index, item)`` (a prompt with images gives its ``MediaPrompt``), then
+        enqueue them as one job filling ``out[offset:]``."""
         with worker.using_resources():  # EngineClosed once closing; close() waits for it
-            tokens = [tokens_of(offset + i, item) for i, item in enumerate(items)]
+            made = [tokens_of(offset + i, item) for i, item in enumerate(items)]
         seqs: list[Seq] = []
         job = Job(out, 0, bar)
+        tokens = [np.asarray(t.tokens, dtype=np.int32) if isinstance(t, MediaPrompt) else t for t in made]
         job.n_tokens = sum(t.shape[0] for t in tokens)
         for i, t in enumerate(tokens):
             if t.shape[0]:
-                seqs.append(Seq(job, offset + i, t))
+                media = made[i] if isinstance(made[i], MediaPrompt) else None
+                seqs.append(Seq(job, offset + i, t, media))
             else:  # no token at all: the zero row stands
                 job.n_done += 1
         job.remaining = len(seqs)
@@ -344,11 +355,15 @@ class EmbedCore:
                 queue.popleft()
                 self.pending_tokens -= seq.n
                 continue
-            if tokens + seq.n > budget:
+            if seq.media is not None and pack:
+                break  # computed alone, in decodes of its own (embed/images.py)
+            if seq.media is None and tokens + seq.n > budget:
                 break
             queue.popleft()
             pack.append(seq)
             tokens += seq.n
+            if seq.media is not None:
+                break
         self.pending_tokens -= tokens
         self.pending_at_take = self.pending_tokens
         return pack
@@ -358,6 +373,10 @@ class EmbedCore:
         t_start = time.perf_counter()
         waits = [t_start - seq.job.t_submit for seq in pack]
         run = PackDecode(self, pack)
+        if pack[0].media is not None:
+            failed = self.process_media(pack[0], run)
+            self.account(pack, waits, run, 0, failed, time.perf_counter() - t_start)
+            return
         retries = failed = 0
         limit = sum(seq.n for seq in pack)
         what = "llama_decode" if self.context.has_memory else "llama_encode"
@@ -382,6 +401,27 @@ class EmbedCore:
             self.pack = []
         finally:
             self.account(pack, waits, run, retries, failed, time.perf_counter() - t_start)
+
+    def process_media(self, seq: Seq, run: PackDecode) -> int:
+        """Embed the prompt with images ``seq`` alone (a pack of its own); 1 when it failed."""
+        assert self.media is not None
+        t0 = time.perf_counter()
+        try:
+            vector, run.decodes = self.media.embed(self.context, self.batch, seq.media, self.n_out)
+        except Exception as exc:
+            if self.closing():
+                return 0  # still in self.pack: fail_pending ends it with EngineClosed
+            self.context.clear_abort()
+            self.pack = []
+            seq.job.fail(exc)
+            return 1
+        finally:
+            run.decode_time = time.perf_counter() - t0
+        self.pack = []
+        if not seq.job.done:
+            seq.job.store(seq.index, vector)
+            seq.job.deliver()
+        return 0
 
     def decode(self, part: list[Seq]) -> int:
         """Write ``part`` into the batch (sequence ``k`` as ``seq_id`` k, every token an output) and

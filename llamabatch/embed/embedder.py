@@ -73,6 +73,8 @@ from llamabatch.embed.jobs import (
 )
 from llamabatch.embed.st_compat import PRECISIONS
 from llamabatch.errors import EngineClosed, PromptTooLong
+from llamabatch.generate.vision import MediaPrompt, is_media_prompt
+from llamabatch.prompts.images import ImageLimits
 from llamabatch.runtime.facade import ThreadedFacade
 from llamabatch.runtime.telemetry import EmbedderStats, Listener, Telemetry
 
@@ -118,6 +120,12 @@ class Embedder(ThreadedFacade):
             (llama.cpp would split the texts of a pack across ubatches).
         load_mode: how the weights are loaded (``"mmap"``, ``"none"``, ...).
         validate: check the GGUF file before llama.cpp reads it (``False`` skips the check).
+        mmproj: an image encoder + projector GGUF for a vision-language model used as an
+            embedding model (a decoder): ``embed`` then also takes prompts with images,
+            ``{"prompt": text, "multi_modal_data": {"image": ...}}`` (``embed/images.py``),
+            each computed alone, up to ``n_ctx_seq`` KV cells. ``allow_remote_images``,
+            ``max_image_bytes``, ``max_image_pixels`` and ``max_images_per_request`` bound the
+            images as ``LLM``'s do.
 
     Empty strings are embedded like any other text: they still get the model's special tokens
     (BERT: ``[CLS] [SEP]``; Llama: ``<s>``). A text that tokenizes to no token at all (only
@@ -144,6 +152,8 @@ class Embedder(ThreadedFacade):
         self.model: Model = core.model
         self.context: Context = core.context
         self.pooling: str = core.pooling
+        #: the limits on images (``mmproj`` given), else None: this Embedder embeds text only
+        self.image_limits: ImageLimits | None = core.media.vision.limits if core.media else None
         self.n_batch, self.n_ubatch, self.n_seq_max, self.n_ctx = (
             core.n_batch, core.n_ubatch, core.n_seq_max, core.n_ctx,
         )  # fmt: skip
@@ -182,7 +192,8 @@ class Embedder(ThreadedFacade):
         show_progress_bar: bool | None = None,
     ) -> Any:
         """Embed ``texts``; returns float32 ``(len(texts), n_embd)`` rows in input order, or
-        one ``(n_embd,)`` vector for a single string.
+        one ``(n_embd,)`` vector for a single string. With ``mmproj``, an item may be a
+        prompt with images (``{"prompt": text, "multi_modal_data": {"image": ...}}``).
 
         Safe to call from many threads at once: all callers' texts are packed together.
         With pooling ``"none"`` returns a list of ``(n_tokens, n_embd)`` arrays (one array
@@ -201,6 +212,8 @@ class Embedder(ThreadedFacade):
             KVCacheFull, DecodeError: a text could not be decoded even alone.
             EngineClosed: the embedder is (or gets) closed.
             TypeError: ``texts`` is bytes or holds a non-string.
+            ImageError, ValueError: a prompt's image is refused, or it has images and this
+                Embedder no ``mmproj``.
             RuntimeError: called from the worker thread (a listener): it would wait for itself.
         """
         single, items = as_texts(texts)
@@ -320,7 +333,12 @@ class Embedder(ThreadedFacade):
         thread, then enqueue them as one job filling ``out[offset:]``."""
         return self._core.submit(self.worker, self._tokens_of, texts, offset, out, bar, new_call)
 
-    def _tokens_of(self, index: int, text: str) -> np.ndarray:
+    def _tokens_of(self, index: int, text: Any) -> np.ndarray | MediaPrompt:
+        if is_media_prompt(text):
+            media = self._core.media
+            if media is None:
+                raise ValueError(f"texts[{index}] has images and this Embedder has no mmproj")
+            return media.prompt(index, text, self.context.n_ctx_seq)  # decoded in parts: KV-bound
         if not isinstance(text, str):
             raise TypeError(f"texts[{index}] is a {type(text).__name__}, not a str")
         tokens = self.model.tokenize(text)

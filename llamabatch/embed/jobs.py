@@ -10,7 +10,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,9 +46,9 @@ def normalize_rows(x: np.ndarray, mode: str) -> np.ndarray:
     return x
 
 
-def as_texts(texts: Any) -> tuple[bool, list[str]]:
-    """``(single, texts)``: a lone string becomes a list of one."""
-    if isinstance(texts, str):
+def as_texts(texts: Any) -> tuple[bool, list[Any]]:
+    """``(single, texts)``: a lone string (or prompt with images) becomes a list of one."""
+    if isinstance(texts, (str, Mapping)):  # a mapping: one prompt with images
         return True, [texts]
     if isinstance(texts, (bytes, bytearray)):
         raise TypeError("texts must be a str or a sequence of str, not bytes: decode them first")
@@ -143,14 +143,16 @@ class Job:
 
 
 class Seq:
-    """One text of a job, tokenized, waiting in the queue or in a pack."""
+    """One text of a job, tokenized, waiting in the queue or in a pack; ``media``: a prompt
+    with images (``embed/images.py``), whose ``tokens`` are its positions' ids."""
 
-    __slots__ = ("index", "job", "n", "tokens")
+    __slots__ = ("index", "job", "media", "n", "tokens")
 
-    def __init__(self, job: Job, index: int, tokens: np.ndarray) -> None:
+    def __init__(self, job: Job, index: int, tokens: np.ndarray, media: Any = None) -> None:
         self.job = job
         self.index = index  # the text's index in its call
         self.tokens = tokens
+        self.media = media
         self.n = int(tokens.shape[0])
 
 

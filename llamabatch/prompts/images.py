@@ -322,7 +322,8 @@ def _is_pil_image(value: Any) -> bool:
 
 
 def check_image_options(config: Any) -> None:
-    """Check an ``EngineConfig``'s image options (``mmproj`` and the limits), and what they
+    """Check an ``EngineConfig``'s (or ``EmbedderConfig``'s) image options (``mmproj`` and
+    the limits), and what they
     cannot be combined with: a draft model (``speculative_config`` method ``draft_model``)
     would draft without seeing the images (the ``ngram`` and ``suffix`` methods draft text
     only: their drafts stop at an image's stand-in ids, ``speculative.text_drafts``). With
@@ -338,7 +339,7 @@ def check_image_options(config: Any) -> None:
         return
     if not isinstance(mmproj, (str, os.PathLike)) or not str(mmproj):
         raise ValueError(f"mmproj must be a path (str), got {mmproj!r}")
-    spec = config.speculative_config
+    spec = getattr(config, "speculative_config", None)
     if spec is not None and spec.get("method") == "draft_model":
         raise ValueError(
             "mmproj cannot be combined with speculative_config method 'draft_model' (the draft model "
@@ -347,7 +348,7 @@ def check_image_options(config: Any) -> None:
 
 
 def limits_of(config: Any) -> ImageLimits:
-    """The :class:`ImageLimits` of an ``EngineConfig``."""
+    """The :class:`ImageLimits` of an ``EngineConfig`` (or ``EmbedderConfig``)."""
     return ImageLimits(
         max_bytes=config.max_image_bytes,
         max_pixels=config.max_image_pixels,

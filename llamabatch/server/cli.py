@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--embedding-n-seq-max", type=int, default=64, help="texts per embedding pack")
     e.add_argument("--embedding-threads", type=int, default=None, help="default: --threads")
+    e.add_argument(
+        "--embedding-mmproj",
+        metavar="PATH",
+        help="image encoder + projector GGUF of the embedding model: /v1/embeddings takes images "
+        "(llama-server's {prompt_string, multimodal_data}; the --max-image-* limits apply)",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -263,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
                 n_seq_max=args.embedding_n_seq_max,
                 n_threads=args.embedding_threads or args.n_threads,
                 n_gpu_layers=args.n_gpu_layers,
+                mmproj=args.embedding_mmproj,
+                allow_remote_images=args.allow_remote_images,
+                max_image_bytes=args.max_image_bytes,
+                max_image_pixels=args.max_image_pixels,
+                max_images_per_request=args.max_images_per_request,
             )
         if args.rerank_model:
             from llamabatch.embed.reranker import Reranker

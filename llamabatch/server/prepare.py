@@ -129,11 +129,13 @@ def _embedding_bound(embedder: Embedder) -> int | None:
     return _EMBEDDING_BOUNDS[embedder]
 
 
-def check_embedding_sizes(embedder: Embedder, texts: Sequence[str]) -> None:
+def check_embedding_sizes(embedder: Embedder, texts: Sequence[Any]) -> None:
     """Refuse a text too long for any tokenization to fit the embedder's limit (unless the
     embedder truncates), before it is tokenized (once: ``Embedder.aembed_counted``)."""
     bound = None if getattr(embedder, "truncate", False) else _embedding_bound(embedder)
     for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            continue  # a prompt with images: its KV cells are checked when it is tokenized
         if bound is not None and len(text) * 4 > bound:
             size = len(text.encode("utf-8", "replace"))
             if size > bound:
