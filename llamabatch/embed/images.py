@@ -26,7 +26,7 @@ from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.embd_batch import EmbdBatch
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.mtmd import MROPE_SECTIONS, ImageChunk, MtmdContext
-from llamabatch.errors import PromptTooLong
+from llamabatch.errors import ImageError, PromptTooLong
 from llamabatch.generate.vision import MediaPrompt, Vision
 from llamabatch.prompts.images import limits_of
 
@@ -57,16 +57,24 @@ class MediaEmbedder:
     def prompt(self, index: int, item: Any, max_cells: int) -> MediaPrompt:
         """The :class:`MediaPrompt` of ``item`` (``{"prompt": text, "multi_modal_data":
         {"image": ...}}``), at most ``max_cells`` KV cells. Raises ImageError, ValueError or
-        PromptTooLong (naming the input's index)."""
+        PromptTooLong, naming the input's index."""
         if isinstance(item, MediaPrompt):
             media = item
         else:
             try:
-                media = self.vision.media_prompt(item, max_cells, 0)
-            except PromptTooLong as exc:
-                raise PromptTooLong(f"text {index}: {exc}; raise n_batch (and n_ctx)") from None
-        if len(media.tokens) > max_cells:
-            raise PromptTooLong(f"text {index} has {len(media.tokens)} positions, more than {max_cells}")
+                media = self.vision.media_prompt(item, 2**31 - 1, 0)
+            except ImageError as exc:
+                raise ImageError(f"texts[{index}].{exc.part}", exc.reason) from None
+            except PromptTooLong:
+                raise
+            except ValueError as exc:
+                raise ValueError(f"texts[{index}]: {exc}") from None
+        cells = len(media.tokens) + sum(max(chunk.n_tokens - chunk.n_pos, 0) for _, chunk in media.images)
+        if cells > max_cells:
+            raise PromptTooLong(
+                f"text {index} takes {cells} KV cells (its images included), more than the {max_cells} "
+                "of one sequence: raise n_ctx"
+            )
         return media
 
     # -- worker side ----------------------------------------------------------------------

@@ -48,9 +48,9 @@ async def embeddings(server: OpenAIServer, request: Request) -> Response:
         raise bad_request(f"'dimensions' must be {embedder.n_out} for this model", param="dimensions")
     body.warn_unknown()
     try:
+        await run_step(request, PREPARE, prepare.check_embedding_sizes, embedder, texts)
         if embedder.image_limits is not None and any(isinstance(text, dict) for text in texts):
             texts = await run_step(request, PREPARE, _with_images, texts, embedder.image_limits)
-        await run_step(request, PREPARE, prepare.check_embedding_sizes, embedder, texts)
         work = request.app.state.offload.request(request.state, request.receive)
         tokenize = functools.partial(work.run, PREPARE, watch=False)  # until_disconnect watches
         embedding = embedder.aembed_counted(texts, offload=tokenize)

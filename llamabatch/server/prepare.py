@@ -131,17 +131,22 @@ def _embedding_bound(embedder: Embedder) -> int | None:
 
 def check_embedding_sizes(embedder: Embedder, texts: Sequence[Any]) -> None:
     """Refuse a text too long for any tokenization to fit the embedder's limit (unless the
-    embedder truncates), before it is tokenized (once: ``Embedder.aembed_counted``)."""
+    embedder truncates), before it is tokenized (once: ``Embedder.aembed_counted``); the text
+    of a prompt with images (llama-server's ``prompt_string``) against one sequence's KV cells,
+    before its images are decoded."""
     bound = None if getattr(embedder, "truncate", False) else _embedding_bound(embedder)
     for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            continue  # a prompt with images: its KV cells are checked when it is tokenized
-        if bound is not None and len(text) * 4 > bound:
+        limit, n_tokens = bound, embedder.max_tokens
+        if isinstance(text, dict):
+            text = text.get("prompt_string", "")
+            n_tokens = embedder.context.n_ctx_seq
+            limit = None if bound is None else bound // embedder.max_tokens * n_tokens
+        if limit is not None and isinstance(text, str) and len(text) * 4 > limit:
             size = len(text.encode("utf-8", "replace"))
-            if size > bound:
+            if size > limit:
                 raise bad_request(
-                    f"'input[{i}]' is {size} bytes, more than {embedder.max_tokens} tokens of this "
-                    f"vocabulary can hold ({bound} bytes)",
+                    f"'input[{i}]' is {size} bytes, more than {n_tokens} tokens of this "
+                    f"vocabulary can hold ({limit} bytes)",
                     param="input",
                     code="context_length_exceeded",
                 )

@@ -168,8 +168,23 @@ def test_server_embeds_llama_server_multimodal_prompts(llava_files, tiny_path):
                 },
             )
             assert bad.status_code == 400 and "input[0].multimodal_data[0]" in bad.json()["error"]["message"]
-            odd = client.post("/v1/embeddings", json={"input": [{"prompt": "x", "images": []}]})
-            assert odd.status_code == 400 and "prompt_string" in odd.json()["error"]["message"]
+            refused = {
+                "prompt_string": {"prompt": "x", "images": []},
+                "images, more than the 8": {"prompt_string": "x", "multimodal_data": [png] * 9},
+                "2 image markers": {
+                    "prompt_string": "a <__media__> b <__media__> c",
+                    "multimodal_data": [png],
+                },
+                "tokens of this vocabulary": {
+                    "prompt_string": "w" * 100_000 + "<__media__> x",
+                    "multimodal_data": [png],
+                },
+                "KV cells": {"prompt_string": "word " * 800 + "<__media__> x", "multimodal_data": [png]},
+            }
+            for message, item in refused.items():
+                response = client.post("/v1/embeddings", json={"input": [item]})
+                assert response.status_code == 400 and message in response.json()["error"]["message"], message
+            assert client.get("/health").status_code == 200
     with Embedder(tiny_path, n_threads=THREADS) as plain:
         with TestClient(create_app(embedder=plain, embedding_model_name="t", limits=limits)) as client:
             response = client.post(
