@@ -29,7 +29,7 @@ from llamabatch.embed.config import POOLINGS, EmbedderConfig, round_up
 from llamabatch.embed.images import MediaEmbedder
 from llamabatch.embed.jobs import Job, ProgressBar, Seq
 from llamabatch.errors import DecodeError, KVCacheFull
-from llamabatch.generate.vision import MediaPrompt
+from llamabatch.generate.vision import MediaPrompt, vision_stats
 from llamabatch.runtime.telemetry import EmbedderCounters, EmbedderStats, EmbedPackEvent, Telemetry
 from llamabatch.runtime.worker import RetryOutcome, Worker, halve_and_retry
 
@@ -289,6 +289,7 @@ class EmbedCore:
             tokens_per_s=tokens / c.pack_time if c.pack_time else 0.0,
             pending_tokens=pending_tokens,
             queue_depth=queue_depth,
+            **vision_stats(self.media.vision if self.media else None),
         )
 
     def limit_reason(self) -> str:

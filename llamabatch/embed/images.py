@@ -18,6 +18,7 @@ embedding). ``"rank"`` (a classification head over text pairs) is refused with i
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,8 @@ class MediaEmbedder:
         embedder's token batch) for its text; its pooled vector (``"none"``: its rows) and the
         decodes it took. Raises DecodeError, KVCacheFull or RuntimeError (the encoder)."""
         context.memory_clear(False)
+        counters = self.vision.counters
+        counters.images += len(media.images)
         pooled = _Pooled(self.pooling, n_out)
         decodes, pos, tokens = 0, 0, media.tokens
         for first, chunk in [*media.images, (len(tokens), None)]:
@@ -113,7 +116,7 @@ class MediaEmbedder:
         non_causal = mtmd.non_causal(chunk)  # one decode (``Vision.tokenize`` checked its size)
         if non_causal:
             mtmd.set_causal_attn(context, False)
-        decodes = 0
+        decodes, t0 = 0, time.perf_counter()
         try:
             for i in range(0, chunk.n_tokens, self.n_ubatch):
                 j = min(chunk.n_tokens, i + self.n_ubatch)
@@ -128,6 +131,9 @@ class MediaEmbedder:
         finally:
             if non_causal:
                 mtmd.set_causal_attn(context, True)
+            counters = self.vision.counters
+            counters.image_decode_seconds += time.perf_counter() - t0
+        counters.image_positions += chunk.n_pos
         return decodes
 
 

@@ -339,6 +339,16 @@ class EmbedderStats:
     #: tokens and texts queued, not yet in a pack
     pending_tokens: int
     queue_depth: int
+    # -- images (``mmproj``, ``embed/images.py``): as ``GenerationStats``' (no slices here) --
+    encoder_images: int = 0
+    encoder_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_evictions: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_image_positions: int = 0
+    encoder_image_slices: int = 0
+    encoder_encode_time_s: float = 0.0
+    encoder_image_decode_time_s: float = 0.0
 
 
 Listener = Callable[[Any], None]

@@ -96,7 +96,10 @@ def test_images_and_texts_in_one_call(llava_files):
         np.testing.assert_allclose(np.linalg.norm(mixed, axis=1), 1.0, atol=1e-5)  # l2, as text
         single = asyncio.run(embedder.aembed(_ask(_image(1))))
         np.testing.assert_allclose(single, mixed[2], atol=1e-6)
-        assert embedder.stats().failed_sequences == 0
+        stats = embedder.stats()
+        assert stats.failed_sequences == 0
+        assert stats.encoder_images == 4 and stats.encoder_encoded == 2 and stats.encoder_cache_hits == 2
+        assert stats.encoder_cache_bytes > 0 and stats.encoder_image_positions > 0
 
 
 @pytest.mark.timeout(300)
