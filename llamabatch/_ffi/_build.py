@@ -27,6 +27,7 @@ RUNTIME_RPATH = "$ORIGIN/../../llama_cpp/lib"
 C_SOURCE = """
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -91,18 +92,82 @@ static void llamabatch_set_error(char * err, size_t err_size, const char * what)
     }
 }
 
-/* The index of the grammar stage of a chain that ends in greedy selection; -1 otherwise. */
-static int32_t llamabatch_greedy_grammar_stage(struct llama_sampler * chain) {
+/* The grammar stage's index, and how the chain may spare the grammar a pass over the whole
+ * vocabulary (mode): 1, the chain ends in greedy selection; 2, top-k comes right after the
+ * grammar. -1: neither. */
+static int32_t llamabatch_grammar_stage(struct llama_sampler * chain, int32_t * mode) {
     const int32_t n = llama_sampler_chain_n(chain);
-    if (n < 2 || std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, n - 1)), "greedy") != 0) {
-        return -1;
-    }
     for (int32_t i = 0; i < n - 1; i++) {
         if (std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, i)), "grammar") == 0) {
-            return i;
+            if (std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, n - 1)), "greedy") == 0) {
+                *mode = 1;
+                return i;
+            }
+            if (std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, i + 1)), "top-k") == 0) {
+                *mode = 2;
+                return i;
+            }
+            return -1;
         }
     }
     return -1;
+}
+
+static bool llamabatch_selected_ok(const llama_token_data_array & cur_p) {
+    return cur_p.selected >= 0 && cur_p.selected < (int64_t) cur_p.size &&
+        std::isfinite(cur_p.data[cur_p.selected].logit);
+}
+
+/* The grammar's check of data[start, end): those it passes move, in order, to data[kept...];
+ * returns the new count. */
+static size_t llamabatch_grammar_keep(
+        struct llama_sampler * smpl, int32_t grammar_at, llama_token_data * data, size_t start, size_t end,
+        size_t kept, bool sorted) {
+    llama_token_data_array part = {data + start, end - start, -1, sorted};
+    llama_sampler_apply(llama_sampler_chain_get(smpl, grammar_at), &part);
+    for (size_t j = start; j < end; j++) {
+        if (std::isfinite(data[j].logit)) {
+            data[kept++] = data[j];
+        }
+    }
+    return kept;
+}
+
+/* Top-k right after the grammar keeps the k highest logits the grammar allows, and the stages
+ * after it see only those: so the grammar first checks the best candidates (by the logits the
+ * stages before it leave), and only when fewer than k of them pass, the rest of the vocabulary;
+ * the rest of the chain then runs on those that passed, best first: what it gets after a pass
+ * over the whole vocabulary (the same tokens in the same order, so the same draw; tokens the
+ * grammar refused would only trail with probability 0). Leaves cur_p selected; false when none
+ * passed. */
+static bool llamabatch_top_k_first(
+        struct llama_sampler * smpl, int32_t grammar_at, int32_t top_k, llama_token_data_array & cur_p) {
+    for (int32_t i = 0; i < grammar_at; i++) {
+        llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
+    }
+    const auto better = [](const llama_token_data & a, const llama_token_data & b) {
+        return a.logit > b.logit;
+    };
+    llama_token_data * data = cur_p.data;
+    const size_t size = cur_p.size, k = (size_t) top_k;
+    const size_t first = std::min(size, std::max<size_t>(8 * k, 256));
+    std::partial_sort(data, data + first, data + size, better);
+    size_t kept = llamabatch_grammar_keep(smpl, grammar_at, data, 0, first, 0, true);
+    if (kept < k && first < size) {  // too few of the best passed: the rest of the vocabulary too
+        const size_t from = kept;
+        kept = llamabatch_grammar_keep(smpl, grammar_at, data, first, size, kept, false);
+        std::sort(data + from, data + kept, better);  // they trail the first run's, best first
+    }
+    kept = std::min(kept, k);
+    if (kept == 0) {
+        return false;
+    }
+    cur_p = {data, kept, -1, true};
+    const int32_t n = llama_sampler_chain_n(smpl);
+    for (int32_t i = grammar_at + 1; i < n; i++) {
+        llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
+    }
+    return true;
 }
 
 /* Accept token into the chain (its grammar too); -3 when the grammar then holds more than
@@ -125,10 +190,11 @@ static int32_t llamabatch_accept_checked(
  * or aborts for an end-of-generation token); -2 when llama.cpp threw (err says what); -3 when
  * the grammar holds more than max_stacks parse stacks after the token (an ambiguous grammar:
  * every stack is matched against the vocabulary at every step, and deduplicated pairwise).
- * max_stacks 0: not counted (the layout read is that of the pinned llama.cpp only). */
+ * max_stacks 0: not counted (the layout read is that of the pinned llama.cpp only). top_k: the
+ * chain's top-k (0: off), which lets the grammar check the best candidates first (above). */
 static int32_t llamabatch_sampler_sample_guarded(
         struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, size_t max_stacks,
-        char * err, size_t err_size) {
+        int32_t top_k, char * err, size_t err_size) {
     try {
         const float * logits = llama_get_logits_ith(ctx, idx);
         if (logits == NULL) {
@@ -142,8 +208,9 @@ static int32_t llamabatch_sampler_sample_guarded(
             cur[t] = llama_token_data{t, logits[t], 0.0f};
         }
         llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
-        const int32_t grammar_at = llamabatch_greedy_grammar_stage(smpl);
-        if (grammar_at >= 0) {
+        int32_t mode = 0;
+        const int32_t grammar_at = llamabatch_grammar_stage(smpl, &mode);
+        if (grammar_at >= 0 && mode == 1) {
             /* Greedy under a grammar: the best token of the chain without its grammar, when the
              * grammar allows it, is the best token the grammar allows (the grammar only masks),
              * so one token is checked instead of the vocabulary; otherwise the whole chain runs,
@@ -154,8 +221,7 @@ static int32_t llamabatch_sampler_sample_guarded(
                     llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
                 }
             }
-            if (cur_p.selected >= 0 && cur_p.selected < (int64_t) cur_p.size &&
-                    std::isfinite(cur_p.data[cur_p.selected].logit)) {
+            if (llamabatch_selected_ok(cur_p)) {
                 llama_token_data one = {cur_p.data[cur_p.selected].id, 1.0f, 0.0f};
                 llama_token_data_array one_p = {&one, 1, -1, false};
                 llama_sampler_apply(llama_sampler_chain_get(smpl, grammar_at), &one_p);
@@ -163,6 +229,14 @@ static int32_t llamabatch_sampler_sample_guarded(
                     return llamabatch_accept_checked(smpl, one.id, max_stacks, err, err_size);
                 }
             }
+        } else if (grammar_at >= 0 && mode == 2 && top_k > 0 &&
+                llamabatch_top_k_first(smpl, grammar_at, top_k, cur_p)) {
+            if (!llamabatch_selected_ok(cur_p)) {
+                return -1;
+            }
+            return llamabatch_accept_checked(smpl, cur_p.data[cur_p.selected].id, max_stacks, err, err_size);
+        }
+        if (grammar_at >= 0) {  // the whole chain, from the logits again
             for (int32_t t = 0; t < n_vocab; t++) {
                 cur[t] = llama_token_data{t, logits[t], 0.0f};
             }

@@ -221,6 +221,7 @@ int32_t llama_chat_builtin_templates(const char ** output, size_t len);
 bool llamabatch_abort_flag_cb(void * data);
 /* llama_sampler_sample guarded (defined in _build.py, compiled as C++): -1 when no token is
  * allowed, -2 when llama.cpp threw a C++ exception (its message in err), -3 when the grammar
- * holds more than max_stacks parse stacks. */
+ * holds more than max_stacks parse stacks. top_k: the chain's top-k (0: off), which lets the
+ * grammar check the best candidates first instead of the whole vocabulary. */
 int32_t llamabatch_sampler_sample_guarded(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
-                                          size_t max_stacks, char * err, size_t err_size);
+                                          size_t max_stacks, int32_t top_k, char * err, size_t err_size);

@@ -96,15 +96,26 @@ class SamplerChain:
     """
 
     def __init__(
-        self, model: Model, params: SamplingParams, *, n_ctx: int | None = None, max_live_stacks: int = 0
+        self,
+        model: Model,
+        params: SamplingParams,
+        *,
+        n_ctx: int | None = None,
+        max_live_stacks: int = 0,
+        top_k_first: bool = True,
     ) -> None:
         """``n_ctx``: the request's context size, which bounds the penalty window
         (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096.
         ``max_live_stacks``: a grammar request's cap on its parse stacks, checked after every
-        token (``GrammarLimits.max_live_stacks``; the engine passes the process-wide one); 0: none."""
+        token (``GrammarLimits.max_live_stacks``; the engine passes the process-wide one); 0: none.
+        ``top_k_first``: a grammar request with ``top_k`` has its grammar check the best
+        candidates until ``top_k`` pass, not the whole vocabulary: the same token as the
+        whole pass, for the same seed (``False``: the whole pass, which tests compare with)."""
         self._ptr = ffi.NULL
         self._error = None  # a message buffer: grammar requests sample guarded (see ``sample``)
         self._max_stacks = 0
+        stages = params.active_stages
+        self._top_k = params.top_k if top_k_first and "top_k" in stages else 0
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -114,7 +125,7 @@ class SamplerChain:
         self._ptr = ffi.gc(chain, lib.llama_sampler_free)
         self.seed = params.seed if params.seed is not None else random.getrandbits(32)
         n_vocab = model.n_vocab
-        for stage in params.active_stages:  # in the chain's order (param_spec.STAGES)
+        for stage in stages:  # in the chain's order (param_spec.STAGES)
             if stage == "logit_bias":
                 for token in params.logit_bias:
                     if token >= n_vocab:
@@ -167,7 +178,9 @@ class SamplerChain:
         error = self._error
         if error is None:
             return _sample(self._ptr, context._ptr, idx)
-        token = _sample_guarded(self._ptr, context._ptr, idx, self._max_stacks, error, _ERROR_SIZE)
+        token = _sample_guarded(
+            self._ptr, context._ptr, idx, self._max_stacks, self._top_k, error, _ERROR_SIZE
+        )
         if token >= 0:
             return token
         if token == -1:

@@ -2,8 +2,9 @@
 ``_ffi/_build.py``): when the grammar allows it, it is the best token the grammar allows,
 so the grammar is matched against one token instead of the vocabulary (llama.cpp's common
 sampler does the same). These tests hold it to the whole-vocabulary path, token for token, on
-the real model: ``temperature=1, top_k=1`` ends the chain in a draw over one candidate, which
-the shortcut leaves alone, and picks the same token greedy does."""
+the real model: ``temperature=1, top_k=0, top_p=1e-6`` ends the chain in a draw over the one
+best candidate the grammar allows, which no shortcut touches (top-k, when on, has one of its
+own: ``test_grammar_top_k.py``), and picks the same token greedy does."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _tokens(llm: LLM, prompt: str, **params) -> list[int]:
 def test_greedy_under_a_grammar_picks_what_the_whole_vocabulary_path_picks(llm, constraint):
     for prompt in PROMPTS:
         greedy = _tokens(llm, prompt, temperature=0, **constraint)
-        whole = _tokens(llm, prompt, temperature=1.0, top_k=1, seed=1, **constraint)
+        whole = _tokens(llm, prompt, temperature=1.0, top_k=0, top_p=1e-6, seed=1, **constraint)
         assert greedy == whole, prompt
         assert len(greedy) > 3
 
