@@ -128,8 +128,27 @@ class GenerationCounters:
     slo_met: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class EncoderStats:
+    """The image encoder's figures in ``GenerationStats`` and ``EmbedderStats`` (``mmproj``:
+    ``generate/vision.py``, ``embed/images.py``; all 0 without one): images in admitted
+    prompts, those encoded and those the encoder cache served, images the cache dropped for
+    room, its bytes now, image-prompt positions computed, the ticks that computed some (the
+    generation engine's slices), and the seconds spent encoding and decoding them."""
+
+    encoder_images: int = 0
+    encoder_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_evictions: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_image_positions: int = 0
+    encoder_image_slices: int = 0
+    encoder_encode_time_s: float = 0.0
+    encoder_image_decode_time_s: float = 0.0
+
+
 @dataclass(frozen=True)
-class GenerationStats:
+class GenerationStats(EncoderStats):
     """``LLM.stats()`` / ``LLMEngine.stats()``: a snapshot of the engine and its totals.
 
     Rates are over the time spent in ticks. ``reused_tokens`` of the ``prompt_tokens`` came
@@ -228,19 +247,6 @@ class GenerationStats:
     #: decoding sequences moved into a gap among busy KV streams, so that a tick decodes
     #: fewer runs of consecutive streams (``generate/compaction.py``)
     slot_moves: int = 0
-    # -- images (``mmproj``, ``generate/vision.py``) --
-    #: images in admitted prompts, those encoded and those the encoder cache served, images
-    #: the cache dropped for room, its bytes now, image-prompt positions computed, the ticks
-    #: that computed some, and the seconds spent encoding and decoding them
-    encoder_images: int = 0
-    encoder_encoded: int = 0
-    encoder_cache_hits: int = 0
-    encoder_cache_evictions: int = 0
-    encoder_cache_bytes: int = 0
-    encoder_image_positions: int = 0
-    encoder_image_slices: int = 0
-    encoder_encode_time_s: float = 0.0
-    encoder_image_decode_time_s: float = 0.0
     # -- persistent prefixes (``prefix_cache_dir``, ``generate/prefix_store.py``) --
     #: prefix files whose state llama.cpp loaded, files written, files refused (not a
     #: regular file, corrupt, over a limit, another model or layout, or refused by llama.cpp)
@@ -307,7 +313,7 @@ class EmbedderCounters:
 
 
 @dataclass(frozen=True)
-class EmbedderStats:
+class EmbedderStats(EncoderStats):
     """``Embedder.stats()``: the embedder's settings, its totals and what is queued.
 
     ``texts`` counts the texts of all calls; ``sequences`` those taken into packs (texts
@@ -339,16 +345,6 @@ class EmbedderStats:
     #: tokens and texts queued, not yet in a pack
     pending_tokens: int
     queue_depth: int
-    # -- images (``mmproj``, ``embed/images.py``): as ``GenerationStats``' (no slices here) --
-    encoder_images: int = 0
-    encoder_encoded: int = 0
-    encoder_cache_hits: int = 0
-    encoder_cache_evictions: int = 0
-    encoder_cache_bytes: int = 0
-    encoder_image_positions: int = 0
-    encoder_image_slices: int = 0
-    encoder_encode_time_s: float = 0.0
-    encoder_image_decode_time_s: float = 0.0
 
 
 Listener = Callable[[Any], None]
