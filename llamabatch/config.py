@@ -25,9 +25,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llamabatch.config_checks import (
     SLO_REJECT,
     batch_invariant_conflict,
+    check_count,
     check_merge_lora,
     check_milliseconds,
     lora_adapter_pairs,
+    on_off,
+    parse_flash_attn,
+    positive_float,
     positive_int,
 )
 from llamabatch.generate.spec_config import (
@@ -63,36 +67,12 @@ STRATEGY_NAMES = ("decode_maximal", "prefill_priority", "balanced")
 SPEC_TYPES = ("ngram", "suffix", "draft")
 #: the host-RAM prompt cache's default budget in MiB (``cache_ram``; llama-server's ``--cache-ram``)
 CACHE_RAM_DEFAULT_MIB = 8192
+#: the grammar masks' default budget in MiB (``grammar_cache_mb``, ``_ffi/sampler.py``: ``GrammarMasks``)
+GRAMMAR_CACHE_DEFAULT_MIB = 32
 #: the prefix directory's default size cap in MiB (``prefix_cache_dir_max_mb``)
 PREFIX_CACHE_DIR_MAX_MB = 4096
 #: the KV cache types (``type_k`` / ``type_v``), llama.cpp's names (``llamabatch/_ffi/kv_types.py``)
 KV_TYPE_NAMES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def on_off(text: str) -> bool:
-    """An argparse type: ``on`` or ``off`` as a bool."""
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
-
-
-def parse_flash_attn(text: str) -> bool | None:
-    """An argparse type: ``on`` / ``off`` / ``auto`` as ``True`` / ``False`` / ``None``."""
-    try:
-        return {"on": True, "off": False, "auto": None}[text]
-    except KeyError:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from on, off, auto)") from None
 
 
 def flag(*flags: str, **kwargs: Any) -> dict[str, Any]:
@@ -407,6 +387,15 @@ class EngineConfig(OptionsConfig):
             "of physical memory)",
         ),
     )
+    grammar_cache_mb: int = field(
+        default=GRAMMAR_CACHE_DEFAULT_MIB,
+        metadata=flag(
+            "--grammar-cache-mb",
+            type=int,
+            metavar="MiB",
+            help=f"grammar masks kept across requests, MiB (0: off; default {GRAMMAR_CACHE_DEFAULT_MIB})",
+        ),
+    )
     prefix_cache_dir_max_mb: int = field(
         default=PREFIX_CACHE_DIR_MAX_MB,
         metadata=flag(
@@ -517,10 +506,7 @@ class EngineConfig(OptionsConfig):
         check_image_options(self)
         object.__setattr__(self, "lora_adapters", lora_adapter_pairs(self.lora_adapters))
         max_loras = self.max_loras
-        if max_loras is not None and (
-            not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 0
-        ):
-            raise ValueError(f"max_loras must be an int >= 0 or None, got {max_loras!r}")
+        check_count("max_loras", max_loras, " or None", none_ok=True)
         if max_loras == 0 and self.lora_adapters:
             raise ValueError("max_loras=0 switches LoRA off, but lora_adapters names adapters")
         check_merge_lora(self.merge_lora, self.lora_adapters, max_loras, self.batch_invariant)
@@ -550,14 +536,9 @@ class EngineConfig(OptionsConfig):
                 raise ValueError(conflict)
         for name in ("target_itl_ms", "slo_ttft_ms", "slo_itl_ms"):
             check_milliseconds(name, getattr(self, name))
-        aging = self.priority_aging
-        if not isinstance(aging, int) or isinstance(aging, bool) or aging < 0:
-            raise ValueError(f"priority_aging must be an int >= 0 (0: no aging), got {aging!r}")
-        cache_ram = self.cache_ram
-        if cache_ram is not None and (
-            not isinstance(cache_ram, int) or isinstance(cache_ram, bool) or cache_ram < 0
-        ):
-            raise ValueError(f"cache_ram must be an int >= 0 (MiB; 0 or None: off), got {cache_ram!r}")
+        check_count("priority_aging", self.priority_aging, " (0: no aging)")
+        check_count("cache_ram", self.cache_ram, " (MiB; 0 or None: off)", none_ok=True)
+        check_count("grammar_cache_mb", self.grammar_cache_mb, " (MiB; 0: off)")
         cache_dir = self.prefix_cache_dir
         if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir)):
             raise ValueError(f"prefix_cache_dir must be a directory path or None, got {cache_dir!r}")

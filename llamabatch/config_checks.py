@@ -1,5 +1,6 @@
 """What ``EngineConfig`` (``config.py``) and its option modules share without importing it:
-the ``positive_int`` flag type (``validate.py``'s), and the explicit settings
+the flag types (``positive_int``, ``validate.py``'s; ``positive_float``, ``on_off``,
+``parse_flash_attn``), the checks of values, and the explicit settings
 ``batch_invariant=True`` refuses (``generate/batch_invariant.py`` decides the rest when the
 model is loaded)."""
 
@@ -16,9 +17,13 @@ __all__ = [
     "INVARIANT_KV_TYPE",
     "InvariantSettings",
     "batch_invariant_conflict",
+    "check_count",
     "check_milliseconds",
     "lora_adapter_pairs",
+    "on_off",
+    "parse_flash_attn",
     "parse_lora_arg",
+    "positive_float",
     "positive_int",
 ]
 
@@ -74,12 +79,47 @@ def batch_invariant_conflict(config: InvariantSettings) -> str | None:
     return None
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def on_off(text: str) -> bool:
+    """An argparse type: ``on`` or ``off`` as a bool."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def parse_flash_attn(text: str) -> bool | None:
+    """An argparse type: ``on`` / ``off`` / ``auto`` as ``True`` / ``False`` / ``None``."""
+    try:
+        return {"on": True, "off": False, "auto": None}[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from on, off, auto)") from None
+
+
 def check_milliseconds(name: str, value: object) -> None:
     """``ValueError`` unless the option ``name`` is None or a finite number of ms above 0."""
     if value is not None and (
         not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")
     ):
         raise ValueError(f"{name} must be a positive number (ms) or None, got {value!r}")
+
+
+def check_count(name: str, value: object, note: str = "", *, none_ok: bool = False) -> None:
+    """``ValueError`` unless the option ``name`` is an int >= 0 (or None, with ``none_ok``);
+    ``note`` follows "an int >= 0" in the message."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0{note}, got {value!r}")
 
 
 #: ``EngineConfig.slo_reject``'s flag (``config.flag``'s shape)

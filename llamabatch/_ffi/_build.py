@@ -31,7 +31,10 @@ C_SOURCE = """
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <list>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 /* llama.cpp internals (pinned version), to count a grammar's parse stacks: the grammar
@@ -49,6 +52,21 @@ struct llamabatch_sampler_grammar {
     std::string grammar_str;
     std::string grammar_root;
     struct llama_grammar * grammar;
+};
+
+/* The head of llama.cpp's struct llama_grammar (llama-grammar.h, pinned version): what a pass
+ * over the vocabulary depends on, the rules, the parse stacks (pointers into the rules), the
+ * partial UTF-8 sequence, and whether a lazy grammar still waits for its trigger. */
+struct llamabatch_grammar_head {
+    const struct llama_vocab * vocab;
+    const std::vector<std::vector<llama_grammar_element>> rules;
+    std::vector<std::vector<const llama_grammar_element *>> stacks;
+    struct {
+        uint32_t value;
+        int n_remain;
+    } partial_utf8;
+    bool lazy;
+    bool awaiting_trigger;
 };
 
 static size_t llamabatch_grammar_stacks(struct llama_sampler * chain) {
@@ -92,9 +110,210 @@ static void llamabatch_set_error(char * err, size_t err_size, const char * what)
     }
 }
 
+/* Grammar masks: which tokens a grammar allows is a function of its state alone (its rules,
+ * parse stacks and partial UTF-8 sequence), not of the logits; requests sharing a schema pass
+ * through the same states, and a pass over the whole vocabulary costs milliseconds. So the
+ * passes over the whole vocabulary are kept, one bit per token, keyed by the grammar's identity
+ * (a digest of its text, given by the caller) and its state written without addresses: each
+ * stack element as (rule, offset). Least recently used first out, within max_bytes. */
+struct llamabatch_mask_cache {
+    std::mutex lock;
+    size_t max_bytes = 0, bytes = 0;
+    uint64_t hits = 0, passes = 0;
+    struct entry {
+        std::vector<uint64_t> bits;
+        std::list<const std::string *>::iterator used;
+    };
+    std::unordered_map<std::string, entry> entries;
+    std::list<const std::string *> order;  // keys, the most recently used first
+};
+
+static const size_t LLAMABATCH_MASK_ENTRY_OVERHEAD = 128;  // map node, list node, headers
+
+struct llamabatch_mask_cache * llamabatch_mask_cache_new(size_t max_bytes) {
+    try {
+        auto * cache = new llamabatch_mask_cache();
+        cache->max_bytes = max_bytes;
+        return cache;
+    } catch (...) {
+        return NULL;
+    }
+}
+
+void llamabatch_mask_cache_free(struct llamabatch_mask_cache * cache) {
+    delete cache;
+}
+
+/* hits, passes, entries, bytes */
+void llamabatch_mask_cache_stats(struct llamabatch_mask_cache * cache, uint64_t * out) {
+    std::lock_guard<std::mutex> guard(cache->lock);
+    out[0] = cache->hits;
+    out[1] = cache->passes;
+    out[2] = cache->entries.size();
+    out[3] = cache->bytes;
+}
+
+static void llamabatch_key_put(std::string & key, uint32_t value) {
+    key.append((const char *) &value, sizeof value);
+}
+
+/* The key of grammar's present state; false when it cannot be written (a stack element outside
+ * the grammar's rules: never in the pinned version). */
+static bool llamabatch_grammar_state_key(
+        const llamabatch_grammar_head & grammar, const char * grammar_id, size_t grammar_id_len,
+        std::string & key) {
+    /* Each rule's address, sorted: made again only for rules at other addresses (a check in
+     * rule order costs far less than the sort, for grammars of thousands of rules). */
+    thread_local std::vector<std::pair<uintptr_t, uint32_t>> starts;
+    thread_local std::vector<std::pair<uintptr_t, size_t>> made_from;  // (address, size) by rule
+    const auto & rules = grammar.rules;
+    bool same = made_from.size() == rules.size();
+    for (size_t r = 0; same && r < rules.size(); r++) {
+        same = made_from[r].first == (uintptr_t) rules[r].data() && made_from[r].second == rules[r].size();
+    }
+    if (!same) {
+        made_from.clear();
+        starts.clear();
+        for (uint32_t r = 0; r < rules.size(); r++) {
+            made_from.emplace_back((uintptr_t) rules[r].data(), rules[r].size());
+            if (!rules[r].empty()) {
+                starts.emplace_back((uintptr_t) rules[r].data(), r);
+            }
+        }
+        std::sort(starts.begin(), starts.end());
+    }
+    key.assign(grammar_id, grammar_id_len);
+    llamabatch_key_put(key, grammar.partial_utf8.value);
+    llamabatch_key_put(key, (uint32_t) grammar.partial_utf8.n_remain);
+    for (const auto & stack : grammar.stacks) {
+        llamabatch_key_put(key, (uint32_t) stack.size());
+        for (const llama_grammar_element * element : stack) {
+            const uintptr_t at = (uintptr_t) element;
+            auto it = std::upper_bound(starts.begin(), starts.end(), std::make_pair(at, UINT32_MAX));
+            if (it == starts.begin()) {
+                return false;
+            }
+            --it;
+            const size_t offset = (at - it->first) / sizeof(llama_grammar_element);
+            if (offset >= grammar.rules[it->second].size()) {
+                return false;
+            }
+            llamabatch_key_put(key, it->second);
+            llamabatch_key_put(key, (uint32_t) offset);
+        }
+    }
+    return true;
+}
+
+/* One grammar's mask for its present state, found or made. */
+struct llamabatch_masking {
+    struct llamabatch_mask_cache * cache;
+    const char * grammar_id;
+    size_t grammar_id_len;
+    struct llama_sampler * grammar;  // the chain's grammar stage
+    int32_t n_vocab;
+    std::string key;  // empty: this state is not kept (a lazy grammar waiting for its trigger)
+    std::vector<uint64_t> bits;
+    bool looked = false, ready = false;
+
+    const llamabatch_grammar_head * head() const {
+        const auto * sampler = (const struct llamabatch_sampler_grammar *) grammar->ctx;
+        return (const llamabatch_grammar_head *) sampler->grammar;
+    }
+
+    /* The kept mask of this state, if any (a cheap look: no pass). */
+    bool find() {
+        if (looked) {
+            return ready;
+        }
+        looked = true;
+        const llamabatch_grammar_head * g = head();
+        key.clear();
+        if (g == NULL || g->awaiting_trigger ||
+                !llamabatch_grammar_state_key(*g, grammar_id, grammar_id_len, key)) {
+            key.clear();
+            return false;
+        }
+        std::lock_guard<std::mutex> guard(cache->lock);
+        auto it = cache->entries.find(key);
+        if (it == cache->entries.end()) {
+            return false;
+        }
+        cache->hits++;
+        cache->order.splice(cache->order.begin(), cache->order, it->second.used);
+        bits = it->second.bits;
+        ready = true;
+        return true;
+    }
+
+    /* The mask, from the cache or by one pass of the grammar over the whole vocabulary (with
+     * equal logits: the mask must not depend on them), then kept. */
+    const uint64_t * get() {
+        if (find()) {
+            return bits.data();
+        }
+        thread_local std::vector<llama_token_data> all;
+        all.resize(n_vocab);
+        for (int32_t t = 0; t < n_vocab; t++) {
+            all[t] = llama_token_data{t, 0.0f, 0.0f};
+        }
+        llama_token_data_array all_p = {all.data(), all.size(), -1, false};
+        llama_sampler_apply(grammar, &all_p);
+        bits.assign(((size_t) n_vocab + 63) / 64, 0);
+        for (int32_t t = 0; t < n_vocab; t++) {
+            if (std::isfinite(all[t].logit)) {
+                bits[t >> 6] |= (uint64_t) 1 << (t & 63);
+            }
+        }
+        ready = true;
+        std::lock_guard<std::mutex> guard(cache->lock);
+        cache->passes++;
+        const size_t size = key.size() * 2 + bits.size() * sizeof(uint64_t) + LLAMABATCH_MASK_ENTRY_OVERHEAD;
+        if (key.empty() || size > cache->max_bytes) {
+            return bits.data();
+        }
+        while (cache->bytes + size > cache->max_bytes && !cache->order.empty()) {
+            auto old = cache->entries.find(*cache->order.back());
+            cache->bytes -= old->first.size() * 2 + old->second.bits.size() * sizeof(uint64_t) +
+                LLAMABATCH_MASK_ENTRY_OVERHEAD;
+            cache->order.pop_back();
+            cache->entries.erase(old);
+        }
+        auto placed = cache->entries.emplace(key, llamabatch_mask_cache::entry{bits, {}});
+        if (placed.second) {
+            cache->order.push_front(&placed.first->first);
+            placed.first->second.used = cache->order.begin();
+            cache->bytes += size;
+        }
+        return bits.data();
+    }
+};
+
+static inline bool llamabatch_mask_allows(const uint64_t * bits, llama_token id) {
+    return (bits[id >> 6] >> (id & 63)) & 1;
+}
+
+/* The chain applied stage by stage, its grammar stage by the mask. */
+static void llamabatch_chain_masked(
+        struct llama_sampler * smpl, int32_t grammar_at, const uint64_t * bits,
+        llama_token_data_array & cur_p) {
+    const int32_t n = llama_sampler_chain_n(smpl);
+    for (int32_t i = 0; i < n; i++) {
+        if (i != grammar_at) {
+            llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
+            continue;
+        }
+        for (size_t j = 0; j < cur_p.size; j++) {
+            if (!llamabatch_mask_allows(bits, cur_p.data[j].id)) {
+                cur_p.data[j].logit = -INFINITY;
+            }
+        }
+    }
+}
+
 /* The grammar stage's index, and how the chain may spare the grammar a pass over the whole
  * vocabulary (mode): 1, the chain ends in greedy selection; 2, top-k comes right after the
- * grammar. -1: neither. */
+ * grammar; 0, neither. -1: no grammar. */
 static int32_t llamabatch_grammar_stage(struct llama_sampler * chain, int32_t * mode) {
     const int32_t n = llama_sampler_chain_n(chain);
     for (int32_t i = 0; i < n - 1; i++) {
@@ -103,11 +322,9 @@ static int32_t llamabatch_grammar_stage(struct llama_sampler * chain, int32_t * 
                 *mode = 1;
                 return i;
             }
-            if (std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, i + 1)), "top-k") == 0) {
-                *mode = 2;
-                return i;
-            }
-            return -1;
+            const char * next = llama_sampler_name(llama_sampler_chain_get(chain, i + 1));
+            *mode = std::strcmp(next, "top-k") == 0 ? 2 : 0;
+            return i;
         }
     }
     return -1;
@@ -121,12 +338,14 @@ static bool llamabatch_selected_ok(const llama_token_data_array & cur_p) {
 /* The grammar's check of data[start, end): those it passes move, in order, to data[kept...];
  * returns the new count. */
 static size_t llamabatch_grammar_keep(
-        struct llama_sampler * smpl, int32_t grammar_at, llama_token_data * data, size_t start, size_t end,
-        size_t kept, bool sorted) {
-    llama_token_data_array part = {data + start, end - start, -1, sorted};
-    llama_sampler_apply(llama_sampler_chain_get(smpl, grammar_at), &part);
+        struct llama_sampler * smpl, int32_t grammar_at, const uint64_t * bits, llama_token_data * data,
+        size_t start, size_t end, size_t kept, bool sorted) {
+    if (bits == NULL) {
+        llama_token_data_array part = {data + start, end - start, -1, sorted};
+        llama_sampler_apply(llama_sampler_chain_get(smpl, grammar_at), &part);
+    }
     for (size_t j = start; j < end; j++) {
-        if (std::isfinite(data[j].logit)) {
+        if (std::isfinite(data[j].logit) && (bits == NULL || llamabatch_mask_allows(bits, data[j].id))) {
             data[kept++] = data[j];
         }
     }
@@ -141,7 +360,8 @@ static size_t llamabatch_grammar_keep(
  * grammar refused would only trail with probability 0). Leaves cur_p selected; false when none
  * passed. */
 static bool llamabatch_top_k_first(
-        struct llama_sampler * smpl, int32_t grammar_at, int32_t top_k, llama_token_data_array & cur_p) {
+        struct llama_sampler * smpl, int32_t grammar_at, int32_t top_k, llamabatch_masking * masking,
+        llama_token_data_array & cur_p) {
     for (int32_t i = 0; i < grammar_at; i++) {
         llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
     }
@@ -152,10 +372,15 @@ static bool llamabatch_top_k_first(
     const size_t size = cur_p.size, k = (size_t) top_k;
     const size_t first = std::min(size, std::max<size_t>(8 * k, 256));
     std::partial_sort(data, data + first, data + size, better);
-    size_t kept = llamabatch_grammar_keep(smpl, grammar_at, data, 0, first, 0, true);
+    // A kept mask serves at once; otherwise it is made only where the whole vocabulary is needed.
+    const uint64_t * bits = masking != NULL && masking->find() ? masking->bits.data() : NULL;
+    size_t kept = llamabatch_grammar_keep(smpl, grammar_at, bits, data, 0, first, 0, true);
     if (kept < k && first < size) {  // too few of the best passed: the rest of the vocabulary too
         const size_t from = kept;
-        kept = llamabatch_grammar_keep(smpl, grammar_at, data, first, size, kept, false);
+        if (masking != NULL) {
+            bits = masking->get();
+        }
+        kept = llamabatch_grammar_keep(smpl, grammar_at, bits, data, first, size, kept, false);
         std::sort(data + from, data + kept, better);  // they trail the first run's, best first
     }
     kept = std::min(kept, k);
@@ -191,10 +416,13 @@ static int32_t llamabatch_accept_checked(
  * the grammar holds more than max_stacks parse stacks after the token (an ambiguous grammar:
  * every stack is matched against the vocabulary at every step, and deduplicated pairwise).
  * max_stacks 0: not counted (the layout read is that of the pinned llama.cpp only). top_k: the
- * chain's top-k (0: off), which lets the grammar check the best candidates first (above). */
+ * chain's top-k (0: off), which lets the grammar check the best candidates first (above).
+ * masks: where the grammar's passes over the whole vocabulary are kept (NULL: none; the layout
+ * read is the pinned version's), for the grammar whose text's digest is grammar_id. */
 static int32_t llamabatch_sampler_sample_guarded(
         struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx, size_t max_stacks,
-        int32_t top_k, char * err, size_t err_size) {
+        int32_t top_k, struct llamabatch_mask_cache * masks, const char * grammar_id, size_t grammar_id_len,
+        char * err, size_t err_size) {
     try {
         const float * logits = llama_get_logits_ith(ctx, idx);
         if (logits == NULL) {
@@ -210,6 +438,17 @@ static int32_t llamabatch_sampler_sample_guarded(
         llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
         int32_t mode = 0;
         const int32_t grammar_at = llamabatch_grammar_stage(smpl, &mode);
+        thread_local llamabatch_masking masking;  // its buffers live on between calls
+        llamabatch_masking * masked = NULL;
+        if (grammar_at >= 0 && masks != NULL) {
+            masking.cache = masks;
+            masking.grammar_id = grammar_id;
+            masking.grammar_id_len = grammar_id_len;
+            masking.grammar = llama_sampler_chain_get(smpl, grammar_at);
+            masking.n_vocab = n_vocab;
+            masking.looked = masking.ready = false;
+            masked = &masking;
+        }
         if (grammar_at >= 0 && mode == 1) {
             /* Greedy under a grammar: the best token of the chain without its grammar, when the
              * grammar allows it, is the best token the grammar allows (the grammar only masks),
@@ -230,19 +469,23 @@ static int32_t llamabatch_sampler_sample_guarded(
                 }
             }
         } else if (grammar_at >= 0 && mode == 2 && top_k > 0 &&
-                llamabatch_top_k_first(smpl, grammar_at, top_k, cur_p)) {
+                llamabatch_top_k_first(smpl, grammar_at, top_k, masked, cur_p)) {
             if (!llamabatch_selected_ok(cur_p)) {
                 return -1;
             }
             return llamabatch_accept_checked(smpl, cur_p.data[cur_p.selected].id, max_stacks, err, err_size);
         }
-        if (grammar_at >= 0) {  // the whole chain, from the logits again
+        if (mode != 0) {  // the whole chain, from the logits again
             for (int32_t t = 0; t < n_vocab; t++) {
                 cur[t] = llama_token_data{t, logits[t], 0.0f};
             }
             cur_p = {cur.data(), cur.size(), -1, false};
         }
-        llama_sampler_apply(smpl, &cur_p);
+        if (masked != NULL) {
+            llamabatch_chain_masked(smpl, grammar_at, masked->get(), cur_p);
+        } else {
+            llama_sampler_apply(smpl, &cur_p);
+        }
         if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size ||
                 !std::isfinite(cur_p.data[cur_p.selected].logit)) {
             return -1;

@@ -219,9 +219,17 @@ int32_t llama_chat_builtin_templates(const char ** output, size_t len);
  * flag, so that close() or a test can stop llama_decode without calling into Python
  * from llama.cpp's compute threads. */
 bool llamabatch_abort_flag_cb(void * data);
+struct llamabatch_mask_cache;
 /* llama_sampler_sample guarded (defined in _build.py, compiled as C++): -1 when no token is
  * allowed, -2 when llama.cpp threw a C++ exception (its message in err), -3 when the grammar
  * holds more than max_stacks parse stacks. top_k: the chain's top-k (0: off), which lets the
  * grammar check the best candidates first instead of the whole vocabulary. */
 int32_t llamabatch_sampler_sample_guarded(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
-                                          size_t max_stacks, int32_t top_k, char * err, size_t err_size);
+                                          size_t max_stacks, int32_t top_k, struct llamabatch_mask_cache * masks,
+                                          const char * grammar_id, size_t grammar_id_len, char * err,
+                                          size_t err_size);
+/* The grammar masks kept between requests (see _build.py): at most max_bytes; stats writes
+ * hits (masks found), passes (masks made), entries and bytes. */
+struct llamabatch_mask_cache * llamabatch_mask_cache_new(size_t max_bytes);
+void llamabatch_mask_cache_free(struct llamabatch_mask_cache * cache);
+void llamabatch_mask_cache_stats(struct llamabatch_mask_cache * cache, uint64_t * out);

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llamabatch._ffi import BUILD, ffi, lib
@@ -34,6 +37,50 @@ class NoTokenAllowed(SamplingError, GrammarDeadEnd):
 
 class GrammarTooAmbiguous(SamplingError, GrammarDeadEnd):
     """A grammar request's parse stacks grew past ``GrammarLimits.max_live_stacks``."""
+
+
+#: the grammar digests' key: a process's own, so that no text can be made to collide offline
+_GRAMMAR_ID_KEY = os.urandom(16)
+
+
+@dataclass(frozen=True)
+class GrammarMaskStats:
+    """What a :class:`GrammarMasks` did and holds: masks found (``hits``), masks made by a pass
+    of the grammar over the whole vocabulary (``passes``), and the masks and bytes it holds."""
+
+    hits: int
+    passes: int
+    entries: int
+    bytes: int
+
+
+class GrammarMasks:
+    """Grammar masks kept between requests, one model's (its vocabulary's): which tokens a
+    grammar allows depends on the grammar's state only, so a state met before (the structure of
+    a schema that many requests share) costs a lookup instead of a pass over the vocabulary.
+    Only passes over the whole vocabulary are kept, in at most ``max_bytes``, the least
+    recently used dropped first. Thread-safe (C++, ``_build.py``); used where llama.cpp is the
+    pinned version, whose grammar layout it reads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"GrammarMasks: max_bytes must be a positive int, got {max_bytes!r}")
+        ptr = lib.llamabatch_mask_cache_new(max_bytes)
+        if ptr == ffi.NULL:
+            raise MemoryError("llamabatch_mask_cache_new returned NULL")
+        self._ptr = ffi.gc(ptr, lib.llamabatch_mask_cache_free)
+        self.max_bytes = max_bytes
+
+    def stats(self) -> GrammarMaskStats:
+        """A snapshot of the counters."""
+        out = ffi.new("uint64_t[4]")
+        lib.llamabatch_mask_cache_stats(self._ptr, out)
+        return GrammarMaskStats(hits=out[0], passes=out[1], entries=out[2], bytes=out[3])
+
+
+def grammar_id(text: str) -> bytes:
+    """A grammar text's identity in :class:`GrammarMasks` (a keyed 16-byte digest)."""
+    return hashlib.blake2b(text.encode(), digest_size=16, key=_GRAMMAR_ID_KEY).digest()
 
 
 #: characters std::regex (ECMAScript) gives a meaning; escaped in trigger words
@@ -103,6 +150,7 @@ class SamplerChain:
         n_ctx: int | None = None,
         max_live_stacks: int = 0,
         top_k_first: bool = True,
+        masks: GrammarMasks | None = None,
     ) -> None:
         """``n_ctx``: the request's context size, which bounds the penalty window
         (``penalty_last_n=-1`` means all of it); without it, llama.cpp's default 4096.
@@ -110,10 +158,14 @@ class SamplerChain:
         token (``GrammarLimits.max_live_stacks``; the engine passes the process-wide one); 0: none.
         ``top_k_first``: a grammar request with ``top_k`` has its grammar check the best
         candidates until ``top_k`` pass, not the whole vocabulary: the same token as the
-        whole pass, for the same seed (``False``: the whole pass, which tests compare with)."""
+        whole pass, for the same seed (``False``: the whole pass, which tests compare with).
+        ``masks``: where a grammar request's passes over the whole vocabulary are kept and
+        found again (None: none kept)."""
         self._ptr = ffi.NULL
         self._error = None  # a message buffer: grammar requests sample guarded (see ``sample``)
         self._max_stacks = 0
+        self._masks: GrammarMasks | None = None
+        self._mask_args: tuple[Any, bytes, int] = (ffi.NULL, b"", 0)  # the cache, the grammar's id
         stages = params.active_stages
         self._top_k = params.top_k if top_k_first and "top_k" in stages else 0
         chain_params = lib.llama_sampler_chain_default_params()
@@ -149,8 +201,12 @@ class SamplerChain:
                     raise ValueError("SamplingParams.grammar: llama.cpp could not parse the GBNF grammar")
                 self._add(grammar)
                 self._error = ffi.new("char[]", _ERROR_SIZE)
-                # Counting reads llama.cpp internals laid out as in the pinned version only.
+                # Counting and masks read llama.cpp internals laid out as in the pinned version only.
                 self._max_stacks = max_live_stacks if BUILD.origin == "pinned" else 0
+                if masks is not None and BUILD.origin == "pinned":
+                    self._masks = masks  # kept alive with the chain
+                    key = grammar_id(params.effective_grammar or "")
+                    self._mask_args = (masks._ptr, key, len(key))
             elif stage in _STAGE_SAMPLERS:
                 self._add(_STAGE_SAMPLERS[stage](params, self.seed))
             elif stage not in ENGINE_STAGES:  # declared in param_spec, built nowhere
@@ -179,7 +235,7 @@ class SamplerChain:
         if error is None:
             return _sample(self._ptr, context._ptr, idx)
         token = _sample_guarded(
-            self._ptr, context._ptr, idx, self._max_stacks, self._top_k, error, _ERROR_SIZE
+            self._ptr, context._ptr, idx, self._max_stacks, self._top_k, *self._mask_args, error, _ERROR_SIZE
         )
         if token >= 0:
             return token

@@ -113,7 +113,7 @@ class EngineCore:
             n_threads=config.n_threads,
         )
         #: builds each completion's sampler chain at its admission (``request_memory.py``)
-        self.samplers = SamplerBuilder(model, self.n_ctx_seq)
+        self.samplers = SamplerBuilder(model, self.n_ctx_seq, config.grammar_cache_mb)
         self.vision: Any = None  # computes a prompt's image positions at admission (``vision.py``)
         self.pool = BatchPool(self.n_batch, 1)
         self.batch = self.pool.acquire()

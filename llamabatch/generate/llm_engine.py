@@ -327,6 +327,7 @@ class EngineHost:
             **history_stats(core.spec),
             **vision_stats(self.vision),
             **lora_stats(core.lora),
+            **core.samplers.mask_stats(),
         )
 
     def when_quiet(self) -> bool:

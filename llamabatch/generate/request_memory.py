@@ -19,11 +19,13 @@ queue of such requests would hold all their parsers while waiting. Here:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
+from typing import Any
 
 from llamabatch._ffi.heap import trim_heap
 from llamabatch._ffi.model import Model
-from llamabatch._ffi.sampler import SamplerChain
+from llamabatch._ffi.sampler import GrammarMasks, SamplerChain
 from llamabatch.errors import RequestTooLarge
 from llamabatch.generate.request import Request, RequestKind
 from llamabatch.params import SamplingParams
@@ -83,12 +85,15 @@ def check_vocabulary_ids(params: SamplingParams, n_vocab: int) -> None:
                 raise ValueError(f"SamplingParams.{name}: token id {token} >= n_vocab {n_vocab}")
 
 
-def build_sampler(model: Model, params: SamplingParams, index: int, n_ctx_seq: int) -> SamplerChain:
+def build_sampler(
+    model: Model, params: SamplingParams, index: int, n_ctx_seq: int, masks: GrammarMasks | None = None
+) -> SamplerChain:
     """The sampler chain of completion ``index`` of a request (``seed + index``: completions
-    of one seeded request differ, reproducibly)."""
+    of one seeded request differ, reproducibly); a grammar's masks are kept in ``masks``."""
     if params.seed is not None and index:
         params = replace(params, seed=(params.seed + index) % 2**32)
-    return SamplerChain(model, params, n_ctx=n_ctx_seq, max_live_stacks=get_grammar_limits().max_live_stacks)
+    limits = get_grammar_limits()
+    return SamplerChain(model, params, n_ctx=n_ctx_seq, max_live_stacks=limits.max_live_stacks, masks=masks)
 
 
 def check_sampling(params: SamplingParams, n_vocab: int, *, n_parallel: int, max_mb: int) -> None:
@@ -118,9 +123,11 @@ def check_sampler_builds(model: Model, leader: Request, n_ctx_seq: int) -> None:
 class SamplerBuilder:
     """The engine core's: a completion's sampler chain, built when it is admitted."""
 
-    def __init__(self, model: Model, n_ctx_seq: int) -> None:
+    def __init__(self, model: Model, n_ctx_seq: int, grammar_cache_mb: int = 0) -> None:
         self.model = model
         self.n_ctx_seq = n_ctx_seq
+        #: the grammar masks requests share (``grammar_cache_mb``; None: off)
+        self.masks = GrammarMasks(grammar_cache_mb * MIB) if grammar_cache_mb > 0 else None
         #: grammar text built into parsers, and completions admitted, since the heap was last
         #: trimmed; and the trims
         self.grammar_bytes_built = 0
@@ -134,13 +141,21 @@ class SamplerBuilder:
         if request.sampler is not None or request.fast_greedy or request.kind is RequestKind.PIN:
             return None
         try:
-            request.sampler = build_sampler(self.model, request.params, request.index, self.n_ctx_seq)
+            request.sampler = build_sampler(
+                self.model, request.params, request.index, self.n_ctx_seq, self.masks
+            )
         except Exception as exc:  # out of memory, or llama.cpp refusing what it took at submit
             return exc
         grammar = request.params.effective_grammar
         if grammar is not None:
             self.grammar_bytes_built += len(grammar)
         return None
+
+    def mask_stats(self) -> dict[str, Any]:
+        """``GenerationStats``' ``grammar_cache_*`` fields (zeros with the cache off)."""
+        if self.masks is None:
+            return {}
+        return {f"grammar_cache_{k}": v for k, v in dataclasses.asdict(self.masks.stats()).items()}
 
     def when_idle(self) -> None:
         """The engine has nothing left to do: after a flood of grammars, or of requests, give

@@ -269,6 +269,13 @@ class GenerationStats(EncoderStats):
     #: finished requests that had an SLO, and those that met it (goodput: their ratio)
     slo_requests: int = 0
     slo_met: int = 0
+    # -- grammar masks kept across requests (``grammar_cache_mb``, ``_ffi/sampler.py``) --
+    #: masks found instead of a pass of the grammar over the vocabulary, masks made by such a
+    #: pass, and the masks and bytes held
+    grammar_cache_hits: int = 0
+    grammar_cache_passes: int = 0
+    grammar_cache_entries: int = 0
+    grammar_cache_bytes: int = 0
     # -- LoRA adapters (``lora_adapters``, ``generate/lora_schedule.py``) --
     #: changes of the context's adapter set, the fitted extra seconds of a tick after one (a
     #: prior until ``lora_switches_measured`` > 0), adapters loaded into llama.cpp now (least
