@@ -197,6 +197,9 @@ class EngineConfig(OptionsConfig):
             used out first, and loaded back when a new prompt matches them better than the
             KV cache does. Default 8192 (llama-server's), capped at a quarter of the physical
             memory; ``0`` or ``None``: off. See ``generate/ram_cache.py``.
+        grammar_cache_mb: the grammar masks kept across requests, MiB (``--grammar-cache-mb``;
+            default 32; 0: off): a grammar's matches against the whole vocabulary, found again
+            by any request of that grammar in that state. See ``_ffi/sampler.py``.
         prefix_cache_dir: a directory for pinned prefixes' states (``None``: none). A pinned
             prefix is saved there once computed, and loaded instead of computed when the same
             model pins the same tokens again, after a restart too. Files are checked (model,
