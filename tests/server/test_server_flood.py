@@ -82,10 +82,14 @@ def rss_bytes(server: Server) -> int:
 
 def prompt_cache_bytes(server: Server) -> int:
     """Bytes of prompt states the host-RAM prompt cache holds (``--cache-ram``, a cache up to
-    its budget: a flood of distinct sequences fills it by design)."""
+    its budget: a flood of distinct sequences fills it by design), and of the grammar masks
+    kept (``--grammar-cache-mb``, likewise)."""
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    match = re.search(r"^llamabatch:ram_cache_bytes\{[^}]*\} (\S+)$", text, re.M)
-    return int(float(match.group(1))) if match else 0
+    held = 0
+    for name in ("ram_cache_bytes", "grammar_cache_bytes"):
+        match = re.search(rf"^llamabatch:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+        held += int(float(match.group(1))) if match else 0
+    return held
 
 
 def big_schema(n: int) -> dict:
