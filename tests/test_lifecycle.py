@@ -173,6 +173,7 @@ DEFAULTS = {
     "slo_itl_ms": None,
     "slo_reject": False,  # a request predicted late still waits (generate/slo.py: check_slo)
     "cache_ram": 8192,  # MiB, as llama-server's --cache-ram (capped at a quarter of physical memory)
+    "grammar_cache_mb": 32,  # MiB of grammar masks kept across requests (_ffi/sampler.py)
     "prefix_cache_dir": None,
     "max_request_memory_mb": 1024,  # a request's estimated memory (generate/request_memory.py)
     "speculative_config": None,  # off; {"method": "ngram" | "draft_model", ...} (generate/spec_config.py)
@@ -222,6 +223,8 @@ def test_config_defaults_and_frozen():
         ({"type_k": "q3"}, "type_k must be one of"),
         ({"type_v": "q4_0", "flash_attn": False}, "needs flash attention"),
         ({"cache_ram": -1}, "cache_ram must be an int >= 0"),
+        ({"grammar_cache_mb": -1}, "grammar_cache_mb must be an int >= 0"),
+        ({"grammar_cache_mb": True}, "grammar_cache_mb must be an int >= 0"),
         ({"prefix_cache_dir_max_mb": 0}, "prefix_cache_dir_max_mb"),
         ({"prefix_cache_dir": 3}, "prefix_cache_dir must be a directory path"),
         ({"speculative_config": {"method": "ngram", "k": 3}}, r"speculative_config: unknown keys \['k'\]"),

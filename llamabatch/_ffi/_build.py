@@ -266,10 +266,13 @@ struct llamabatch_masking {
             }
         }
         ready = true;
+        if (key.empty()) {  // not kept (nor counted: a lazy grammar's pass while it waits is a no-op)
+            return bits.data();
+        }
         std::lock_guard<std::mutex> guard(cache->lock);
         cache->passes++;
         const size_t size = key.size() * 2 + bits.size() * sizeof(uint64_t) + LLAMABATCH_MASK_ENTRY_OVERHEAD;
-        if (key.empty() || size > cache->max_bytes) {
+        if (size > cache->max_bytes) {
             return bits.data();
         }
         while (cache->bytes + size > cache->max_bytes && !cache->order.empty()) {
