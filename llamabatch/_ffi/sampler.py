@@ -70,6 +70,15 @@ class GrammarMasks:
             raise MemoryError("llamabatch_mask_cache_new returned NULL")
         self._ptr = ffi.gc(ptr, lib.llamabatch_mask_cache_free)
         self.max_bytes = max_bytes
+        #: the model whose vocabulary the masks are of (the first chain's)
+        self.model: Model | None = None
+
+    def bind(self, model: Model) -> None:
+        """Serve ``model``'s chains only: a mask is a bit per token of one vocabulary."""
+        if self.model is None:
+            self.model = model
+        elif self.model is not model:
+            raise ValueError(f"GrammarMasks hold masks of {self.model.path.name}, not of {model.path.name}")
 
     def stats(self) -> GrammarMaskStats:
         """A snapshot of the counters."""
@@ -204,6 +213,7 @@ class SamplerChain:
                 # Counting and masks read llama.cpp internals laid out as in the pinned version only.
                 self._max_stacks = max_live_stacks if BUILD.origin == "pinned" else 0
                 if masks is not None and BUILD.origin == "pinned":
+                    masks.bind(model)
                     self._masks = masks  # kept alive with the chain
                     key = grammar_id(params.effective_grammar or "")
                     self._mask_args = (masks._ptr, key, len(key))

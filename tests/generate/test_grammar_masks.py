@@ -138,6 +138,14 @@ def test_a_small_cache_stays_within_its_budget(model):
     assert stats.passes > 3 and 1 <= stats.entries <= 3 and stats.bytes <= 20_000, stats
 
 
+def test_grammar_masks_serve_one_model(model, tiny_path):
+    masks = GrammarMasks(1 << 20)
+    params = SamplingParams(grammar=DIGITS)
+    SamplerChain(model, params, masks=masks).close()
+    with Model(tiny_path) as other, pytest.raises(ValueError, match="GrammarMasks hold masks of"):
+        SamplerChain(other, params, masks=masks)
+
+
 def test_grammar_masks_refuse_a_bad_budget():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_bytes"):
