@@ -298,6 +298,25 @@ def test_json_schema_response_format(client):
     jsonschema.validate(json.loads(text), schema)
 
 
+def test_schema_requests_share_grammar_masks(client, base_url, llm):
+    """Requests of one schema find the masks the first made (``grammar_cache_*`` in
+    ``llm.stats()`` and ``/metrics``)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}
+    before = llm.stats()
+    for _ in range(3):
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "ok?"}], max_tokens=24, response_format=fmt
+        )
+        assert json.loads(r.choices[0].message.content)["ok"] in (True, False)
+    after = llm.stats()
+    assert after.grammar_cache_passes > before.grammar_cache_passes
+    assert after.grammar_cache_hits > before.grammar_cache_hits
+    s = _samples(httpx.get(f"{base_url}/metrics").text)
+    hits = [v for (name, _), v in s.items() if name == "llamabatch:grammar_cache_hits"]
+    assert hits and hits[0] >= after.grammar_cache_hits
+
+
 def test_extensions_as_extra_fields(client):
     # llama.cpp / vLLM extensions: a grammar, ignore_eos, min_tokens, top_k, stop_token_ids
     r = client.completions.create(
