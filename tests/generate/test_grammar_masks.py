@@ -6,13 +6,16 @@ the same state finds it instead of matching the vocabulary again.
 The masks must never change a token: each test holds chains with masks to chains without them
 (and to the whole-vocabulary pass), token for token for the same seed, on the real model:
 sampled and greedy chains, top-k and top-p, logit bias bans (a mask must not keep them), a
-lazy grammar (no mask while it waits for its trigger), and a cache too small to keep much."""
+lazy grammar (no mask while it waits for its trigger), a cache too small to keep much, and
+random grammars sharing one cache (hypothesis: the state key must tell every state apart)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llamabatch import LLM, EngineConfig, SamplingParams
 from llamabatch._ffi.context import Context
@@ -36,6 +39,12 @@ DIGITS = 'root ::= [0-9]+ ("," [0-9]+)*'
 def model(smollm2_path):
     with Model(smollm2_path) as model:
         yield model
+
+
+@pytest.fixture(scope="module")
+def shared_masks():
+    """One cache for every example of a property: each finds the others' masks."""
+    return GrammarMasks(8 << 20)
 
 
 def run_chains(model, chains, prompt="Describe a person as JSON:", steps=40):
@@ -172,3 +181,31 @@ def test_the_engine_shares_masks_across_requests(smollm2_path):
     assert outputs[32] == outputs[0]
     for tokens in outputs[32]:
         assert tokens
+
+
+# -- random grammars: the state key must tell every state apart --------------------------------
+
+#: pieces of grammars: literals, classes, repetitions, alternations and references; the rules
+#: reach each other, so the states repeat (in one request and across requests)
+_ATOMS = st.sampled_from(['"a"', '" "', '"{"', '"}"', '","', "[0-9]", "[a-z]", "[^a-z0-9]", '"ab"', "item"])
+
+
+@st.composite
+def grammars(draw) -> str:
+    def seq() -> str:
+        parts = [draw(_ATOMS) + draw(st.sampled_from(["", "+", "{1,3}"]))]  # never empty
+        for _ in range(draw(st.integers(0, 2))):
+            parts.append(draw(_ATOMS) + draw(st.sampled_from(["", "?", "*", "+", "{1,3}"])))
+        return " ".join(parts)
+
+    root = " | ".join(seq() for _ in range(draw(st.integers(1, 3))))
+    item = " | ".join(seq().replace("item", '"x"') for _ in range(draw(st.integers(1, 2))))
+    return f"root ::= ({root}) ({root})*\nitem ::= {item}\n"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(grammar=grammars(), seed=st.integers(0, 3), top_k=st.sampled_from([0, 1, 40]))
+def test_random_grammars_draw_the_same_tokens_with_masks(model, shared_masks, grammar, seed, top_k):
+    params = SamplingParams(grammar=grammar, temperature=1.5, top_k=top_k, seed=seed)
+    chains = [SamplerChain(model, params, masks=shared_masks), SamplerChain(model, params, top_k_first=False)]
+    run_chains(model, chains, prompt="Output:", steps=16)
