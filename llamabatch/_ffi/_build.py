@@ -259,10 +259,18 @@ struct llamabatch_masking {
         }
         llama_token_data_array all_p = {all.data(), all.size(), -1, false};
         llama_sampler_apply(grammar, &all_p);
+        return keep_allowed(all.data(), all.size(), true);
+    }
+
+    /* The mask of the tokens of data[0, n) whose logits are finite (only those with
+     * all_finite: the others are refused), kept: data holds the whole vocabulary after the
+     * grammar's pass over logits that were all finite before it, so that only the grammar
+     * made any of them -inf. */
+    const uint64_t * keep_allowed(const llama_token_data * data, size_t n, bool all_finite) {
         bits.assign(((size_t) n_vocab + 63) / 64, 0);
-        for (int32_t t = 0; t < n_vocab; t++) {
-            if (std::isfinite(all[t].logit)) {
-                bits[t >> 6] |= (uint64_t) 1 << (t & 63);
+        for (size_t j = 0; j < n; j++) {
+            if (!all_finite || std::isfinite(data[j].logit)) {
+                bits[data[j].id >> 6] |= (uint64_t) 1 << (data[j].id & 63);
             }
         }
         ready = true;
@@ -292,13 +300,24 @@ struct llamabatch_masking {
     }
 };
 
+static bool llamabatch_all_finite(const llama_token_data * data, size_t n) {
+    for (size_t j = 0; j < n; j++) {
+        if (!std::isfinite(data[j].logit)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 static inline bool llamabatch_mask_allows(const uint64_t * bits, llama_token id) {
     return (bits[id >> 6] >> (id & 63)) & 1;
 }
 
-/* The chain applied stage by stage, its grammar stage by the mask. */
+/* The chain applied stage by stage, its grammar stage by the kept mask; without one, the
+ * grammar's own pass, kept as the mask when the logits it saw were all finite (else the mask
+ * is made apart: a -inf before the grammar, a ban, must not enter it). */
 static void llamabatch_chain_masked(
-        struct llama_sampler * smpl, int32_t grammar_at, const uint64_t * bits,
+        struct llama_sampler * smpl, int32_t grammar_at, llamabatch_masking & masking,
         llama_token_data_array & cur_p) {
     const int32_t n = llama_sampler_chain_n(smpl);
     for (int32_t i = 0; i < n; i++) {
@@ -306,6 +325,13 @@ static void llamabatch_chain_masked(
             llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
             continue;
         }
+        if (!masking.find() && cur_p.size == (size_t) masking.n_vocab &&
+                llamabatch_all_finite(cur_p.data, cur_p.size)) {
+            llama_sampler_apply(llama_sampler_chain_get(smpl, i), &cur_p);
+            masking.keep_allowed(cur_p.data, cur_p.size, true);
+            continue;
+        }
+        const uint64_t * bits = masking.get();
         for (size_t j = 0; j < cur_p.size; j++) {
             if (!llamabatch_mask_allows(bits, cur_p.data[j].id)) {
                 cur_p.data[j].logit = -INFINITY;
@@ -380,10 +406,18 @@ static bool llamabatch_top_k_first(
     size_t kept = llamabatch_grammar_keep(smpl, grammar_at, bits, data, 0, first, 0, true);
     if (kept < k && first < size) {  // too few of the best passed: the rest of the vocabulary too
         const size_t from = kept;
-        if (masking != NULL) {
+        /* Without a kept mask, the grammar's own pass over the rest makes one: those kept from
+         * both runs are every token it allows, when no logit was -inf before it (the first run
+         * held the highest logits, so the rest tells). */
+        const bool makes_mask =
+            masking != NULL && bits == NULL && llamabatch_all_finite(data + first, size - first);
+        if (masking != NULL && bits == NULL && !makes_mask) {
             bits = masking->get();
         }
         kept = llamabatch_grammar_keep(smpl, grammar_at, bits, data, first, size, kept, false);
+        if (makes_mask) {
+            masking->keep_allowed(data, kept, false);
+        }
         std::sort(data + from, data + kept, better);  // they trail the first run's, best first
     }
     kept = std::min(kept, k);
@@ -485,7 +519,7 @@ static int32_t llamabatch_sampler_sample_guarded(
             cur_p = {cur.data(), cur.size(), -1, false};
         }
         if (masked != NULL) {
-            llamabatch_chain_masked(smpl, grammar_at, masked->get(), cur_p);
+            llamabatch_chain_masked(smpl, grammar_at, *masked, cur_p);
         } else {
             llama_sampler_apply(smpl, &cur_p);
         }
