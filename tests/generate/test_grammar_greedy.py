@@ -9,6 +9,7 @@ own: ``test_grammar_top_k.py``), and picks the same token greedy does."""
 from __future__ import annotations
 
 import pytest
+from grammar_chains import DIGITS
 
 from llamabatch import LLM, SamplingParams
 
@@ -22,7 +23,6 @@ SCHEMA = {
     "required": ["name", "age"],
 }
 #: the model's own next token is rarely a digit: most steps fall back to the whole vocabulary
-DIGITS = 'root ::= [0-9]+ ("," [0-9]+)*'
 PROMPTS = ["Describe a cat as JSON.", "Count from one to ten.", "Write a haiku about rain."]
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from grammar_chains import DIGITS, run_chains
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamabatch import LLM, EngineConfig, SamplingParams
-from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import GrammarMasks, SamplerChain
 
@@ -32,7 +32,6 @@ SCHEMA = {
     },
     "required": ["name", "age", "tags", "ok"],
 }
-DIGITS = 'root ::= [0-9]+ ("," [0-9]+)*'
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +44,6 @@ def model(smollm2_path):
 def shared_masks():
     """One cache for every example of a property: each finds the others' masks."""
     return GrammarMasks(8 << 20)
-
-
-def run_chains(model, chains, prompt="Describe a person as JSON:", steps=40):
-    """Sample with every chain on the same logits, feeding the first chain's token; the tokens,
-    after checking that every chain drew the same one at every step."""
-    tokens = []
-    ids = model.tokenize(prompt)
-    with Context(model, n_ctx=256, n_batch=256, n_ubatch=256, n_seq_max=1, n_threads=2) as context:
-        context.decode_tokens(ids, 0, 0)
-        index, pos = len(ids) - 1, len(ids)
-        for step in range(steps):
-            drawn = [chain.sample(context, index) for chain in chains]
-            assert len(set(drawn)) == 1, (step, drawn)
-            tokens.append(drawn[0])
-            if model.is_eog(drawn[0]):
-                break
-            context.decode_tokens([drawn[0]], pos, 0)
-            index, pos = 0, pos + 1
-    for chain in chains:
-        chain.close()
-    return tokens
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ and a top-k of 1 up to more tokens than the grammar allows."""
 from __future__ import annotations
 
 import pytest
+from grammar_chains import DIGITS, run_chains
 
 from llamabatch import SamplingParams
-from llamabatch._ffi.context import Context
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
 
@@ -21,7 +21,6 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array"}},
     "required": ["name", "age", "tags"],
 }
-DIGITS = 'root ::= [0-9]+ ("," [0-9]+)*'
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +41,5 @@ def model(smollm2_path):
 @pytest.mark.parametrize("top_k, temperature", [(40, 0.8), (1, 1.0), (5, 1.5), (400, 1.0)])
 def test_top_k_first_draws_what_the_whole_vocabulary_pass_draws(model, constraint, top_k, temperature):
     params = SamplingParams(temperature=temperature, top_k=top_k, seed=7, **constraint)
-    prompt = model.tokenize("Write a JSON profile of a cat, with numbers:")
-    with Context(model, n_ctx=256, n_batch=256, n_ubatch=256, n_seq_max=1, n_threads=2) as context:
-        fast, whole = SamplerChain(model, params), SamplerChain(model, params, top_k_first=False)
-        context.decode_tokens(prompt, 0, 0)
-        index, pos = len(prompt) - 1, len(prompt)
-        for step in range(24):
-            token = fast.sample(context, index)
-            assert whole.sample(context, index) == token, step
-            if model.is_eog(token):
-                break
-            context.decode_tokens([token], pos, 0)
-            index, pos = 0, pos + 1
-        fast.close()
-        whole.close()
+    chains = [SamplerChain(model, params), SamplerChain(model, params, top_k_first=False)]
+    run_chains(model, chains, prompt="Write a JSON profile of a cat, with numbers:", steps=24)
