@@ -29,10 +29,11 @@ takes ``n_pos`` table positions for its ``n_tokens`` cells. As its cells share o
 position, a slice in progress is counted in rows (:attr:`ImageHold.row`) and the image's
 positions enter the table only whole; a prefix that ends inside it restarts it.
 
-The image encoder runs on a thread of its own (one at a time): while other streams decode,
-a held prompt whose image is being encoded waits for it without holding up their ticks; with
-none decoding, the engine thread waits for it. Embeddings are kept in an encoder cache keyed
-by the image's hash (LRU, bounded in bytes): the same image again skips the encoder.
+The image encoder runs on a thread of its own (one at a time), which then gives back its
+OpenMP workers (``_ffi/openmp.py``: kept, they made the engine's later decodes 2.7x slower on
+2 cores). While other streams decode, a held prompt whose image is being encoded waits for it
+without holding up their ticks; with none decoding, the engine thread waits for it. The
+encoder cache keeps embeddings by the image's hash (LRU, bounded in bytes).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ from llamabatch._core.slots import SlotState
 from llamabatch._ffi.context import Context, check_decode
 from llamabatch._ffi.embd_batch import EmbdBatch
 from llamabatch._ffi.mtmd import MROPE_SECTIONS, ImageChunk, MtmdContext, TextChunk
+from llamabatch._ffi.openmp import release_openmp_threads
 from llamabatch.errors import KVCacheFull, PromptTooLong
 from llamabatch.generate.image_cells import ImageCells, prompt_cells
+from llamabatch.generate.image_hold import HoldStrategy, ImageHold
 from llamabatch.prompts.images import ImageLimits, image_key, load_image
 
 __all__ = [
@@ -129,65 +132,6 @@ class VisionCounters:
             "encode_seconds": round(self.encode_seconds, 6),
             "image_decode_seconds": round(self.image_decode_seconds, 6),
         }
-
-
-@dataclass
-class ImageHold:
-    """A running request whose prompt's positions up to its last image are being computed
-    (the slot table does not plan its slot meanwhile): ``start``, the first position computed
-    here; ``pos``, the next one; ``row``, the embeddings computed of the M-RoPE image at
-    ``pos`` (its positions are passed only when all are in)."""
-
-    request: Any
-    slot: int
-    start: int
-    pos: int
-    row: int = 0
-    #: the image being computed: its key and embeddings (kept: the cache may drop them)
-    embd: tuple[str, np.ndarray] | None = None
-    #: the M-RoPE positions of the image at ``mrope[0]`` (``(MROPE_SECTIONS, n_tokens)``)
-    mrope: tuple[int, np.ndarray] | None = None
-
-
-class HoldStrategy:
-    """The engine's strategy over the slots that are not held (their prompts' images are
-    being computed); when it plans nothing while others have work, every decoding slot's
-    token and the oldest prompt chunk, as ``decode_maximal`` would."""
-
-    def __init__(self, inner: Any, holds: Mapping[int, ImageHold]) -> None:
-        self.inner = inner
-        self.holds = holds
-        self.name = f"{getattr(inner, 'name', type(inner).__name__)}+images"
-
-    def plan(self, view: Any, budget: int, chunk_size: int, queue_depth: int) -> list[tuple[int, int]]:
-        held = self.holds
-        subset = _Runnable(
-            view,
-            [s for s in view.decode_slots if s not in held],
-            [s for s in view.prefill_slots if s not in held],
-        )
-        plan = list(self.inner.plan(subset, budget, chunk_size, queue_depth))
-        if plan or not (subset.decode_slots or subset.prefill_slots):
-            return plan
-        plan = [(s, 1) for s in subset.decode_slots[:budget]]
-        left = budget - len(plan)
-        if left > 0 and subset.prefill_slots:
-            slot = subset.prefill_slots[0]
-            plan.append((slot, min(left, chunk_size, view.n_pending(slot))))
-        return plan
-
-
-class _Runnable:
-    """A table view showing only some runnable slots (the rest of the view passes through)."""
-
-    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
-        self._view = view
-        self.decode_slots = decode
-        self.prefill_slots = prefill
-        self.n_parallel = view.n_parallel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._view, name)
 
 
 class Vision:
@@ -349,6 +293,12 @@ class Vision:
         in ``mtmd_batch`` runs, each future answered as its run is done. When a run fails, its
         images and the rest are encoded one by one, so an image's error reaches only the
         requests that have it. A lone image takes :meth:`embeddings`' path."""
+        try:
+            self._encode_all(group, futures)
+        finally:
+            release_openmp_threads()  # (the module docstring says why)
+
+    def _encode_all(self, group: list[ImageChunk], futures: list[Future[np.ndarray]]) -> None:
         done = 0
         try:
             t0 = time.perf_counter()

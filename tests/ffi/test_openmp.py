@@ -75,3 +75,33 @@ def test_an_idle_llm_holds_no_openmp_workers(tiny_path) -> None:
         assert _threads() == idle
         outs = llm.generate(["g h i"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
         assert len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_the_image_encoder_thread_keeps_no_openmp_workers(tmp_path) -> None:
+    """The image encoder's thread gives back its OpenMP workers after each encode
+    (``generate/vision.py``). Kept, they made the process hold more OpenMP threads than CPUs,
+    libgomp throttled every thread's spin-wait, and on 2 cores every later decode of the
+    engine took 23 ms a token instead of 8.5, for good."""
+    import numpy as np
+
+    from llamabatch._ffi.mtmd import mtmd_available
+    from llamabatch.testing import make_vision_model
+
+    if not mtmd_available():
+        pytest.skip("this llama.cpp build has no libmtmd")
+    model, mmproj = make_vision_model(tmp_path)
+    image = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    prompt = {"prompt": "<__media__>\nWhat is in the image?", "multi_modal_data": {"image": image}}
+    with LLM(model, mmproj=str(mmproj), n_ctx=1024, n_parallel=2, n_threads=2) as llm:
+        idle = _tids()
+        out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert llm.stats().encoder_encoded == 1
+
+        def openmp_workers() -> set[str]:  # new threads that are not Python's (the encoder's own)
+            return _tids() - idle - {str(t.native_id) for t in threading.enumerate()}
+
+        deadline = time.monotonic() + 10
+        while openmp_workers() and time.monotonic() < deadline:  # until the engine thread sleeps
+            time.sleep(0.01)
+        assert not openmp_workers()
