@@ -17,6 +17,7 @@ from typing import Any
 from typing_extensions import Unpack
 
 from llamabatch._ffi.model import Model
+from llamabatch._ffi.openmp import release_openmp_threads
 from llamabatch.chat import ChatOptions, ChatRequestOptions, EngineChat, is_conversation, prepare
 from llamabatch.config import EngineConfig, options_signature
 from llamabatch.errors import EngineClosed, PromptTooLong, QueueFull
@@ -513,6 +514,7 @@ class LLMEngine(HostFacts):
                 self._forget_if_done(request.request_id)
         if not self.core.has_unfinished():
             self._host.when_quiet()
+            release_openmp_threads()  # the caller's thread: as an idle engine thread (_ffi/openmp.py)
         return outputs
 
     def _forget_if_done(self, request_id: Any) -> None:

@@ -105,3 +105,31 @@ def test_the_image_encoder_thread_keeps_no_openmp_workers(tmp_path) -> None:
         while openmp_workers() and time.monotonic() < deadline:  # until the engine thread sleeps
             time.sleep(0.01)
         assert not openmp_workers()
+
+
+def test_llm_engine_gives_back_the_callers_workers_when_it_goes_quiet(tiny_path) -> None:
+    """``LLMEngine`` decodes on its caller's thread; once nothing runs or waits, ``step()``
+    gives back that thread's OpenMP workers, as an idle engine thread does."""
+    from llamabatch import LLMEngine
+
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        engine = LLMEngine(tiny_path, n_ctx=512, n_parallel=2, n_threads=3)
+        try:
+            before = _tids()
+            engine.add_request("a b c", SamplingParams(max_tokens=4, temperature=0), request_id="r")
+            engine.step()  # the prompt: a team starts
+            seen["team"] = _tids() - before
+            while engine.has_unfinished_requests():
+                engine.step()
+            seen["gone"] = _gone(seen["team"])  # type: ignore[arg-type]
+        finally:
+            engine.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if not seen["team"]:
+        pytest.skip("this llama.cpp build keeps no OpenMP team (not built with libgomp)")
+    assert seen["gone"]
