@@ -34,7 +34,7 @@ The rules a plan must follow, and what ``view`` offers, are in
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from llamabatch._core.slot_record import SlotState
 from llamabatch._core.strategies import STRATEGIES, Balanced, DecodeMaximal, PrefillPriority, get_strategy
@@ -47,6 +47,7 @@ __all__ = [
     "PrefillPriority",
     "SlotState",
     "Strategy",
+    "SubsetView",
     "TableView",
     "get_strategy",
 ]
@@ -66,3 +67,18 @@ class Strategy(Protocol):
     def plan(
         self, view: TableView, budget: int, chunk_size: int, queue_depth: int
     ) -> Iterable[tuple[int, int]]: ...
+
+
+class SubsetView:
+    """``view`` showing only the runnable slots ``decode`` and ``prefill`` (the rest of the
+    view passes through): what a strategy that wraps another hands it to plan over some slots
+    (the engine's image and LoRA-adapter strategies do)."""
+
+    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
+        self._view = view
+        self.decode_slots = decode
+        self.prefill_slots = prefill
+        self.n_parallel = view.n_parallel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from llamabatch.strategies import SubsetView
+
 __all__ = ["HoldStrategy", "ImageHold"]
 
 
@@ -43,7 +45,7 @@ class HoldStrategy:
 
     def plan(self, view: Any, budget: int, chunk_size: int, queue_depth: int) -> list[tuple[int, int]]:
         held = self.holds
-        subset = _Runnable(
+        subset = SubsetView(
             view,
             [s for s in view.decode_slots if s not in held],
             [s for s in view.prefill_slots if s not in held],
@@ -57,16 +59,3 @@ class HoldStrategy:
             slot = subset.prefill_slots[0]
             plan.append((slot, min(left, chunk_size, view.n_pending(slot))))
         return plan
-
-
-class _Runnable:
-    """A table view showing only some runnable slots (the rest of the view passes through)."""
-
-    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
-        self._view = view
-        self.decode_slots = decode
-        self.prefill_slots = prefill
-        self.n_parallel = view.n_parallel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._view, name)

@@ -52,6 +52,7 @@ from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 from llamabatch.generate.request import Request
 from llamabatch.gguf.check_lora import check_lora
 from llamabatch.params import LORA_NAME_MAX, SamplingParams
+from llamabatch.strategies import SubsetView
 
 logger = logging.getLogger("llamabatch")
 
@@ -361,19 +362,6 @@ def lora_stats(scheduler: LoraScheduler | None) -> dict[str, Any]:
     return scheduler.stats() if scheduler is not None else {}
 
 
-class _SubsetView:
-    """A table view showing only some runnable slots (the rest of the protocol passes through)."""
-
-    def __init__(self, view: Any, decode: list[int], prefill: list[int]) -> None:
-        self._view = view
-        self.decode_slots = decode
-        self.prefill_slots = prefill
-        self.n_parallel = view.n_parallel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._view, name)
-
-
 class AdapterSetStrategy:
     """``inner``'s plan over the runnable slots of one adapter set per tick (see the module)."""
 
@@ -400,7 +388,7 @@ class AdapterSetStrategy:
         if len(groups) == 1:
             return self.inner.plan(view, budget, chunk_size, queue_depth)
         decode, prefill = groups[key]
-        plan = list(self.inner.plan(_SubsetView(view, decode, prefill), budget, chunk_size, queue_depth))
+        plan = list(self.inner.plan(SubsetView(view, decode, prefill), budget, chunk_size, queue_depth))
         if not plan:  # never empty: the engine's fallback would mix the sets
             plan = (
                 [(decode[0], 1)]
