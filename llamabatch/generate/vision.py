@@ -33,7 +33,8 @@ The image encoder runs on a thread of its own (one at a time), which then gives 
 OpenMP workers (``_ffi/openmp.py``: kept, they made the engine's later decodes 2.7x slower on
 2 cores). While other streams decode, a held prompt whose image is being encoded waits for it
 without holding up their ticks; with none decoding, the engine thread waits for it. The
-encoder cache keeps embeddings by the image's hash (LRU, bounded in bytes).
+encoder cache keeps embeddings by the image's hash (LRU, bounded in bytes): the same image
+again skips the encoder.
 """
 
 from __future__ import annotations
