@@ -47,6 +47,7 @@ struct llamabatch_grammar_element {
 typedef struct llamabatch_grammar_element llama_grammar_element;
 std::vector<std::vector<const llama_grammar_element *>> & llama_grammar_get_stacks(
         struct llama_grammar * grammar);
+void llama_grammar_accept(struct llama_grammar * grammar, uint32_t chr);
 struct llamabatch_sampler_grammar {
     const struct llama_vocab * vocab;
     std::string grammar_str;
@@ -534,6 +535,98 @@ static int32_t llamabatch_sampler_sample_guarded(
         llamabatch_set_error(err, err_size, "unknown C++ exception");
     }
     return -2;
+}
+
+/* The character every parse stack must match next, when there is exactly one (each stack's
+ * top a single-character element, all the same; no stack at its end, where the grammar could
+ * stop): its code point; UINT32_MAX otherwise. Element types as llama-grammar.h numbers them
+ * (pinned version): 3 a character, 5 and 6 a range or an alternative after it. */
+static uint32_t llamabatch_forced_char(
+        const std::vector<std::vector<const llama_grammar_element *>> & stacks) {
+    uint32_t chr = UINT32_MAX;
+    for (const auto & stack : stacks) {
+        if (stack.empty()) {
+            return UINT32_MAX;
+        }
+        const llama_grammar_element * top = stack.back();
+        if (top->type != 3 || top[1].type == 5 || top[1].type == 6 ||
+                (chr != UINT32_MAX && top->value != chr)) {
+            return UINT32_MAX;
+        }
+        chr = top->value;
+    }
+    return chr;
+}
+
+static size_t llamabatch_put_utf8(uint32_t chr, char * out) {
+    if (chr < 0x80) {
+        out[0] = (char) chr;
+        return 1;
+    }
+    if (chr < 0x800) {
+        out[0] = (char) (0xC0 | (chr >> 6));
+        out[1] = (char) (0x80 | (chr & 0x3F));
+        return 2;
+    }
+    if (chr < 0x10000) {
+        out[0] = (char) (0xE0 | (chr >> 12));
+        out[1] = (char) (0x80 | ((chr >> 6) & 0x3F));
+        out[2] = (char) (0x80 | (chr & 0x3F));
+        return 3;
+    }
+    out[0] = (char) (0xF0 | (chr >> 18));
+    out[1] = (char) (0x80 | ((chr >> 12) & 0x3F));
+    out[2] = (char) (0x80 | ((chr >> 6) & 0x3F));
+    out[3] = (char) (0x80 | (chr & 0x3F));
+    return 4;
+}
+
+/* The text the chain's grammar forces next (the characters of llamabatch_forced_char, one
+ * after another), UTF-8 in out, at most out_size bytes; *ends is set when the grammar can
+ * only end after it. Returns the bytes written: 0 when the next character is free, without a
+ * grammar, or while a lazy grammar waits for its trigger; -2 when llama.cpp threw (err). The
+ * grammar's state is the same afterwards: its parse stacks are walked, then put back. */
+int32_t llamabatch_grammar_forced(
+        struct llama_sampler * chain, char * out, size_t out_size, int32_t * ends, char * err,
+        size_t err_size) {
+    *ends = 0;
+    int32_t mode = 0;
+    const int32_t at = llamabatch_grammar_stage(chain, &mode);
+    if (at < 0) {
+        return 0;
+    }
+    auto * sampler = (struct llamabatch_sampler_grammar *) llama_sampler_chain_get(chain, at)->ctx;
+    auto * head = (llamabatch_grammar_head *) sampler->grammar;
+    if (head == NULL || head->awaiting_trigger || head->partial_utf8.n_remain != 0 ||
+            llamabatch_forced_char(head->stacks) == UINT32_MAX) {
+        return 0;
+    }
+    auto saved = head->stacks;
+    size_t n = 0;
+    try {
+        uint32_t chr;
+        while ((chr = llamabatch_forced_char(head->stacks)) != UINT32_MAX) {
+            char bytes[4];
+            const size_t len = llamabatch_put_utf8(chr, bytes);
+            if (n + len > out_size) {
+                break;
+            }
+            std::memcpy(out + n, bytes, len);
+            n += len;
+            llama_grammar_accept(sampler->grammar, chr);
+        }
+        bool all_ended = !head->stacks.empty();
+        for (const auto & stack : head->stacks) {
+            all_ended = all_ended && stack.empty();
+        }
+        *ends = all_ended ? 1 : 0;
+    } catch (const std::exception & e) {
+        llamabatch_set_error(err, err_size, e.what());
+        head->stacks = std::move(saved);
+        return -2;
+    }
+    head->stacks = std::move(saved);
+    return (int32_t) n;
 }
 """
 

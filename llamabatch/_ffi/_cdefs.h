@@ -233,3 +233,7 @@ int32_t llamabatch_sampler_sample_guarded(struct llama_sampler * smpl, struct ll
 struct llamabatch_mask_cache * llamabatch_mask_cache_new(size_t max_bytes);
 void llamabatch_mask_cache_free(struct llamabatch_mask_cache * cache);
 void llamabatch_mask_cache_stats(struct llamabatch_mask_cache * cache, uint64_t * out);
+/* The text the chain's grammar forces next, UTF-8, at most out_size bytes (see _build.py);
+ * *ends: the grammar can only end after it. 0: nothing forced; -2: llama.cpp threw (err). */
+int32_t llamabatch_grammar_forced(struct llama_sampler * chain, char * out, size_t out_size, int32_t * ends,
+                                  char * err, size_t err_size);

@@ -262,6 +262,23 @@ class SamplerChain:
             )
         raise SamplingError(f"llama.cpp failed while sampling: {message}")
 
+    def forced_text(self, max_bytes: int = 256) -> tuple[bytes, bool]:
+        """The text the chain's grammar forces next, up to ``max_bytes`` UTF-8 bytes: the
+        characters that every way on through the grammar takes, one after another, while each
+        is the only one allowed (a JSON schema's key after its opening quote, say); and whether
+        the grammar can only end after it. ``(b"", False)`` without a grammar, where the next
+        character is free, or while a lazy grammar waits for its trigger. The chain's state
+        is unchanged. Reads llama.cpp's grammar internals: the pinned version only."""
+        if self._error is None or BUILD.origin != "pinned" or max_bytes < 1:
+            return b"", False
+        out = ffi.new("char[]", max_bytes)
+        ends = ffi.new("int32_t *")
+        n = lib.llamabatch_grammar_forced(self.ptr, out, max_bytes, ends, self._error, _ERROR_SIZE)
+        if n < 0:
+            message = ffi.string(self._error).decode(errors="replace")
+            raise SamplingError(f"llama.cpp failed while reading the grammar's forced text: {message}")
+        return ffi.unpack(out, n), bool(ends[0])
+
     @property
     def closed(self) -> bool:
         """Whether the chain was freed (``close``)."""

@@ -33,7 +33,7 @@ from llamabatch.generate.request import Channel, Request
 from llamabatch.generate.request_memory import check_sampler_builds, check_sampling
 from llamabatch.generate.slo import check_slo
 from llamabatch.generate.slot_count import resolved_slots
-from llamabatch.generate.speculative import history_stats
+from llamabatch.generate.speculative import spec_stats
 from llamabatch.generate.vision import media_prompt, vision_for, vision_stats
 from llamabatch.outputs import CompletionOutput, StepOutput
 from llamabatch.params import SamplingParams
@@ -325,7 +325,7 @@ class EngineHost:
             spec_accepted_tokens=c.spec_accepted_tokens,
             slo_requests=c.slo_requests,
             slo_met=c.slo_met,
-            **history_stats(core.spec),
+            **spec_stats(core.spec),
             **vision_stats(self.vision),
             **lora_stats(core.lora),
             **core.samplers.mask_stats(),

@@ -31,6 +31,7 @@ _KEYS = frozenset(
         "prompt_lookup_max",
         "model",
         "suffix_cache_tokens",
+        "grammar_drafts",
     }
 )
 _METHODS = ("ngram", "suffix", "draft_model")
@@ -48,8 +49,9 @@ def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, A
     drafts, 1..32, default 2), ``prompt_lookup_max`` (ngram: None, the default, looks up the
     longest match over the whole history; an int (min..32) bounds the suffix looked up),
     ``suffix_cache_tokens`` (suffix: the shared history's bound in tokens, 64..2**24, default
-    65536), ``model`` (draft_model: the draft GGUF path). Anything else raises ``ValueError``
-    naming it.
+    65536), ``grammar_drafts`` (ngram, suffix: a grammar request also drafts the text its
+    grammar forces, ``spec_grammar.py``; default True), ``model`` (draft_model: the draft GGUF
+    path). Anything else raises ``ValueError`` naming it.
     """
     if config is None:
         return None
@@ -72,6 +74,10 @@ def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, A
     if method != "suffix" and "suffix_cache_tokens" in config:
         raise ValueError(f"speculative_config['suffix_cache_tokens'] is for method 'suffix', not {method!r}")
     if method in ("ngram", "suffix"):
+        grammar_drafts = config.get("grammar_drafts", True)
+        if not isinstance(grammar_drafts, bool):
+            raise ValueError(f"speculative_config['grammar_drafts'] must be a bool, got {grammar_drafts!r}")
+        out["grammar_drafts"] = grammar_drafts
         if "model" in config:
             raise ValueError(f"speculative_config['model'] is for method 'draft_model', not {method!r}")
         if method == "suffix" and "prompt_lookup_max" in config:
@@ -103,9 +109,11 @@ def validate_speculative_config(config: Mapping[str, Any] | None) -> dict[str, A
                 )
             out["suffix_cache_tokens"] = size
     else:
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "grammar_drafts"):
             if name in config:
-                raise ValueError(f"speculative_config[{name!r}] is for method 'ngram', not 'draft_model'")
+                raise ValueError(
+                    f"speculative_config[{name!r}] is for the methods 'ngram' and 'suffix', not 'draft_model'"
+                )
         model = config.get("model")
         if not isinstance(model, str) or not model:
             raise ValueError(
@@ -138,6 +146,14 @@ def add_spec_cli_args(parser: argparse.ArgumentParser | Any) -> None:
         help="the most draft tokens per step (num_speculative_tokens; default 64 for ngram and "
         "suffix, whose lengths are chosen by what pays, 5 for draft)",
     )
+    parser.add_argument(
+        "--spec-grammar-drafts",
+        dest="spec_grammar_drafts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ngram and suffix: a grammar or JSON-schema request also drafts the text its grammar "
+        "forces (grammar_drafts; default on)",
+    )
 
 
 def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -145,11 +161,15 @@ def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
     kind = getattr(args, "speculative_config", None)
     model = getattr(args, "spec_model_draft", None)
     k = getattr(args, "spec_draft_max", None)
+    grammar_drafts = getattr(args, "spec_grammar_drafts", None)
     if kind is None:
         if model is not None:
             kind = "draft"  # as llama-server: a draft model turns draft speculation on
-        elif k is not None:
-            raise ValueError("--draft-max needs --spec-type ngram|suffix|draft")
+        elif k is not None or grammar_drafts is not None:
+            raise ValueError(
+                f"{'--draft-max' if k is not None else '--[no-]spec-grammar-drafts'} needs "
+                "--spec-type ngram|suffix|draft"
+            )
         else:
             return None
     config: dict[str, Any] = {"method": {"draft": "draft_model", "suffix": "suffix"}.get(kind, "ngram")}
@@ -161,6 +181,8 @@ def spec_config_from_cli(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ValueError(f"--model-draft is for --spec-type draft, not {kind}")
     if k is not None:
         config["num_speculative_tokens"] = k
+    if grammar_drafts is not None:
+        config["grammar_drafts"] = grammar_drafts
     return validate_speculative_config(config)
 
 
@@ -170,4 +192,6 @@ def spec_cli_argv(config: Mapping[str, Any]) -> list[str]:
     argv = ["--spec-type", {"draft_model": "draft", "suffix": "suffix"}.get(config["method"], "ngram")]
     if config["method"] == "draft_model":
         argv += ["--model-draft", str(config["model"])]
+    elif not config.get("grammar_drafts", True):
+        argv.append("--no-spec-grammar-drafts")
     return [*argv, "--draft-max", str(config["num_speculative_tokens"])]

@@ -52,6 +52,7 @@ from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_accept import acceptance_rule
 from llamabatch.generate.spec_config import validate_speculative_config
+from llamabatch.generate.spec_grammar import GRAMMAR_CLASS, GRAMMAR_PRIOR, GrammarDrafts
 from llamabatch.generate.spec_ledger import SpecLedger
 from llamabatch.generate.spec_ngram import NgramDrafter
 from llamabatch.generate.spec_policy import (
@@ -132,14 +133,24 @@ class _SpecState:
 class Speculator:
     """The engine's speculative decoding: drafts before the fill, verification after."""
 
-    def __init__(self, config: dict[str, Any], drafter: Drafter, policy: SpecPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        drafter: Drafter,
+        policy: SpecPolicy | None = None,
+        grammar: GrammarDrafts | None = None,
+    ) -> None:
+        """``grammar``: drafts of the text grammar requests' grammars force, beside the
+        lookups (``spec_grammar.py``; None: none)."""
         self.config = config
         self.k = int(config["num_speculative_tokens"])
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
+        self.grammar = grammar
         #: the decode cost model, fitted on every decode of the engine (``observe``)
         self.cost = SpecCostModel(fit_tokens=2 * self.policy.max_batch_tokens)
-        self.acceptance = AcceptanceModel(self.k, self.policy, getattr(drafter, "class_priors", None))
+        priors = {**(getattr(drafter, "class_priors", None) or {}), GRAMMAR_CLASS: GRAMMAR_PRIOR}
+        self.acceptance = AcceptanceModel(self.k, self.policy, priors)
         #: whether drafting itself costs (a draft model: lengths are chosen before drafting,
         #: its time per step is measured); n-gram lookups are free and made first
         self.draft_costs = config.get("method") == "draft_model"
@@ -180,15 +191,18 @@ class Speculator:
         """The speculator of a validated ``speculative_config`` for an engine over ``model``
         (``n_seq`` slots, a context of ``n_ctx`` cells, batches of ``n_batch`` tokens)."""
         drafter: Drafter
+        grammar = None
         if config["method"] in ("ngram", "suffix"):
             drafter = lookup_drafter(config)
+            if config["grammar_drafts"]:
+                grammar = GrammarDrafts(lambda text: model.tokenize(text, add_special=False))
         else:
             from llamabatch.generate.draft_model import DraftModelDrafter
 
             drafter = DraftModelDrafter.from_config(
                 config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
             )
-        return cls(config, drafter)
+        return cls(config, drafter, grammar=grammar)
 
     def state(self, request: Request) -> _SpecState:
         st = self._states.get(request.arrival)
@@ -233,7 +247,10 @@ class Speculator:
         policy = self.policy
         if not n_decode or (policy.max_streams is not None and n_decode > policy.max_streams):
             return
-        if not self.draft_costs and not self.ledger.allows_drafts():  # over budget: not even lookups
+        # over budget: not even lookups, only the drafts a grammar forces (their class's own
+        # evidence decides them: lookups failing on free text must not stop a schema's keys)
+        lookups = self.draft_costs or self.ledger.allows_drafts()
+        if not lookups and self.grammar is None:
             return
         room = min(policy.max_batch_tokens, core.n_batch) - n_decode
         below = table.draft_rows_below or policy.max_batch_tokens + 2  # (kv_memory.draft_rows_below)
@@ -284,14 +301,16 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, cap, r.params)
                 for (_, r, _), cap in zip(cands, caps, strict=True)
             ]
-            drafts = text_drafts(self.drafter.draft(jobs))
+            drafts = text_drafts(self.drafter.draft(jobs)) if lookups else {}
             classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
+            forced = self.grammar.merge([r for _, r, _ in cands], caps, drafts) if self.grammar else ()
             found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
             for (_, r, st), _ in found:
-                st.cls = classes.get(r.arrival, 0)
+                st.cls = GRAMMAR_CLASS if r.arrival in forced else classes.get(r.arrival, 0)
             gains = [self.acceptance.gains(st.acc(st.cls), len(d.tokens), st.cls) for (_, _, st), d in found]
-            ks = self._probe(choose_draft_lengths(gains, n_decode, cost, free, policy.margin), gains, free)
-            ks = self._size_lesson(ks, gains, free, n_decode)
+            ks = choose_draft_lengths(gains, n_decode, cost, free, policy.margin)
+            if lookups:  # (over budget, no lessons or probes: the grammar's drafts as chosen)
+                ks = self._size_lesson(self._probe(ks, gains, free), gains, free, n_decode)
             sets = [(c, k, d) for (c, d), k in zip(found, ks, strict=True)]
         else:  # a draft model: choose first, then draft what was chosen
             gains = [
@@ -504,6 +523,8 @@ class Speculator:
         self.drafted += d
         self.accepted += n_acc
         self.acceptance.observe(st.acc(st.cls), d, n_acc, st.cls)
+        if st.cls == GRAMMAR_CLASS and self.grammar is not None:
+            self.grammar.verified(d, n_acc)
         self.ledger.accepted(n_acc)
         if self._draft_ticks <= self.policy.explore_ticks and n_acc < d:
             self._lessons_held = False
@@ -553,10 +574,18 @@ class Speculator:
 _PIN = RequestKind.PIN
 
 
-def history_stats(spec: Speculator | None) -> dict[str, Any]:
-    """``GenerationStats``' ``spec_history_tokens`` / ``spec_history_bytes`` of ``spec``."""
+def spec_stats(spec: Speculator | None) -> dict[str, Any]:
+    """``GenerationStats``' ``spec_history_tokens`` / ``spec_history_bytes`` and
+    ``spec_grammar_*`` of ``spec``."""
     tokens, nbytes = spec.memory() if spec is not None else (0, 0)
-    return {"spec_history_tokens": tokens, "spec_history_bytes": nbytes}
+    grammar = spec.grammar if spec is not None else None
+    return {
+        "spec_history_tokens": tokens,
+        "spec_history_bytes": nbytes,
+        "spec_grammar_drafts": grammar.drafts if grammar is not None else 0,
+        "spec_grammar_draft_tokens": grammar.draft_tokens if grammar is not None else 0,
+        "spec_grammar_accepted_tokens": grammar.accepted if grammar is not None else 0,
+    }
 
 
 def lookup_drafter(config: dict[str, Any]) -> Drafter:

@@ -265,6 +265,12 @@ class GenerationStats(EncoderStats):
     #: ``suffix_cache_tokens``)
     spec_history_tokens: int = 0
     spec_history_bytes: int = 0
+    #: drafts of the text a grammar request's grammar forces (``grammar_drafts``,
+    #: ``generate/spec_grammar.py``): drafts verified, their tokens, and those accepted (also
+    #: counted in ``spec_drafts`` and the totals above)
+    spec_grammar_drafts: int = 0
+    spec_grammar_draft_tokens: int = 0
+    spec_grammar_accepted_tokens: int = 0
     # -- service-level objectives (``slo_ttft_ms``, ``slo_itl_ms``, ``generate/slo.py``) --
     #: finished requests that had an SLO, and those that met it (goodput: their ratio)
     slo_requests: int = 0

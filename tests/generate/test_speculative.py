@@ -84,12 +84,14 @@ def test_speculative_config_is_completed_with_defaults():
         "num_speculative_tokens": 64,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": None,
+        "grammar_drafts": True,
     }
     assert validate_speculative_config({"method": "suffix", "num_speculative_tokens": 16}) == {
         "method": "suffix",
         "num_speculative_tokens": 16,
         "prompt_lookup_min": 2,
         "suffix_cache_tokens": 65536,
+        "grammar_drafts": True,
     }
     assert EngineConfig().speculative_config is None
     config = EngineConfig(speculative_config={"method": "draft_model", "model": "d.gguf"})
@@ -110,6 +112,7 @@ def test_cli_flags_make_the_speculative_config():
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": None,
+        "grammar_drafts": True,
     }
     again = EngineConfig.from_cli_args(parser.parse_args(config.to_cli_args()))
     assert again.speculative_config == config.speculative_config
