@@ -19,6 +19,10 @@ The defaults (``{"method": "ngram"}`` alone, ``{"method": "suffix"}`` alone):
   200-token story); the speed-up of the second request's decode (its drafts come from the
   first answer).
 - ``EightStreams``: 8 concurrent streams of the 135M random model; the target is >= 0.97.
+- ``GrammarDraftsOnSchema``: SmolLM2 answering chats as JSON under a schema
+  (``PEOPLE_SCHEMAS``): ``{"method": "ngram"}`` over no speculation (``track_speedup``) and
+  over the same method with ``grammar_drafts`` off (``track_over_lookups``): what drafting
+  the keys the schema forces adds.
 
 Each ``track_speedup`` is generation tokens/s (after the first token) with speculation over
 without, in one process, on the same prompts. Threads: ``$LLAMABATCH_BENCH_THREADS``.
@@ -242,6 +246,69 @@ class EightStreams:
         return _decode_rate(self.model, self.prompts, params, _NGRAM, n_parallel=8) / plain
 
     track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+def _people_schema(keys: list[str]) -> dict[str, Any]:
+    """A person as JSON with ``keys``: strings but an integer age and an array of hobbies."""
+
+    def prop(key: str) -> dict[str, Any]:
+        if "age" in key:
+            return {"type": "integer"}
+        if "hobbies" in key:
+            return {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3}
+        return {"type": "string", "maxLength": 24}
+
+    return {"type": "object", "properties": {k: prop(k) for k in keys}, "required": keys}
+
+
+#: the schemas of ``GrammarDraftsOnSchema``: keys of common words, which the model writes in
+#: the tokenizer's own tokens, and compound keys, which it often spells in other pieces
+#: (``c``, ``ur``, ``r``, ``ent`` for ``current``), where forced drafts are rejected
+PEOPLE_SCHEMAS = {
+    "common keys": _people_schema(
+        ["name", "age", "city", "occupation", "favourite_programming_language", "hobbies"]
+    ),
+    "compound keys": _people_schema(
+        [
+            "full_name",
+            "age_in_years",
+            "city_of_residence",
+            "current_occupation",
+            "favourite_programming_language",
+            "hobbies",
+        ]
+    ),
+}
+SCHEMA_CHATS = [
+    f"Invent fictional person number {i} and describe them as JSON: name, age, city, occupation, "
+    "favourite programming language and hobbies."
+    for i in range(4)
+]
+
+
+class GrammarDraftsOnSchema:
+    timeout = 300
+    params: ClassVar[list[str]] = list(PEOPLE_SCHEMAS)
+    param_names: ClassVar[list[str]] = ["schema"]
+
+    def setup(self, schema: str) -> None:
+        from llamabatch.testing import real_model_path
+
+        self.model = str(real_model_path())
+        self.prompts = [chatml(c) for c in SCHEMA_CHATS]
+        self.sampling = SamplingParams(temperature=0, max_tokens=160, json_schema=PEOPLE_SCHEMAS[schema])
+
+    def track_speedup(self, schema: str) -> float:
+        plain = _decode_rate(self.model, self.prompts, self.sampling, None)
+        return _decode_rate(self.model, self.prompts, self.sampling, _NGRAM) / plain
+
+    def track_over_lookups(self, schema: str) -> float:
+        lookups = {**_NGRAM, "grammar_drafts": False}
+        plain = _decode_rate(self.model, self.prompts, self.sampling, lookups)
+        return _decode_rate(self.model, self.prompts, self.sampling, _NGRAM) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+    track_over_lookups.unit = "x"  # type: ignore[attr-defined]
 
 
 def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: float = 0.0) -> float:

@@ -353,6 +353,14 @@ _SPEC_COUNTERS = {
         "spec_accepted_tokens",
         "Speculative decoding: draft tokens accepted.",
     ),
+    "spec_decode_num_grammar_draft_tokens": (
+        "spec_grammar_draft_tokens",
+        "Speculative decoding: draft tokens of text a grammar forced (among the draft tokens).",
+    ),
+    "spec_decode_num_grammar_accepted_tokens": (
+        "spec_grammar_accepted_tokens",
+        "Speculative decoding: draft tokens of text a grammar forced, accepted.",
+    ),
 }
 
 

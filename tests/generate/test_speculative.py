@@ -303,6 +303,7 @@ def test_metrics_export_the_spec_decode_counters(tiny_path):
     assert "llamabatch:spec_decode_num_draft_tokens_total" in text
     assert "llamabatch:spec_decode_num_drafts_total" in text
     assert 'llamabatch:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+    assert "llamabatch:spec_decode_num_grammar_draft_tokens_total" in text  # (0: no grammar here)
 
 
 def test_bench_repeat_workload_with_speculation(tiny_path, capsys):
