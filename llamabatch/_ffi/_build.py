@@ -581,11 +581,19 @@ static size_t llamabatch_put_utf8(uint32_t chr, char * out) {
     return 4;
 }
 
+/* The most parse stacks the walk below goes on with, and the most stacks it visits in all (the
+ * sum of their counts over the characters walked): an ambiguous grammar's stacks can double
+ * with each character (r ::= "a" r "b" | "a" r "c" forces "a" forever), which sampling stops
+ * at max_live_stacks after a token or two, and a walk of 256 characters would not. */
+static const size_t LLAMABATCH_FORCED_MAX_STACKS = 64;
+static const size_t LLAMABATCH_FORCED_MAX_WORK = 4096;
+
 /* The text the chain's grammar forces next (the characters of llamabatch_forced_char, one
  * after another), UTF-8 in out, at most out_size bytes; *ends is set when the grammar can
  * only end after it. Returns the bytes written: 0 when the next character is free, without a
  * grammar, or while a lazy grammar waits for its trigger; -2 when llama.cpp threw (err). The
- * grammar's state is the same afterwards: its parse stacks are walked, then put back. */
+ * grammar's state is the same afterwards: its parse stacks are walked, then put back. The walk
+ * stops early (what it found so far) past the bounds above. */
 int32_t llamabatch_grammar_forced(
         struct llama_sampler * chain, char * out, size_t out_size, int32_t * ends, char * err,
         size_t err_size) {
@@ -598,14 +606,19 @@ int32_t llamabatch_grammar_forced(
     auto * sampler = (struct llamabatch_sampler_grammar *) llama_sampler_chain_get(chain, at)->ctx;
     auto * head = (llamabatch_grammar_head *) sampler->grammar;
     if (head == NULL || head->awaiting_trigger || head->partial_utf8.n_remain != 0 ||
+            head->stacks.size() > LLAMABATCH_FORCED_MAX_STACKS ||
             llamabatch_forced_char(head->stacks) == UINT32_MAX) {
         return 0;
     }
     auto saved = head->stacks;
-    size_t n = 0;
+    size_t n = 0, work = 0;
     try {
         uint32_t chr;
         while ((chr = llamabatch_forced_char(head->stacks)) != UINT32_MAX) {
+            work += head->stacks.size();
+            if (head->stacks.size() > LLAMABATCH_FORCED_MAX_STACKS || work > LLAMABATCH_FORCED_MAX_WORK) {
+                break;
+            }
             char bytes[4];
             const size_t len = llamabatch_put_utf8(chr, bytes);
             if (n + len > out_size) {

@@ -61,6 +61,20 @@ def test_the_forced_text_of_a_grammar(model, grammar, max_bytes, expected):
     assert chain.forced_text(max_bytes) == expected  # the walk put the grammar's stacks back
 
 
+@pytest.mark.timeout(60)
+def test_the_walk_is_bounded_where_an_ambiguous_grammar_doubles_its_stacks(model):
+    """Each "a" doubles the recursive rule's parse stacks (a "b" or a "c" owed for each), and
+    every stack's next character is "a" until the literal's 300: a walk of 256 characters
+    would hold 2**256 stacks. It stops past 64 stacks (sampling stops such a grammar at
+    ``max_live_stacks`` after a few tokens)."""
+    literal = '"' + "a" * 300 + '"'
+    chain = _chain(model, f'root ::= r\nr ::= "a" r "b" | "a" r "c" | {literal}')
+    text, ends = chain.forced_text()
+    assert 0 < len(text) <= 8 and set(text) == {ord("a")} and not ends
+    long = _chain(model, f"root ::= {literal} | {literal} \"b\"")  # two stacks: the whole walk
+    assert long.forced_text() == (b"a" * 256, False)
+
+
 def test_no_forced_text_without_a_grammar_or_before_a_lazy_grammar_wakes(model):
     assert SamplerChain(model, SamplingParams(temperature=0.7)).forced_text() == (b"", False)
     lazy = SamplerChain(
