@@ -71,7 +71,7 @@ def test_the_walk_is_bounded_where_an_ambiguous_grammar_doubles_its_stacks(model
     chain = _chain(model, f'root ::= r\nr ::= "a" r "b" | "a" r "c" | {literal}')
     text, ends = chain.forced_text()
     assert 0 < len(text) <= 8 and set(text) == {ord("a")} and not ends
-    long = _chain(model, f"root ::= {literal} | {literal} \"b\"")  # two stacks: the whole walk
+    long = _chain(model, f'root ::= {literal} | {literal} "b"')  # two stacks: the whole walk
     assert long.forced_text() == (b"a" * 256, False)
 
 
