@@ -26,6 +26,10 @@ and suffix, ``spec_ngram.NgramDrafter`` when ``prompt_lookup_max`` bounds the lo
     drafter.release(key, done=True)   # request ended (done) or preempted (done=False)
     drafter.close()
 
+With the lookup methods, a grammar request also drafts the text its grammar forces
+(``spec_grammar.GrammarDrafts``: a JSON schema's keys), in place of a lookup's draft that does
+not go on past it; those drafts go on where failing lookups have spent the ledger's budget.
+
 Only where it pays (``spec_policy.py``): drafts fill spare budget only (decode tokens and
 prompt chunks come first), within KV room and under ``target_itl_ms``; each tick, every
 speculating request's draft length (0 allowed) is the one that maximises the tick's expected
