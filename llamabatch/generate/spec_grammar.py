@@ -43,15 +43,18 @@ class GrammarDrafts:
     """The forced-text drafts of grammar requests (module docstring). ``tokenize``: bytes to
     token ids, without special tokens (the model's); ``forced``: a request's forced text and
     whether its grammar can only end after it (default: its sampler chain's
-    ``forced_text``)."""
+    ``forced_text``); ``applies``: whether a request can have forced text (default: it has a
+    grammar and its sampler chain)."""
 
     def __init__(
         self,
         tokenize: Callable[[bytes], list[int]],
         forced: Callable[[Request], tuple[bytes, bool]] | None = None,
+        applies: Callable[[Request], bool] | None = None,
     ) -> None:
         self.tokenize = tokenize
         self._forced = forced or _chain_forced_text
+        self.applies = applies or _has_grammar
         #: drafts taken from forced text, their tokens, and those accepted
         self.drafts = 0
         self.draft_tokens = 0
@@ -93,6 +96,10 @@ class GrammarDrafts:
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted += accepted
+
+
+def _has_grammar(request: Request) -> bool:
+    return request.sampler is not None and request.params.effective_grammar is not None
 
 
 def _chain_forced_text(request: Request) -> tuple[bytes, bool]:

@@ -272,6 +272,8 @@ class Speculator:
                 continue
             if request.kind is RequestKind.PIN:
                 continue
+            if not lookups and not (self.grammar is not None and self.grammar.applies(request)):
+                continue  # (over budget: its estimates stay as they are, no decay toward hope)
             cap = min(self.k, below - 2, request.params.max_tokens - len(request.output_tokens) - 1)
             if cap <= 0:
                 continue

@@ -154,7 +154,7 @@ def test_forced_drafts_go_on_where_failing_lookups_spent_the_budget():
     completion is what it is alone."""
     core, ctx, model = make_core(n_parallel=2, n_batch=32)
     lookups = OracleDrafter(model, p_wrong=1.0)
-    grammar = GrammarDrafts(_unpack, forced=_oracle_forced(model, 3))
+    grammar = GrammarDrafts(_unpack, forced=_oracle_forced(model, 3), applies=lambda request: True)
     core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 8}, lookups, grammar=grammar)
     core.spec.ledger.loss = 1e6  # (decays by 0.1% a tick: over budget for the whole run)
     ctx.cost = CHEAP_DRAFTS
@@ -188,3 +188,18 @@ def test_the_grammar_drafts_option():
     assert again.speculative_config == config.speculative_config
     with pytest.raises(ValueError, match="needs --spec-type"):
         EngineConfig.from_cli_args(parser.parse_args(["--spec-grammar-drafts"]))
+
+
+def test_over_budget_requests_without_a_grammar_draft_nothing():
+    core, ctx, model = make_core(n_parallel=2, n_batch=32)
+    lookups = OracleDrafter(model, p_wrong=0.0)
+    grammar = GrammarDrafts(_unpack, forced=_oracle_forced(model, 3), applies=lambda request: False)
+    core.spec = Speculator({"method": "ngram", "num_speculative_tokens": 8}, lookups, grammar=grammar)
+    core.spec.ledger.loss = 1e6
+    ctx.cost = CHEAP_DRAFTS
+    core.clock = ctx.clock
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(6, 1), greedy(30))
+    rec.run()
+    rec.check_done(r)
+    assert lookups.calls == 0 and grammar.drafts == 0 and core.counters.spec_draft_tokens == 0
