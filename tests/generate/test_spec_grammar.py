@@ -7,11 +7,14 @@ forced drafts going on where failing lookups have spent the drafts' budget."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import struct
 
 import pytest
 from fake_llama import make_core
 from fake_scheduling import Recorder, greedy, prompt
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from test_speculative_fake import CHEAP_DRAFTS, OracleDrafter
 
 from llamabatch import LLM, EngineConfig, SamplingParams
@@ -203,3 +206,54 @@ def test_over_budget_requests_without_a_grammar_draft_nothing():
     rec.run()
     rec.check_done(r)
     assert lookups.calls == 0 and grammar.drafts == 0 and core.counters.spec_draft_tokens == 0
+
+
+# -- the forced text against a brute-force reference --------------------------------------------
+
+_LETTERS = "abc"
+
+
+def _node():
+    """A finite grammar over ``_LETTERS``: literals, sequences, alternatives and optionals, as
+    ``(gbnf, language)`` (every string the grammar accepts)."""
+    literal = st.text(_LETTERS, min_size=1, max_size=3).map(lambda s: (f'"{s}"', {s}))
+
+    def extend(children):
+        seq = st.lists(children, min_size=2, max_size=3).map(
+            lambda parts: (
+                "(" + " ".join(g for g, _ in parts) + ")",
+                {"".join(p) for p in itertools.product(*(lang for _, lang in parts))},
+            )
+        )
+        alt = st.lists(children, min_size=2, max_size=3).map(
+            lambda parts: (
+                "(" + " | ".join(g for g, _ in parts) + ")",
+                set().union(*(lang for _, lang in parts)),
+            )
+        )
+        opt = children.map(lambda c: (f"{c[0]}?", c[1] | {""}))
+        return st.one_of(seq, alt, opt)
+
+    return st.recursive(literal, extend, max_leaves=6)
+
+
+def _common_prefix(strings: set[str]) -> str:
+    first, last = min(strings), max(strings)  # (the prefix common to all is theirs)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(grammar=_node())
+def test_the_forced_text_is_what_every_string_of_the_grammar_starts_with(model, grammar):
+    """Random finite grammars of literals: the forced text is the longest prefix common to
+    every string the grammar accepts, cut where one of them ends there (the grammar could stop),
+    and it "ends" exactly when that prefix is the only string."""
+    gbnf, language = grammar
+    assume("" not in language)  # a grammar that may produce nothing is refused by the check
+    common = _common_prefix(language)
+    text, ends = _chain(model, f"root ::= {gbnf}").forced_text()
+    assert text.decode() == common
+    assert ends == (language == {common})
