@@ -610,13 +610,17 @@ int32_t llamabatch_grammar_forced(
             llamabatch_forced_char(head->stacks) == UINT32_MAX) {
         return 0;
     }
-    auto saved = head->stacks;
+    std::vector<std::vector<const llama_grammar_element *>> saved;
+    bool walked = false;
     size_t n = 0, work = 0;
     try {
+        saved = head->stacks;
+        walked = true;
         uint32_t chr;
         while ((chr = llamabatch_forced_char(head->stacks)) != UINT32_MAX) {
             work += head->stacks.size();
-            if (head->stacks.size() > LLAMABATCH_FORCED_MAX_STACKS || work > LLAMABATCH_FORCED_MAX_WORK) {
+            if (head->stacks.size() > LLAMABATCH_FORCED_MAX_STACKS || work > LLAMABATCH_FORCED_MAX_WORK ||
+                    chr > 0x10FFFF || (chr >= 0xD800 && chr <= 0xDFFF)) {  // (no UTF-8 for those)
                 break;
             }
             char bytes[4];
@@ -633,13 +637,17 @@ int32_t llamabatch_grammar_forced(
             all_ended = all_ended && stack.empty();
         }
         *ends = all_ended ? 1 : 0;
+        head->stacks = std::move(saved);
+        return (int32_t) n;
     } catch (const std::exception & e) {
         llamabatch_set_error(err, err_size, e.what());
-        head->stacks = std::move(saved);
-        return -2;
+    } catch (...) {
+        llamabatch_set_error(err, err_size, "unknown C++ exception");
     }
-    head->stacks = std::move(saved);
-    return (int32_t) n;
+    if (walked) {
+        head->stacks = std::move(saved);
+    }
+    return -2;
 }
 """
 
