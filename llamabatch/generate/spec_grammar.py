@@ -76,16 +76,13 @@ class GrammarDrafts:
         with the same tokens. Returns the keys whose draft is now forced text."""
         forced: set[Hashable] = set()
         for request, cap in zip(requests, caps, strict=True):
-            tokens = self.draft(request, cap)
+            tokens = self.draft(request, cap) if self.applies(request) else []
             if not tokens:
                 continue
             key = request.arrival
             lookup = drafts.get(key)
-            if (
-                lookup is not None
-                and len(lookup.tokens) > len(tokens)
-                and lookup.tokens[: len(tokens)] == tokens
-            ):
+            n = len(tokens)
+            if lookup is not None and len(lookup.tokens) > n and list(lookup.tokens[:n]) == tokens:
                 continue  # the lookup goes on past the forced text, the same tokens first
             drafts[key] = Draft(tokens, "match")
             forced.add(key)
