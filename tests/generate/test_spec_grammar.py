@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import struct
+from types import SimpleNamespace
 
 import pytest
 from fake_llama import make_core
@@ -20,6 +21,7 @@ from test_speculative_fake import CHEAP_DRAFTS, OracleDrafter
 from llamabatch import LLM, EngineConfig, SamplingParams
 from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplerChain
+from llamabatch.generate.draft_model import Draft
 from llamabatch.generate.spec_config import validate_speculative_config
 from llamabatch.generate.spec_grammar import GrammarDrafts
 from llamabatch.generate.speculative import Speculator
@@ -257,3 +259,14 @@ def test_the_forced_text_is_what_every_string_of_the_grammar_starts_with(model, 
     text, ends = _chain(model, f"root ::= {gbnf}").forced_text()
     assert text.decode() == common
     assert ends == (language == {common})
+
+
+def test_a_lookup_that_goes_on_past_the_forced_text_is_kept():
+    forced = GrammarDrafts(
+        _unpack, forced=lambda r: (struct.pack("<3I", 1, 2, 3), False), applies=lambda r: True
+    )
+    requests = [SimpleNamespace(arrival=i) for i in range(4)]
+    drafts = {0: Draft([1, 2, 7, 8], "match"), 1: Draft([1, 2], "match"), 2: Draft([9, 9, 9], "match")}
+    chosen = forced.merge(requests, [8, 8, 8, 1], drafts)  # (forced text: 1, 2, 3; its last one left out)
+    assert chosen == {1, 2, 3}
+    assert [drafts[i].tokens for i in range(4)] == [[1, 2, 7, 8], [1, 2], [1, 2], [1]]
