@@ -490,6 +490,8 @@ class Speculator:
         # drafts accepted: all tokens but the last (the next decode input), or all before an error
         n_acc = len(tokens) - 1 if error is None else len(tokens)
         self._account(st, d, n_acc)
+        if st.cls == GRAMMAR_CLASS and self.grammar is not None:
+            self.grammar.verified(request.arrival, d, n_acc, tokens)
         request.spec_counts[0] += d
         counters = core.counters
         # the tick's counts knew one decode token per stream: drafts were computed too, and
@@ -529,8 +531,6 @@ class Speculator:
         self.drafted += d
         self.accepted += n_acc
         self.acceptance.observe(st.acc(st.cls), d, n_acc, st.cls)
-        if st.cls == GRAMMAR_CLASS and self.grammar is not None:
-            self.grammar.verified(d, n_acc)
         self.ledger.accepted(n_acc)
         if self._draft_ticks <= self.policy.explore_ticks and n_acc < d:
             self._lessons_held = False
@@ -561,6 +561,8 @@ class Speculator:
             st.synced = -1  # the drafter forgets what it held of it
         try:
             self.drafter.release(request.arrival, done=done)
+            if done and self.grammar is not None:
+                self.grammar.release(request.arrival)
             remember = getattr(self.drafter, "remember", None)
             if done and remember is not None and request.params.speculative and request.kind is not _PIN:
                 remember(request.prompt_tokens, request.output_tokens)

@@ -107,9 +107,10 @@ def test_a_forced_text_drafts_its_tokens_but_the_last_one_unless_the_grammar_end
     texts = iter([(b'favourite_programming_language"', False), (b"}", True), (b"", False)])
     drafts = GrammarDrafts(tokenize, forced=lambda request: next(texts))
     full = tokenize(b'favourite_programming_language"')
-    assert drafts.draft(None, 64) == full[:-1]  # type: ignore[arg-type]
-    assert drafts.draft(None, 64) == tokenize(b"}")  # type: ignore[arg-type]
-    assert drafts.draft(None, 64) == []  # type: ignore[arg-type]
+    request = SimpleNamespace(arrival=0)
+    assert drafts.draft(request, 64) == full[:-1]  # type: ignore[arg-type]
+    assert drafts.draft(request, 64) == tokenize(b"}")  # type: ignore[arg-type]
+    assert drafts.draft(request, 64) == []  # type: ignore[arg-type]
 
 
 def test_schema_requests_draft_their_keys_and_keep_their_tokens(smollm2_path):
@@ -271,3 +272,21 @@ def test_a_lookup_that_goes_on_past_the_forced_text_is_kept():
     assert chosen == {1, 2, 3}
     assert [drafts[i].tokens for i in range(4)] == [[1, 2, 7, 8], [1, 2], [1, 2], [1]]
 
+
+def test_the_token_the_model_wrote_for_a_left_out_one_is_drafted_next_time():
+    """``name"`` drafts ``name`` (its ``"`` left out) and the model writes ``":``: the next
+    forced text that leaves ``"`` out drafts ``":`` after its tokens."""
+    quote, colon = 90, 91
+    vocab = {b"name": 10, b"age": 11, b'"': quote}
+
+    def tokenize(text: bytes) -> list[int]:
+        return [vocab[text[:-1]], quote]
+
+    texts = iter([b'name"', b'age"', b'age"'])
+    drafts = GrammarDrafts(tokenize, forced=lambda r: (next(texts), False), applies=lambda r: True)
+    request = SimpleNamespace(arrival=7)
+    assert drafts.draft(request, 8) == [10]  # type: ignore[arg-type]
+    drafts.verified(7, 1, 1, [10, colon])  # the forced token held; then the model wrote ":
+    assert drafts.draft(request, 8) == [11, colon]  # type: ignore[arg-type]
+    drafts.release(7)
+    assert drafts.draft(request, 8) == [11]  # type: ignore[arg-type]
