@@ -14,9 +14,9 @@ may differ from the tokenizer's (``name"`` drafts ``name``, ``"``, where the mod
 text is left out unless the grammar ends there, and in its place the draft takes the token
 the model wrote the last time that token was left out (its habit: ``":`` after ``age``, once
 it wrote ``":`` after ``name``). Every draft is verified as any other: outputs are those of a
-run without speculation. On a tokenizer that puts a space before a
-text's first word (SentencePiece with a dummy prefix), the first token is wrong, and the class's
-acceptance falls until it no longer drafts.
+run without speculation. On a tokenizer that puts a space before a text's first word
+(SentencePiece with a dummy prefix), the first token is wrong, and the class's acceptance
+falls until it no longer drafts.
 """
 
 from __future__ import annotations
