@@ -175,6 +175,7 @@ class SamplerChain:
         self._max_stacks = 0
         self._masks: GrammarMasks | None = None
         self._mask_args: tuple[Any, bytes, int] = (ffi.NULL, b"", 0)  # the cache, the grammar's id
+        self._forced: tuple[Any, Any] | None = None  # forced_text's buffers (text, ends)
         stages = params.active_stages
         self._top_k = params.top_k if top_k_first and "top_k" in stages else 0
         chain_params = lib.llama_sampler_chain_default_params()
@@ -271,8 +272,9 @@ class SamplerChain:
         is unchanged. Reads llama.cpp's grammar internals: the pinned version only."""
         if self._error is None or BUILD.origin != "pinned" or max_bytes < 1:
             return b"", False
-        out = ffi.new("char[]", max_bytes)
-        ends = ffi.new("int32_t *")
+        if self._forced is None or len(self._forced[0]) < max_bytes:  # (once per chain: per tick)
+            self._forced = (ffi.new("char[]", max_bytes), ffi.new("int32_t *"))
+        out, ends = self._forced
         n = lib.llamabatch_grammar_forced(self.ptr, out, max_bytes, ends, self._error, _ERROR_SIZE)
         if n < 0:
             message = ffi.string(self._error).decode(errors="replace")

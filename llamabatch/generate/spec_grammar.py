@@ -128,7 +128,5 @@ def _has_grammar(request: Request) -> bool:
 
 
 def _chain_forced_text(request: Request) -> tuple[bytes, bool]:
-    sampler = request.sampler
-    if sampler is None or request.params.effective_grammar is None:
-        return b"", False
-    return sampler.forced_text(FORCED_BYTES)
+    sampler = request.sampler  # (a chain without a grammar forces nothing: ``forced_text``)
+    return sampler.forced_text(FORCED_BYTES) if sampler is not None else (b"", False)
