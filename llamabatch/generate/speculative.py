@@ -52,6 +52,7 @@ import numpy as np
 from llamabatch._core.slots import SlotState
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.generate.cost_model import TickFeatures, most_within
+from llamabatch.generate.draft_cuts import cut_at_ends, text_drafts
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_accept import acceptance_rule
@@ -143,10 +144,13 @@ class Speculator:
         drafter: Drafter,
         policy: SpecPolicy | None = None,
         grammar: GrammarDrafts | None = None,
+        eog: bytes | bytearray | None = None,
     ) -> None:
         """``grammar``: drafts of the text grammar requests' grammars force, beside the
-        lookups (``spec_grammar.py``; None: none)."""
+        lookups (``spec_grammar.py``; None: none); ``eog``: the model's end-of-generation
+        flags by token id (``Model.eog_flags``), where drafts are cut (``cut_at_ends``)."""
         self.config = config
+        self.eog = eog
         self.k = int(config["num_speculative_tokens"])
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
@@ -206,7 +210,7 @@ class Speculator:
             drafter = DraftModelDrafter.from_config(
                 config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
             )
-        return cls(config, drafter, grammar=grammar)
+        return cls(config, drafter, grammar=grammar, eog=model.eog_flags())
 
     def state(self, request: Request) -> _SpecState:
         st = self._states.get(request.arrival)
@@ -307,9 +311,11 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, cap, r.params)
                 for (_, r, _), cap in zip(cands, caps, strict=True)
             ]
+            requests = [r for _, r, _ in cands]
             drafts = text_drafts(self.drafter.draft(jobs)) if lookups else {}
+            drafts = cut_at_ends(drafts, requests, self.eog)
             classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
-            forced = self.grammar.merge([r for _, r, _ in cands], caps, drafts) if self.grammar else ()
+            forced = self.grammar.merge(requests, caps, drafts) if self.grammar else ()
             found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
             for (_, r, st), _ in found:
                 st.cls = GRAMMAR_CLASS if r.arrival in forced else classes.get(r.arrival, 0)
@@ -332,7 +338,7 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k, r.params) for (_, r, _), k in chosen
             ]
             t0 = core.clock()
-            drafts = self.drafter.draft(jobs)
+            drafts = cut_at_ends(self.drafter.draft(jobs), [r for (_, r, _), _ in chosen], self.eog)
             elapsed = core.clock() - t0
             fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
             for (_, r, st), k in chosen:
@@ -631,23 +637,6 @@ def speculator_for(
     return Speculator.from_config(
         config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
     )
-
-
-def text_drafts(drafts: dict[Hashable, Draft]) -> dict[Hashable, Draft]:
-    """``drafts`` cut before their first image stand-in id (negative, ``vision.py``): a history
-    lookup that runs into a prompt's image would otherwise draft its positions as tokens.
-    Without images (every tick of a text model) this is one ``min`` per draft."""
-    if all(min(draft.tokens, default=0) >= 0 for draft in drafts.values()):
-        return drafts
-    out = {}
-    for key, draft in drafts.items():
-        cut = next((i for i, token in enumerate(draft.tokens) if token < 0), None)
-        if cut is None:
-            out[key] = draft
-        elif cut:
-            q = draft.q[:cut] if draft.q is not None else None
-            out[key] = Draft(draft.tokens[:cut], draft.rule, q)
-    return out
 
 
 def latency_room(core: TickContext, n_decode: int, room: int) -> int:

@@ -326,7 +326,7 @@ def check_image_options(config: Any) -> None:
     the limits), and what they cannot be combined with: a draft model (``speculative_config``
     method ``draft_model``) would draft without seeing the images (the ``ngram`` and ``suffix``
     methods draft text only: their drafts stop at an image's stand-in ids,
-    ``speculative.text_drafts``). With ``prefix_cache=False`` every prompt's images are
+    ``draft_cuts.text_drafts``). With ``prefix_cache=False`` every prompt's images are
     computed anew into its own slot."""
     for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
         value = getattr(config, name)

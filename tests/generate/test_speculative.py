@@ -352,3 +352,29 @@ def test_an_http_request_can_opt_out_of_speculation():
     )
     body = Body({"prompt": "x"}, "/v1/completions")
     assert sampling_params(body, chat=False, prompt_tokens=3, n_ctx_seq=64, logprobs=None).speculative is True
+
+
+def test_a_copied_paragraph_drafts_nothing_past_its_end(smollm2_path):
+    """SmolLM2 asked to copy a paragraph word for word: the lookup finds the paragraph in the
+    prompt and would draft on past its end, through ``<|im_end|>`` (the end-of-generation
+    token the answer ends with) into the chat template and the copy so far. Drafts are cut
+    before the end-of-generation token: the answer is the plain run's token for token, and
+    (the copy being exact) next to no drafted token goes unused."""
+    paragraph = (
+        "The river rose slowly through the night, and by morning the lower fields were under a "
+        "sheet of brown water. The farmers moved their animals to the hill behind the church, "
+        "where the old stone wall kept the wind off, and waited for the rain to stop."
+    )
+    chat = [{"role": "user", "content": f"Copy this paragraph word for word:\n\n{paragraph}"}]
+    params = SamplingParams(max_tokens=100, temperature=0)
+    outs = []
+    for spec in (None, NGRAM):
+        with LLM(smollm2_path, n_ctx=1024, n_parallel=1, n_threads=1, speculative_config=spec) as llm:
+            outs.append(llm.chat(chat, params)[0].outputs[0])
+    plain, speculated = outs
+    assert speculated.token_ids == plain.token_ids and plain.text == paragraph
+    assert plain.finish_reason == "stop"
+    timings = speculated.timings
+    assert timings.spec_accepted_tokens >= len(plain.token_ids) // 2, timings
+    # (drafted 46, kept 41 before the cut; 41 and 41 with it)
+    assert timings.spec_draft_tokens - timings.spec_accepted_tokens <= 2, timings

@@ -68,7 +68,7 @@ def _speculate(core, model, p_wrong=0.0, k=4, seed=0, cost=CHEAP_DRAFTS, **polic
     one already), so the speculator's decisions do not depend on this machine's timings."""
     drafter = OracleDrafter(model, p_wrong, seed)
     config = {"method": "ngram", "num_speculative_tokens": k}
-    core.spec = Speculator(config, drafter, SpecPolicy(**policy))
+    core.spec = Speculator(config, drafter, SpecPolicy(**policy), eog=model.eog_flags())
     if cost is not None and core.context.cost is None:
         core.context.cost = cost
         core.clock = core.context.clock
@@ -124,6 +124,32 @@ def test_stops_and_limits_inside_an_accepted_run():
     assert rec.requests[1].output.finish_reason == "stop"
     assert rec.requests[1].output.stop_reason == full[10]
     assert rec.requests[1].output.token_ids == full[: full.index(full[10]) + 1]
+
+
+@pytest.mark.parametrize("end", ["eog", "stop_token", "ignore_eos"])
+def test_a_draft_is_cut_before_the_token_that_ends_its_request(end):
+    """Drafts that are all right, running past the token that ends the request (the
+    end-of-generation token, or a stop token): cut before it (the last draft's row samples
+    it), every drafted token is accepted, and the completion is the same. With ``ignore_eos``
+    the end-of-generation token ends nothing, and the drafts run through it."""
+    model = FakeModel(natural_eog=end != "stop_token")
+    seed = next(  # a prompt whose greedy completion ends at its EOG after 12 to 40 tokens
+        i
+        for i in range(500)
+        if 12 <= len(model.completion(prompt(6, i), 64, 256)[0]) <= 40 or end == "stop_token"
+    )
+    full, _ = model.completion(prompt(6, seed), 64, 256, ignore_eos=end == "ignore_eos")
+    core, ctx, model = make_core(model=model, n_parallel=1, n_ctx=256, n_batch=64)
+    _speculate(core, model, 0.0, k=32)
+    rec = Recorder(core, ctx, model)
+    stop = [full[12]] if end == "stop_token" else []
+    (r,) = rec.new(prompt(6, seed), greedy(64, stop_token_ids=stop, ignore_eos=end == "ignore_eos"))
+    rec.run()
+    timings = r.output.timings
+    assert r.output.token_ids == (full[:13] if stop else full)
+    assert timings.spec_draft_tokens == timings.spec_accepted_tokens > 0
+    if end == "ignore_eos":  # the drafts ran through the end-of-generation token
+        assert len(full) == 64 and 0 in full
 
 
 def test_drafts_only_take_spare_budget_and_never_run_at_full_concurrency():

@@ -1,5 +1,5 @@
 """Speculative decoding on prompts with images: the ``ngram`` and ``suffix`` methods draft text
-only (a lookup that runs into an image's stand-in ids stops there, ``speculative.text_drafts``),
+only (a lookup that runs into an image's stand-in ids stops there, ``draft_cuts.text_drafts``),
 outputs stay those of the same engine without drafts, and a draft model, which cannot see the
 images, is refused with ``mmproj``."""
 
@@ -14,6 +14,7 @@ import llamabatch.generate.speculative as speculative
 from llamabatch import LLM, SamplingParams
 from llamabatch._ffi.mtmd import mtmd_available
 from llamabatch.config import EngineConfig
+from llamabatch.generate.draft_cuts import text_drafts
 from llamabatch.generate.draft_model import Draft, DraftJob
 from llamabatch.testing import QWEN2VL_TEXT, VisionSpec, make_vision_model
 
@@ -30,7 +31,7 @@ def test_text_drafts_stop_at_the_first_stand_in_id():
         "text": Draft([1, 2, 3], "sampled", q),
         "sampled": Draft([4, -9, 4], "sampled", q),
     }
-    out = speculative.text_drafts(drafts)
+    out = text_drafts(drafts)
     assert out["through"].tokens == [5, 6] and out["through"].rule == "match"
     assert "at_once" not in out
     assert out["text"] is drafts["text"]
