@@ -47,6 +47,7 @@ from llamabatch.errors import QueueFull
 from llamabatch.generate.admission import TickLimit, Verdict, order_prefill
 from llamabatch.generate.compaction import compact
 from llamabatch.generate.decode_costs import fit_decode_costs
+from llamabatch.generate.draft_cuts import first_end
 from llamabatch.generate.kv_cache import kv_cache_for
 from llamabatch.generate.kv_memory import draft_rows_below, ubatch_cost_cells
 from llamabatch.generate.lora_schedule import install_lora
@@ -627,6 +628,9 @@ class EngineCore:
 
     def logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
         return row_logprobs(self.context, idx, token, n, self._n_vocab)
+
+    def draft_end(self, request: Request, tokens: list[int]) -> int:
+        return first_end(tokens, request, self._eog, self._piece)
 
     # -- the end of a request -------------------------------------------------------------
 

@@ -3,7 +3,7 @@ and before a token that would end the request."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from llamabatch.generate.draft_model import Draft
@@ -11,37 +11,69 @@ from llamabatch.generate.draft_model import Draft
 if TYPE_CHECKING:
     from llamabatch.generate.request import Request
 
-__all__ = ["cut_at_ends", "text_drafts"]
+__all__ = ["cut_at_ends", "first_end", "text_drafts"]
 
 
 def cut_at_ends(
-    drafts: dict[Hashable, Draft], requests: Iterable[Request], eog: bytes | bytearray | None
+    drafts: dict[Hashable, Draft], requests: Iterable[Request], end: Callable[[Request, list[int]], int]
 ) -> dict[Hashable, Draft]:
     """``drafts`` each cut before the first token that would end its request (``requests``,
-    by ``arrival``): an end-of-generation token (``eog``: flags by token id; unless
-    ``ignore_eos``) or one of its ``stop_token_ids``. Nothing after that token could be
-    emitted, and the token itself needs no row of its own: the last draft's row samples it
-    (a draft that starts with it is dropped). A lookup runs on past a quoted text's end into
-    the chat template and the answer so far: SmolLM2 copying a paragraph drafted 62 tokens
-    where 17 were left to emit, a 269 ms tick where 18 rows take about 70 ms."""
+    by ``arrival``; ``end``: ``TickContext.draft_end``, see :func:`first_end`). Nothing after
+    that token could be emitted, and the token itself needs no row of its own: the last
+    draft's row samples it (a draft that starts with it is dropped). A lookup runs on past a
+    quoted text's end into the chat template and the answer so far: SmolLM2 copying a
+    paragraph drafted 62 tokens where 17 were left to emit, a 269 ms tick where 18 rows take
+    about 70 ms."""
     out = drafts
     for request in requests:
         draft = drafts.get(request.arrival)
         if draft is None:
             continue
-        stop_ids = request.stop_ids
-        flags = None if request.params.ignore_eos else eog
-        for i, token in enumerate(draft.tokens):
-            if (flags is not None and flags[token]) or token in stop_ids:
-                if out is drafts:
-                    out = dict(drafts)
-                if i:
-                    q = draft.q[:i] if draft.q is not None else None
-                    out[request.arrival] = Draft(draft.tokens[:i], draft.rule, q)
-                else:
-                    del out[request.arrival]
-                break
+        i = end(request, draft.tokens)
+        if i < len(draft.tokens):
+            if out is drafts:
+                out = dict(drafts)
+            if i:
+                q = draft.q[:i] if draft.q is not None else None
+                out[request.arrival] = Draft(draft.tokens[:i], draft.rule, q)
+            else:
+                del out[request.arrival]
     return out
+
+
+def first_end(
+    tokens: list[int], request: Request, eog: bytes | bytearray, piece: Callable[[int, bool], bytes]
+) -> int:
+    """The index of the first of ``tokens`` (drafted after ``request``'s output) that would end
+    ``request``, else ``len(tokens)``: an end-of-generation token (``eog``: flags by token id;
+    unless ``ignore_eos``), one of its ``stop_token_ids``, or the token that completes one of
+    its ``stop`` strings (``piece``: a token's bytes, special tokens rendered or not), counted
+    from the output's last bytes. A few-shot prompt's next ``Q:`` is a stop string a lookup
+    drafts through. Bytes, not text: a stop string's UTF-8 bytes stand in the output's bytes
+    where it stands in the text (a false match would only shorten a draft)."""
+    params = request.params
+    flags = None if params.ignore_eos else eog
+    stop_ids = request.stop_ids
+    stops = [s.encode() for s in params.stop or ()]
+    special = not params.skip_special_tokens
+    buf = b""
+    if stops:  # the output's tail that a stop string could begin in
+        longest = max(len(s) for s in stops)
+        output = request.output_tokens
+        for token in reversed(output[-longest:]):
+            buf = piece(token, special) + buf
+            if len(buf) >= longest:
+                break
+        buf = buf[len(buf) - longest + 1 :] if longest > 1 else b""
+    for i, token in enumerate(tokens):
+        if (flags is not None and flags[token]) or token in stop_ids:
+            return i
+        if stops:
+            before = len(buf)
+            buf += piece(token, special)
+            if any(buf.find(s, max(0, before - len(s) + 1)) >= 0 for s in stops):
+                return i
+    return len(tokens)
 
 
 def text_drafts(drafts: dict[Hashable, Draft]) -> dict[Hashable, Draft]:

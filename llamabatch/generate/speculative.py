@@ -144,13 +144,10 @@ class Speculator:
         drafter: Drafter,
         policy: SpecPolicy | None = None,
         grammar: GrammarDrafts | None = None,
-        eog: bytes | bytearray | None = None,
     ) -> None:
         """``grammar``: drafts of the text grammar requests' grammars force, beside the
-        lookups (``spec_grammar.py``; None: none); ``eog``: the model's end-of-generation
-        flags by token id (``Model.eog_flags``), where drafts are cut (``cut_at_ends``)."""
+        lookups (``spec_grammar.py``; None: none)."""
         self.config = config
-        self.eog = eog
         self.k = int(config["num_speculative_tokens"])
         self.drafter = drafter
         self.policy = policy or SpecPolicy()
@@ -210,7 +207,7 @@ class Speculator:
             drafter = DraftModelDrafter.from_config(
                 config, model, n_seq=n_seq, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
             )
-        return cls(config, drafter, grammar=grammar, eog=model.eog_flags())
+        return cls(config, drafter, grammar=grammar)
 
     def state(self, request: Request) -> _SpecState:
         st = self._states.get(request.arrival)
@@ -313,7 +310,7 @@ class Speculator:
             ]
             requests = [r for _, r, _ in cands]
             drafts = text_drafts(self.drafter.draft(jobs)) if lookups else {}
-            drafts = cut_at_ends(drafts, requests, self.eog)
+            drafts = cut_at_ends(drafts, requests, core.draft_end)
             classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
             forced = self.grammar.merge(requests, caps, drafts) if self.grammar else ()
             found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
@@ -338,7 +335,7 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k, r.params) for (_, r, _), k in chosen
             ]
             t0 = core.clock()
-            drafts = cut_at_ends(self.drafter.draft(jobs), [r for (_, r, _), _ in chosen], self.eog)
+            drafts = cut_at_ends(self.drafter.draft(jobs), [r for (_, r, _), _ in chosen], core.draft_end)
             elapsed = core.clock() - t0
             fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
             for (_, r, st), k in chosen:

@@ -4,7 +4,8 @@ A plug-in sees the tick through this interface only, never the core's internals:
 table (what every sequence holds and this tick's batch), which request runs in which slot,
 the llama.cpp context (logits rows, KV edits), the tick's token budget and time limit, and
 the core's own steps for one output row: ``sample_row`` (the request's sampler, its
-logprobs), ``emit_token`` (stop checks, detokenizing, the delta) and ``finish``. The engine
+logprobs), ``emit_token`` (stop checks, detokenizing, the delta), ``draft_end`` (where a
+draft would end its request) and ``finish``. The engine
 core (``core.EngineCore``) is the one implementation; tests may pass their own.
 """
 
@@ -96,6 +97,11 @@ class TickContext(Protocol):
 
     def logprobs(self, idx: int, token: int, n: int) -> dict[int, float]:
         """The logprobs of ``token`` and the ``n`` likeliest at batch index ``idx``."""
+        ...
+
+    def draft_end(self, request: Request, tokens: list[int]) -> int:
+        """The index of the first of ``tokens``, drafted after ``request``'s output, that would
+        end it (``draft_cuts.first_end``), else ``len(tokens)``."""
         ...
 
     def finish(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Sequence
+from types import SimpleNamespace
 
 import pytest
 from fake_llama import FakeModel, FakeSampler, make_core
@@ -20,6 +21,7 @@ from test_scheduler_machine import SchedulerMachine
 from llamabatch import SamplingParams
 from llamabatch._core.slots import SlotState
 from llamabatch._ffi.sampler import SamplingError
+from llamabatch.generate.draft_cuts import first_end
 from llamabatch.generate.speculative import Draft, DraftJob, SpecPolicy, Speculator
 
 
@@ -68,7 +70,7 @@ def _speculate(core, model, p_wrong=0.0, k=4, seed=0, cost=CHEAP_DRAFTS, **polic
     one already), so the speculator's decisions do not depend on this machine's timings."""
     drafter = OracleDrafter(model, p_wrong, seed)
     config = {"method": "ngram", "num_speculative_tokens": k}
-    core.spec = Speculator(config, drafter, SpecPolicy(**policy), eog=model.eog_flags())
+    core.spec = Speculator(config, drafter, SpecPolicy(**policy))
     if cost is not None and core.context.cost is None:
         core.context.cost = cost
         core.clock = core.context.clock
@@ -126,30 +128,62 @@ def test_stops_and_limits_inside_an_accepted_run():
     assert rec.requests[1].output.token_ids == full[: full.index(full[10]) + 1]
 
 
-@pytest.mark.parametrize("end", ["eog", "stop_token", "ignore_eos"])
+@pytest.mark.parametrize("end", ["eog", "stop_token", "stop_string", "ignore_eos"])
 def test_a_draft_is_cut_before_the_token_that_ends_its_request(end):
     """Drafts that are all right, running past the token that ends the request (the
-    end-of-generation token, or a stop token): cut before it (the last draft's row samples
-    it), every drafted token is accepted, and the completion is the same. With ``ignore_eos``
-    the end-of-generation token ends nothing, and the drafts run through it."""
-    model = FakeModel(natural_eog=end != "stop_token")
+    end-of-generation token, a stop token, the token completing a two-token stop string):
+    cut before it (the last draft's row samples it), every drafted token is accepted, and the
+    completion is the one without speculation. With ``ignore_eos`` the end-of-generation
+    token ends nothing, and the drafts run through it."""
+    model = FakeModel(natural_eog=end in ("eog", "ignore_eos"))
     seed = next(  # a prompt whose greedy completion ends at its EOG after 12 to 40 tokens
-        i
-        for i in range(500)
-        if 12 <= len(model.completion(prompt(6, i), 64, 256)[0]) <= 40 or end == "stop_token"
+        i for i in range(500) if 12 <= len(model.completion(prompt(6, i), 64, 256)[0]) <= 40 or end != "eog"
     )
     full, _ = model.completion(prompt(6, seed), 64, 256, ignore_eos=end == "ignore_eos")
-    core, ctx, model = make_core(model=model, n_parallel=1, n_ctx=256, n_batch=64)
-    _speculate(core, model, 0.0, k=32)
-    rec = Recorder(core, ctx, model)
-    stop = [full[12]] if end == "stop_token" else []
-    (r,) = rec.new(prompt(6, seed), greedy(64, stop_token_ids=stop, ignore_eos=end == "ignore_eos"))
-    rec.run()
-    timings = r.output.timings
-    assert r.output.token_ids == (full[:13] if stop else full)
-    assert timings.spec_draft_tokens == timings.spec_accepted_tokens > 0
+    params = greedy(64, ignore_eos=end == "ignore_eos")
+    if end == "stop_token":
+        params = greedy(64, stop_token_ids=[full[12]])
+    elif end == "stop_string":  # two tokens' pieces (" w5 w19"), both whole characters
+        j = next(j for j in range(12, 40) if all(full[i] % 11 not in (3, 4) for i in (j - 1, j)))
+        params = greedy(64, stop=[model.detokenize(full[j - 1 : j + 1])])
+    outputs = []
+    for speculate in (False, True):
+        core, ctx, model = make_core(model=model, n_parallel=1, n_ctx=256, n_batch=64)
+        if speculate:
+            _speculate(core, model, 0.0, k=32)
+        rec = Recorder(core, ctx, model)
+        (r,) = rec.new(prompt(6, seed), params)
+        rec.run()
+        outputs.append(r.output)
+    plain, speculated = outputs
+    assert speculated.token_ids == plain.token_ids and speculated.text == plain.text
+    assert len(plain.token_ids) < 64 or end == "ignore_eos"
+    assert speculated.timings.spec_draft_tokens == speculated.timings.spec_accepted_tokens > 0
     if end == "ignore_eos":  # the drafts ran through the end-of-generation token
-        assert len(full) == 64 and 0 in full
+        assert plain.token_ids == full and 0 in full
+
+
+def test_where_a_draft_would_end_its_request():
+    """``first_end``: the first drafted token that ends the request; a stop string that
+    began in the output's last bytes counts, one that could only begin further back not."""
+    pieces = {1: b"ab", 2: b"c", 3: b"d\n", 4: b"Q", 5: b":", 0: b"</s>"}
+
+    def request(output, stop=(), stop_token_ids=(), ignore_eos=False):
+        params = SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+        return SimpleNamespace(params=params, stop_ids=frozenset(stop_token_ids), output_tokens=output)
+
+    def end(tokens, req):
+        return first_end(tokens, req, bytes([1, 0, 0, 0, 0, 0]), lambda t, special: pieces[t])
+
+    assert end([1, 2, 0, 1], request([])) == 2
+    assert end([1, 2, 0, 1], request([], ignore_eos=True)) == 4
+    assert end([1, 2, 3, 1], request([], stop_token_ids=[3])) == 2
+    assert end([3, 4, 5, 1], request([1], stop=["\nQ:"])) == 2  # "d\n" "Q" ":"
+    assert end([5, 1], request([3, 4], stop=["\nQ:"])) == 0  # begun in the output
+    assert end([2, 1], request([1, 2, 1], stop=["bca"])) == 1  # "ab" + "c" + "ab"
+    assert end([2], request([1], stop=["abc"])) == 0
+    assert end([2, 2], request([4, 1], stop=["Qabc"])) == 0
+    assert end([2, 2], request([1, 1], stop=["xabc"])) == 2
 
 
 def test_drafts_only_take_spare_budget_and_never_run_at_full_concurrency():
