@@ -13,6 +13,8 @@ The defaults (``{"method": "ngram"}`` alone, ``{"method": "suffix"}`` alone):
   40 times, 256 new tokens (its greedy text loops).
 - ``NgramOnQuotingChat``: SmolLM2-135M-Instruct (the real model), three chat requests that
   quote their input (repeat a function, add a docstring to it, copy a paragraph), 200 tokens.
+- ``NgramCopiesAParagraph``: the same paragraph copied to the answer's own end (its
+  end-of-generation token, no ``ignore_eos``).
 - ``DraftsThatFail``: the 135M random model on a repeated passage, sampled at temperature 1
   (seeded): drafts are found and almost all rejected; the target is >= 0.98.
 - ``RetrySameAnswer``: ``suffix``: the same chat request to SmolLM2 asked a second time (a
@@ -196,6 +198,27 @@ class NgramOnQuotingChat:
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
 
+class NgramCopiesAParagraph:
+    """The quoting chats' paragraph copied word for word, to the answer's own end (no
+    ``ignore_eos``): the lookup drafts the paragraph, and would run on past it into the chat
+    template; drafts are cut before the end-of-generation token (``draft_cuts``)."""
+
+    timeout = 300
+
+    def setup(self) -> None:
+        from llamabatch.testing import real_model_path
+
+        self.model = str(real_model_path())
+        self.prompts = [chatml(QUOTING_CHATS[2])] * 3
+
+    def track_speedup(self) -> float:
+        params = SamplingParams(temperature=0, max_tokens=200)
+        plain = _decode_rate(self.model, self.prompts, params, None)
+        return _decode_rate(self.model, self.prompts, params, _NGRAM) / plain
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
 class DraftsThatFail:
     timeout = 300
 
@@ -337,7 +360,14 @@ def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: fl
     return tokens / seconds
 
 
-TRACKS = (NgramDefaultsOnLoopingText, NgramOnQuotingChat, DraftsThatFail, RetrySameAnswer, EightStreams)
+TRACKS = (
+    NgramDefaultsOnLoopingText,
+    NgramOnQuotingChat,
+    NgramCopiesAParagraph,
+    DraftsThatFail,
+    RetrySameAnswer,
+    EightStreams,
+)
 
 
 def _track_rounds(rounds: int) -> None:
