@@ -310,9 +310,9 @@ class Speculator:
             ]
             requests = [r for _, r, _ in cands]
             drafts = text_drafts(self.drafter.draft(jobs)) if lookups else {}
-            drafts = cut_at_ends(drafts, requests, core.draft_end)
             classes: dict[Hashable, int] = getattr(self.drafter, "last_match", {})
             forced = self.grammar.merge(requests, caps, drafts) if self.grammar else ()
+            drafts = cut_at_ends(drafts, requests, core.draft_end)  # (forced text too: a stop string)
             found = [(c, d) for c in cands if (d := drafts.get(c[1].arrival)) is not None and d.tokens]
             for (_, r, st), _ in found:
                 st.cls = GRAMMAR_CLASS if r.arrival in forced else classes.get(r.arrival, 0)

@@ -176,6 +176,26 @@ def test_forced_drafts_go_on_where_failing_lookups_spent_the_budget():
     assert core.counters.spec_draft_tokens == grammar.draft_tokens
 
 
+def test_a_forced_draft_is_cut_before_a_stop_token_too():
+    """Forced text running past the request's stop token (the oracle's next 8 tokens): cut
+    before it like a lookup's draft, so every forced token drafted is accepted."""
+    core, ctx, model = make_core(n_parallel=1, n_batch=32)
+    full, _ = model.completion(prompt(6, 1), 40, 1024)
+    grammar = GrammarDrafts(_unpack, forced=_oracle_forced(model, 8), applies=lambda request: True)
+    core.spec = Speculator(
+        {"method": "ngram", "num_speculative_tokens": 8}, OracleDrafter(model, 1.0), grammar=grammar
+    )
+    core.spec.ledger.loss = 1e6  # (no lookups: the forced drafts alone)
+    ctx.cost = CHEAP_DRAFTS
+    core.clock = ctx.clock
+    rec = Recorder(core, ctx, model)
+    (r,) = rec.new(prompt(6, 1), greedy(40, stop_token_ids=[full[12]]))
+    rec.run()
+    assert r.output.token_ids == full[: full.index(full[12]) + 1]
+    timings = r.output.timings  # (13 drafted, 9 kept, before the cut applied to forced text)
+    assert grammar.drafts > 0 and timings.spec_draft_tokens == timings.spec_accepted_tokens > 0
+
+
 def test_the_grammar_drafts_option():
     assert (
         validate_speculative_config({"method": "suffix", "grammar_drafts": False})["grammar_drafts"] is False
