@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fake_llama import FakeModel, FakeSampler, make_core
 from fake_scheduling import Recorder, check_core, greedy, prompt
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 from test_scheduler_machine import SchedulerMachine
@@ -184,6 +184,41 @@ def test_where_a_draft_would_end_its_request():
     assert end([2], request([1], stop=["abc"])) == 0
     assert end([2, 2], request([4, 1], stop=["Qabc"])) == 0
     assert end([2, 2], request([1, 1], stop=["xabc"])) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    output=st.lists(st.integers(0, 5), max_size=12),
+    draft=st.lists(st.integers(0, 5), max_size=12),
+    stops=st.lists(st.text("abc", min_size=1, max_size=5), max_size=3),
+    stop_ids=st.lists(st.integers(0, 5), max_size=2),
+)
+def test_where_a_draft_would_end_matches_a_search_of_every_prefix(output, draft, stops, stop_ids):
+    """``first_end`` against the obvious search: the first drafted token after which the
+    output and the draft so far hold a stop string ending past the output, or which is a stop
+    id or the end-of-generation token (5 here); over pieces of 0 to 2 bytes."""
+    pieces = [b"", b"a", b"b", b"ab", b"ca", b"</s>"]
+    eog = bytes([0, 0, 0, 0, 0, 1])
+    params = SamplingParams(stop=stops, stop_token_ids=stop_ids)
+    request = SimpleNamespace(params=params, stop_ids=frozenset(stop_ids), output_tokens=output)
+    text = b"".join(pieces[t] for t in output)
+    in_output = len(text)
+
+    def ends_past_the_output(stop: bytes) -> bool:
+        at = text.find(stop)
+        while at >= 0:
+            if at + len(stop) > in_output:
+                return True
+            at = text.find(stop, at + 1)
+        return False
+
+    expected = len(draft)
+    for i, token in enumerate(draft):
+        text += pieces[token]
+        if eog[token] or token in stop_ids or any(ends_past_the_output(s.encode()) for s in stops):
+            expected = i
+            break
+    assert first_end(draft, request, eog, lambda t, special: pieces[t]) == expected
 
 
 def test_drafts_only_take_spare_budget_and_never_run_at_full_concurrency():
