@@ -334,7 +334,9 @@ class GrammarDraftsOnSchema:
     track_over_lookups.unit = "x"  # type: ignore[attr-defined]
 
 
-def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: float = 0.0) -> float:
+def _server_rates(
+    url: str, prompts: list[str], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = True
+) -> float:
     """llama-server's decode tokens/s (its own ``timings``) over ``prompts`` sent one at a time
     to ``/completion`` (the same text, so the same tokens as ours)."""
     import json
@@ -347,7 +349,7 @@ def _server_rates(url: str, prompts: list[str], max_tokens: int, temperature: fl
             "n_predict": max_tokens,
             "temperature": temperature,
             "seed": 0,
-            "ignore_eos": True,
+            "ignore_eos": ignore_eos,
             "cache_prompt": False,
         }
         request = urllib.request.Request(
@@ -390,12 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     """Ours (defaults) vs off vs a running llama-server (``--spec-type ngram-mod``), side by
     side: ``python asv_bench/benchmarks/bench_speculative.py --url http://127.0.0.1:8090
     --case looping`` (the server must serve the case's model: ``looping`` and ``fail`` the
-    135M random model, ``quoting`` SmolLM2)."""
+    135M random model, ``quoting`` and ``copy`` SmolLM2; ``copy``: the paragraph answered to
+    its own end, without ``ignore_eos``)."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--url", default=None, help="a llama-server serving the case's model")
-    p.add_argument("--case", choices=("looping", "quoting", "fail"), default="looping")
+    p.add_argument("--case", choices=("looping", "quoting", "copy", "fail"), default="looping")
     p.add_argument(
         "--tracks",
         type=int,
@@ -407,22 +410,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.tracks:
         _track_rounds(args.tracks)
         return
-    if args.case == "quoting":
+    ignore_eos = args.case != "copy"
+    if args.case in ("quoting", "copy"):
         from llamabatch.testing import real_model_path
 
-        model, prompts, n, temp = str(real_model_path()), [chatml(c) for c in QUOTING_CHATS], 200, 0.0
+        chats = QUOTING_CHATS if args.case == "quoting" else [QUOTING_CHATS[2]] * 3
+        model, prompts, n, temp = str(real_model_path()), [chatml(c) for c in chats], 200, 0.0
     else:
         model = str(model_path("135m"))
         if args.case == "looping":
             prompts, n, temp = [" ".join([english_sentences(3)[i]] * 40) for i in range(3)], 256, 0.0
         else:
             prompts, n, temp = [" ".join(english_sentences(4)[i : i + 2] * 10) for i in range(2)], 256, 1.0
-    params = SamplingParams(temperature=temp, seed=0, max_tokens=n, ignore_eos=True)
+    params = SamplingParams(temperature=temp, seed=0, max_tokens=n, ignore_eos=ignore_eos)
     print(f"model {model}, {len(prompts)} prompts, {n} tokens, temperature {temp}, {_threads()} threads")
     for label, spec in (("off", None), ("ngram defaults", _NGRAM), ("off again", None)):
         print(f"ours, {label}: {_decode_rate(model, prompts, params, spec):.1f} tok/s")
     if args.url:
-        print(f"llama-server at {args.url}: {_server_rates(args.url, prompts, n, temp):.1f} tok/s")
+        rate = _server_rates(args.url, prompts, n, temp, ignore_eos)
+        print(f"llama-server at {args.url}: {rate:.1f} tok/s")
 
 
 if __name__ == "__main__":
