@@ -335,8 +335,9 @@ class Speculator:
                 DraftJob(r.arrival, r.prompt_tokens, r.output_tokens, k, r.params) for (_, r, _), k in chosen
             ]
             t0 = core.clock()
-            drafts = cut_at_ends(self.drafter.draft(jobs), [r for (_, r, _), _ in chosen], core.draft_end)
+            drafts = self.drafter.draft(jobs)
             elapsed = core.clock() - t0
+            drafts = cut_at_ends(drafts, [r for (_, r, _), _ in chosen], core.draft_end)
             fresh = False  # a request new to the drafter: its prompt was decoded too, not timed
             for (_, r, st), k in chosen:
                 n = len(r.prompt_tokens) + len(r.output_tokens)
