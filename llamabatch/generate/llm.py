@@ -264,16 +264,7 @@ class LLM(HostFacts, ThreadedFacade):
         one for all prompts or one per prompt (lower runs first)."""
         self._check_can_wait("generate")
         prompt_list, _ = as_prompt_list(prompts)
-        params_list: list[Params]
-        if params is None or isinstance(params, (SamplingParams, Mapping)):
-            params_list = [params] * len(prompt_list)  # type: ignore[list-item]
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
-        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        params_list, priorities = _per_prompt(params, priority, len(prompt_list), "prompts")
         groups = [
             self._make_requests(p, sp, streaming=False, priority=pr)
             for p, sp, pr in zip(prompt_list, params_list, priorities, strict=True)
@@ -404,7 +395,7 @@ class LLM(HostFacts, ThreadedFacade):
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-        params: Params = None,
+        params: Params | Sequence[Params] = None,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
@@ -413,12 +404,13 @@ class LLM(HostFacts, ThreadedFacade):
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         use_tqdm: bool = True,
-        priority: int = 0,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Chat completions of one conversation (a list of messages) or of many (a list of
         such lists), formatted with the GGUF's chat template (or ``chat_template``: a Jinja
         template, or a llama.cpp built-in name such as ``"chatml"``). Returns one
-        ``RequestOutput`` per conversation, as ``generate`` does.
+        ``RequestOutput`` per conversation, as ``generate`` does; ``params`` and ``priority``
+        are one for all conversations or one per conversation, as there.
 
         Answers are split as the OpenAI API does: ``CompletionOutput.reasoning`` holds a
         ``<think>`` block, ``.tool_calls`` the calls of ``tools`` (``ToolCall``: id, name,
@@ -429,12 +421,13 @@ class LLM(HostFacts, ThreadedFacade):
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)  # type: ignore[list-item]
         )
+        params_list, priorities = _per_prompt(params, priority, len(conversations), "conversations")
         with self.worker.using_resources():
             prepared = [
                 prepare(
                     self,
                     conversation,  # type: ignore[arg-type]
-                    params,
+                    conversation_params,
                     tools,
                     tool_choice=tool_choice,
                     parallel_tool_calls=parallel_tool_calls,
@@ -442,11 +435,13 @@ class LLM(HostFacts, ThreadedFacade):
                     add_generation_prompt=add_generation_prompt,
                     chat_template_kwargs=chat_template_kwargs,
                 )
-                for conversation in conversations
+                for conversation, conversation_params in zip(conversations, params_list, strict=True)
             ]
-        shared = prepared[0][1].params if prepared else params  # the same for every conversation
         results = self.generate(
-            [tokens for tokens, _ in prepared], shared, use_tqdm=use_tqdm, priority=priority
+            [tokens for tokens, _ in prepared],
+            [setup.params for _, setup in prepared],
+            use_tqdm=use_tqdm,
+            priority=priorities,
         )
         return [
             dataclasses.replace(result, outputs=[setup.finish_output(out) for out in result.outputs])
@@ -594,3 +589,21 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Generating", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+
+def _per_prompt(
+    params: Params | Sequence[Params], priority: int | Sequence[int], count: int, what: str
+) -> tuple[list[Params], list[int]]:
+    """One ``params`` and one priority per prompt (or conversation) of ``count``: a single value
+    repeated, or a sequence of exactly ``count``."""
+    params_list: list[Params]
+    if params is None or isinstance(params, (SamplingParams, Mapping)):
+        params_list = [params] * count
+    else:
+        params_list = list(params)
+        if len(params_list) != count:
+            raise ValueError(f"got {len(params_list)} SamplingParams for {count} {what}")
+    priorities = [priority] * count if isinstance(priority, int) else list(priority)
+    if len(priorities) != count:
+        raise ValueError(f"got {len(priorities)} priorities for {count} {what}")
+    return params_list, priorities

@@ -177,6 +177,20 @@ def test_chat_uses_the_gguf_template(llm):
     assert out.finish_reason == "length"
 
 
+def test_chat_pairs_params_with_conversations_one_by_one(llm):
+    """As ``generate`` (and vLLM's ``LLM.chat``): a list of params goes one per conversation."""
+    conversations = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]]
+    params = [SamplingParams(max_tokens=2, temperature=0), SamplingParams(max_tokens=5, temperature=0)]
+    lengths = [len(r.outputs[0].token_ids) for r in llm.chat(conversations, params, use_tqdm=False)]
+    assert lengths == [2, 5]
+    alone = llm.chat(conversations[1], params[1])[0].outputs[0].token_ids
+    assert llm.chat(conversations, params, priority=[1, 0], use_tqdm=False)[1].outputs[0].token_ids == alone
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 conversations"):
+        llm.chat(conversations, params[:1])
+    with pytest.raises(ValueError, match="got 3 priorities for 2 conversations"):
+        llm.chat(conversations, params, priority=[0, 0, 0])
+
+
 def test_tokenize_detokenize(llm):
     tokens = llm.tokenize("hello world")
     assert tokens[0] == testing.BOS_ID
