@@ -128,6 +128,8 @@ def create_app(
         Route("/metrics", ep(handler(models.metrics_endpoint), auth=False), methods=["GET"]),
         Route("/tokenize", ep(handler(tokenize.tokenize)), methods=["POST"]),
         Route("/detokenize", ep(handler(tokenize.detokenize)), methods=["POST"]),
+        Route("/apply-template", ep(handler(tokenize.apply_template)), methods=["POST"]),
+        Route("/props", ep(handler(models.props)), methods=["GET"]),
     ]
     for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
         routes += [

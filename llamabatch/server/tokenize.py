@@ -1,4 +1,4 @@
-"""``/tokenize`` and ``/detokenize`` (llama.cpp's server's).
+"""``/tokenize``, ``/detokenize`` and ``/apply-template`` (llama.cpp's server's).
 
 The handlers take the ``OpenAIServer`` of ``app.py`` (the engines, names, key, metrics) and
 the request."""
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llamabatch.server import prepare
+from llamabatch.server.chat import read_chat_request
 from llamabatch.server.offload import PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     bad_request,
@@ -92,3 +93,14 @@ async def detokenize(server: OpenAIServer, request: Request) -> Response:
     except ValueError as exc:
         raise bad_request(str(exc), param="tokens") from None
     return json_response({"prompt": text, "content": text})
+
+
+async def apply_template(server: OpenAIServer, request: Request) -> Response:
+    """llama-server's ``/apply-template``: a chat request's prompt as ``/v1/chat/completions``
+    would render it (its messages, tools and ``chat_template_kwargs``), ``{"prompt": text}``;
+    sampling fields are ignored, as there."""
+    body = await server.read_body(request, "/apply-template")
+    llm = server.need_llm()
+    chat = read_chat_request(body, server.chat_template)
+    rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
+    return json_response({"prompt": rendered.text})
