@@ -7,19 +7,32 @@ strings must be valid Unicode without NUL characters (llama.cpp reads C strings)
 scalars are accepted and stored as Python ``int``/``float``.
 
 The generic validators (``check_positive_int``, ``check_bool``, ``check_text``) live in the leaf
-module ``validate.py`` (the binding uses them too) and are re-exported here.
+module ``validate.py`` (the binding uses them too) and are re-exported here; the field checks
+and the shape of a request's LoRA adapters live in ``param_values.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from typing import Any
 
 from llamabatch import param_spec
 from llamabatch.param_spec import Flag, Range, Request, param
+from llamabatch.param_values import (
+    FLOAT32_MAX,
+    LoRARequest,
+    logit_bias_map,
+    lora_paths,
+    lora_set,
+    token_ids,
+)
+from llamabatch.param_values import bool_field as _bool_field
+from llamabatch.param_values import check_field as _check
+from llamabatch.param_values import float_field as _float_field
+from llamabatch.param_values import int_field as _int_field
+from llamabatch.param_values import strings_field as _strings
 from llamabatch.validate import (
     INT32_MAX,
     as_float,
@@ -30,11 +43,6 @@ from llamabatch.validate import (
     positive_int,
 )
 
-#: The largest finite C ``float``; larger Python floats become infinity in C.
-FLOAT32_MAX = 3.4028234663852886e38
-#: Largest |logit bias|: added to logits and scaled by penalties, it must stay finite in
-#: float32 (infinities make the sampler's softmax NaN). ``-inf`` bans a token.
-LOGIT_BIAS_MAX = 1e30
 #: Temperatures below this decode greedily (vLLM's rule): logits divided by a smaller one
 #: overflow float32, and the softmax of infinities is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -49,121 +57,6 @@ N_MAX = 128
 STOP_MAX, STOP_LEN_MAX = 64, 1024
 #: ``stop_token_ids`` entries
 STOP_TOKEN_IDS_MAX = 1024
-#: ``logit_bias`` entries (more than any vocabulary has tokens)
-LOGIT_BIAS_ENTRIES_MAX = 1 << 18
-
-
-#: LoRA adapters in one request's set, and the length of an adapter's name
-LORA_SET_MAX, LORA_NAME_MAX = 16, 256
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """A LoRA adapter for one request, in vLLM's shape: its name (as loaded with
-    ``LLM(lora_adapters={name: path})`` or ``LLM.load_lora``), an id (kept for vLLM
-    compatibility; the name decides), the file (loaded on first use when the name is not
-    loaded yet) and a scale (1.0: as trained)."""
-
-    lora_name: str
-    lora_int_id: int = 0
-    lora_path: str = ""
-    scale: float = 1.0
-
-
-def _lora_name(value: object) -> str:
-    _check(
-        isinstance(value, str) and 0 < len(value) <= LORA_NAME_MAX,
-        "lora",
-        f"names must be non-empty strings of at most {LORA_NAME_MAX} characters",
-        value,
-    )
-    return check_text("SamplingParams.lora", cast(str, value))
-
-
-def lora_set(value: object) -> tuple[tuple[str, float], ...]:
-    """``SamplingParams.lora`` normalised: ``((name, scale), ...)`` sorted by name, scales
-    finite, zero scales left out, a name at most once."""
-    if value is None or value == "":
-        return ()
-    items: list[object] = list(value.items()) if isinstance(value, Mapping) else [value]
-    if isinstance(value, (list, tuple)) and not (
-        len(value) == 2 and isinstance(value[0], str) and not isinstance(value[1], str)
-    ):
-        items = list(value)
-    pairs: dict[str, float] = {}
-    for item in items:
-        if isinstance(item, LoRARequest):
-            name, scale = item.lora_name, item.scale
-        elif isinstance(item, str):
-            name, scale = item, 1.0
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            name, scale = item[0], item[1]
-        else:
-            _check(False, "lora", "items must be a name, a LoRARequest or a (name, scale) pair", item)
-        name = _lora_name(name)
-        number = _float_field("lora", scale, -FLOAT32_MAX, FLOAT32_MAX, hint=" (an adapter's scale)")
-        _check(name not in pairs, "lora", "names an adapter twice", name)
-        pairs[name] = number
-    _check(len(pairs) <= LORA_SET_MAX, "lora", f"takes at most {LORA_SET_MAX} adapters", len(pairs))
-    return tuple(sorted((n, s) for n, s in pairs.items() if s != 0.0))
-
-
-def lora_paths(value: object) -> dict[str, str]:
-    """The files of the ``LoRARequest`` items of a ``lora`` value that name one."""
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return {
-        item.lora_name: item.lora_path for item in items if isinstance(item, LoRARequest) and item.lora_path
-    }
-
-
-# Iterables that are not sequences of items here (bytes iterate as ints).
-_NOT_SEQUENCES = (bytes, bytearray, memoryview, Mapping)
-
-
-def _check(condition: bool, name: str, message: str, value: object) -> None:
-    if not condition:
-        raise ValueError(f"SamplingParams.{name} {message}, got {value!r}")
-
-
-def _int_field(name: str, value: object, lo: int, hi: int, hint: str = "") -> int:
-    number = as_int(value)
-    _check(number is not None and lo <= number <= hi, name, f"must be an int in [{lo}, {hi}]{hint}", value)
-    return number  # type: ignore[return-value]
-
-
-def _float_field(
-    name: str, value: object, lo: float, hi: float, *, open_lo: bool = False, hint: str = ""
-) -> float:
-    number = as_float(value)
-    above = number is not None and (lo < number if open_lo else lo <= number)
-    ok = above and math.isfinite(number) and number <= hi  # type: ignore[arg-type,operator]
-    interval = f"{'(' if open_lo else '['}{lo:g}, {hi:g}]"
-    _check(ok, name, f"must be a finite number in {interval}{hint}", value)
-    return number  # type: ignore[return-value]
-
-
-def _bool_field(name: str, value: object) -> bool:
-    return check_bool(f"SamplingParams.{name}", value)
-
-
-def _strings(name: str, value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = (value,)
-    _check(
-        isinstance(value, Iterable) and not isinstance(value, _NOT_SEQUENCES),
-        name,
-        "must be a str or a sequence of str",
-        value,
-    )
-    out: list[str] = []
-    for i, s in enumerate(cast("Iterable[object]", value)):
-        _check(isinstance(s, str) and s != "", name, f"items must be non-empty strings (item {i})", s)
-        out.append(check_text(f"SamplingParams.{name}[{i}]", s))
-    return tuple(out)
-
-
 #: lazy-grammar trigger words: at most this many, each at most this long (tool calls)
 MAX_TRIGGERS, MAX_TRIGGER_LEN = 16, 256
 
@@ -440,7 +333,7 @@ class SamplingParams:
                 f"must be at most {STOP_LEN_MAX} characters",
                 len(text),
             )
-        put("stop_token_ids", self._token_ids("stop_token_ids", self.stop_token_ids))
+        put("stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))
         _check(
             len(self.stop_token_ids) <= STOP_TOKEN_IDS_MAX,
             "stop_token_ids",
@@ -455,7 +348,7 @@ class SamplingParams:
         )
         put("ignore_eos", _bool_field("ignore_eos", self.ignore_eos))
         put("speculative", _bool_field("speculative", self.speculative))
-        put("logit_bias", self._logit_bias(self.logit_bias))
+        put("logit_bias", logit_bias_map(self.logit_bias))
         if self.grammar is not None:
             _check(
                 isinstance(self.grammar, str) and self.grammar.strip() != "",
@@ -483,58 +376,6 @@ class SamplingParams:
 
     def _put(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # frozen: store the normalised value
-
-    @staticmethod
-    def _token_ids(name: str, value: object) -> tuple[int, ...]:
-        if value is None:
-            return ()
-        _check(
-            isinstance(value, Iterable) and not isinstance(value, (str, *_NOT_SEQUENCES)),
-            name,
-            "must be a sequence of token ids (ints)",
-            value,
-        )
-        out: list[int] = []
-        for i, token in enumerate(cast("Iterable[object]", value)):
-            number = as_int(token)
-            _check(
-                number is not None and 0 <= number <= INT32_MAX,
-                name,
-                f"items must be token ids, ints in [0, {INT32_MAX}] (item {i})",
-                token,
-            )
-            out.append(cast(int, number))
-        return tuple(out)
-
-    @staticmethod
-    def _logit_bias(value: object) -> dict[int, float]:
-        if value is None:
-            return {}
-        _check(isinstance(value, Mapping), "logit_bias", "must be a mapping {token id: bias}", value)
-        _check(
-            len(value) <= LOGIT_BIAS_ENTRIES_MAX,  # type: ignore[arg-type]
-            "logit_bias",
-            f"takes at most {LOGIT_BIAS_ENTRIES_MAX} entries",
-            len(value),  # type: ignore[arg-type]
-        )
-        out: dict[int, float] = {}
-        for token, bias in cast("Mapping[object, object]", value).items():
-            number = as_int(token)
-            _check(
-                number is not None and 0 <= number <= INT32_MAX,
-                "logit_bias",
-                f"keys must be token ids, ints in [0, {INT32_MAX}]",
-                token,
-            )
-            b = as_float(bias)
-            _check(
-                b is not None and (b == -math.inf or (math.isfinite(b) and abs(b) <= LOGIT_BIAS_MAX)),
-                "logit_bias",
-                f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] or -inf (a ban)",
-                bias,
-            )
-            out[cast(int, number)] = cast(float, b)
-        return out
 
     @property
     def greedy(self) -> bool:

@@ -51,7 +51,8 @@ from llamabatch.generate.admission import AdmissionPolicy, DelegatingAdmission, 
 from llamabatch.generate.cost_model import DecodeCostModel, TickFeatures
 from llamabatch.generate.request import Request
 from llamabatch.gguf.check_lora import check_lora
-from llamabatch.params import LORA_NAME_MAX, SamplingParams
+from llamabatch.param_values import LORA_NAME_MAX
+from llamabatch.params import SamplingParams
 from llamabatch.strategies import SubsetView
 
 logger = logging.getLogger("llamabatch")

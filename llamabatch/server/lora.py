@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llamabatch.config_checks import parse_lora_arg
-from llamabatch.params import LORA_SET_MAX
+from llamabatch.param_values import LORA_SET_MAX
 from llamabatch.server.protocol import Body, bad_request
 
 __all__ = ["adapter_cards", "applied_adapters", "applied_lora", "request_lora"]
