@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fake_llama import make_core
 from fake_scheduling import Recorder, greedy, prompt
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llamabatch.config import EngineConfig
@@ -85,6 +85,9 @@ def test_without_clients_the_cache_is_plain_lru():
         max_size=40,
     )
 )
+# a saver that gave up its own entry and then would push out a smaller holder (found by CI's
+# hypothesis run: it used to evict client 0's 381 bytes for client 3's 382)
+@example([(0, 3, 381, False), (1, 2, 238, False), (3, 0, 1, False), (3, 1, 382, False)])
 def test_only_the_biggest_holder_gives_up_entries(ops):
     """Whatever the saves and touches, the index and the budget hold, and an entry leaves for
     another client's save only while its owner holds the most bytes: after the save, a client
