@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "DRAW_STAGES",
     "ENGINE_STAGES",
+    "MIROSTAT_REPLACES",
     "STAGES",
     "Flag",
     "ParamSpec",
@@ -41,23 +42,31 @@ __all__ = [
 ]
 
 #: the sampler stages in the order a request's chain applies them (llama.cpp's usual chain):
-#: logit bias, penalties, grammar, the ``min_tokens`` mask, then either greedy or the
-#: truncations, temperature and a seeded draw
+#: logit bias, the penalties and DRY, grammar, the ``min_tokens`` mask, then either greedy or
+#: the truncations, XTC, temperature and a seeded draw (or mirostat, which draws itself)
 STAGES = (
     "logit_bias",
     "penalties",
+    "dry",
     "grammar",
     "min_tokens",
     "greedy",
+    "top_n_sigma",
     "top_k",
     "typical",
     "top_p",
     "min_p",
+    "xtc",
     "temperature",
     "dist",
+    "mirostat",
 )
 #: the stages a greedy request replaces by ``greedy``
-DRAW_STAGES = frozenset({"top_k", "typical", "top_p", "min_p", "temperature", "dist"})
+DRAW_STAGES = frozenset(
+    {"top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature", "dist", "mirostat"}
+)
+#: the stages mirostat replaces: it sets its own cut from the text's surprise, and draws
+MIROSTAT_REPLACES = frozenset({"top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "dist"})
 #: stages the engine applies to a row itself, outside the llama.cpp chain
 ENGINE_STAGES = frozenset({"min_tokens"})
 
@@ -155,6 +164,8 @@ def active_stages(params: Any) -> tuple[str, ...]:
     on = {s.stage for s in specs(type(params)).values() if s.stage is not None and s.on and s.on(params)}
     if params.greedy:
         on = (on - DRAW_STAGES) | {"greedy"}
+    elif "mirostat" in on:  # llama.cpp's chain then: temperature, mirostat
+        on -= MIROSTAT_REPLACES
     else:
         on.add("dist")
     return tuple(stage for stage in STAGES if stage in on)

@@ -55,6 +55,10 @@ PENALTY_LAST_N_MAX = 1 << 20
 N_MAX = 128
 #: stop strings per request, and the length of each (characters)
 STOP_MAX, STOP_LEN_MAX = 64, 1024
+#: DRY's default sequence breakers (llama.cpp's), how many a request may give (each one costs
+#: a pass over the vocabulary when its sampler is made), and their length (llama.cpp's cut)
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+DRY_BREAKERS_MAX, DRY_BREAKER_LEN_MAX = 16, 40
 #: ``stop_token_ids`` entries
 STOP_TOKEN_IDS_MAX = 1024
 #: lazy-grammar trigger words: at most this many, each at most this long (tool calls)
@@ -182,6 +186,98 @@ class SamplingParams:
         ),
         request=Request(("repeat_last_n", "penalty_last_n"), "int"),
         flag=Flag(("--repeat-last-n",), {"help": "the penalties' window of recent tokens (-1: the context)"}),
+        stage=None,
+    )
+    # -- llama-server's other samplers ----------------------------------------------------
+    #: DRY ("don't repeat yourself"): a token that would extend a repeat of earlier text longer
+    #: than ``dry_allowed_length`` tokens loses ``dry_multiplier * dry_base ** (length -
+    #: dry_allowed_length)`` of its logit; a repeat does not run across a sequence breaker
+    dry_multiplier: float = param(
+        0.0,
+        range=Range(float, 0.0, FLOAT32_MAX, hint=" (0 = off)"),
+        request=Request(("dry_multiplier",), "number"),
+        flag=Flag(("--dry-multiplier",), {"help": "DRY's strength (0: off)"}),
+        stage="dry",
+        on=lambda p: p.dry_multiplier > 0.0 and p.dry_penalty_last_n != 0,
+    )
+    dry_base: float = param(
+        1.75,
+        range=Range(float, 1.0, FLOAT32_MAX),
+        request=Request(("dry_base",), "number"),
+        flag=Flag(("--dry-base",), {"help": "DRY's growth per repeated token"}),
+        stage=None,
+    )
+    dry_allowed_length: int = param(
+        2,
+        range=Range(int, 0, PENALTY_LAST_N_MAX),
+        request=Request(("dry_allowed_length",), "int"),
+        flag=Flag(("--dry-allowed-length",), {"help": "repeats this long go unpenalised"}),
+        stage=None,
+    )
+    dry_penalty_last_n: int = param(
+        -1,
+        range=Range(int, -1, PENALTY_LAST_N_MAX, hint=" (-1 = whole context, 0 = off)"),
+        request=Request(("dry_penalty_last_n",), "int"),
+        flag=Flag(("--dry-penalty-last-n",), {"help": "DRY's window of recent tokens (-1: the context)"}),
+        stage=None,
+    )
+    dry_sequence_breakers: Sequence[str] = param(
+        DRY_SEQUENCE_BREAKERS,
+        request=Request(("dry_sequence_breakers",), "list"),
+        flag=Flag(
+            ("--dry-sequence-breaker",), {"action": "append", "help": "a DRY sequence breaker (repeatable)"}
+        ),
+        stage=None,
+    )
+    #: XTC ("exclude top choices"): with probability ``xtc_probability``, every token at least
+    #: ``xtc_threshold`` likely but the least likely of them is removed (off above 0.5)
+    xtc_probability: float = param(
+        0.0,
+        range=Range(float, 0.0, 1.0, hint=" (0 = off)"),
+        request=Request(("xtc_probability",), "number"),
+        flag=Flag(("--xtc-probability",), {"help": "0: off"}),
+        stage="xtc",
+        on=lambda p: p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5,
+    )
+    xtc_threshold: float = param(
+        0.1,
+        range=Range(float, 0.0, 1.0, hint=" (above 0.5: off)"),
+        request=Request(("xtc_threshold",), "number"),
+        flag=Flag(("--xtc-threshold",), {"help": "above 0.5: off"}),
+        stage=None,
+    )
+    #: top-n-sigma: keeps the tokens whose logit is within ``top_n_sigma`` standard deviations
+    #: of the largest (<= 0: off)
+    top_n_sigma: float = param(
+        -1.0,
+        range=Range(float, -1.0, FLOAT32_MAX, hint=" (<= 0 = off)"),
+        request=Request(("top_n_sigma",), "number"),
+        flag=Flag(("--top-n-sigma", "--top-nsigma"), {"help": "<= 0: off"}),
+        stage="top_n_sigma",
+        on=lambda p: p.top_n_sigma > 0.0,
+    )
+    #: mirostat 1 or 2 (0: off) draws aiming at ``mirostat_tau`` bits of surprise per token,
+    #: learning at ``mirostat_eta``; it replaces top-k, top-p, min-p, typical, XTC and the draw
+    mirostat: int = param(
+        0,
+        range=Range(int, 0, 2, hint=" (0 = off, 1 or 2: the version)"),
+        request=Request(("mirostat",), "int"),
+        flag=Flag(("--mirostat",), {"help": "0: off, 1 or 2: mirostat's version"}),
+        stage="mirostat",
+        on=lambda p: p.mirostat > 0,
+    )
+    mirostat_tau: float = param(
+        5.0,
+        range=Range(float, 0.0, FLOAT32_MAX),
+        request=Request(("mirostat_tau",), "number"),
+        flag=Flag(("--mirostat-ent",), {"help": "mirostat's target surprise (tau)"}),
+        stage=None,
+    )
+    mirostat_eta: float = param(
+        0.1,
+        range=Range(float, 0.0, 1.0),
+        request=Request(("mirostat_eta",), "number"),
+        flag=Flag(("--mirostat-lr",), {"help": "mirostat's learning rate (eta)"}),
         stage=None,
     )
     seed: int | None = param(
@@ -331,6 +427,21 @@ class SamplingParams:
                 len(text) <= STOP_LEN_MAX,
                 f"stop[{i}]",
                 f"must be at most {STOP_LEN_MAX} characters",
+                len(text),
+            )
+        put("dry_sequence_breakers", _strings("dry_sequence_breakers", self.dry_sequence_breakers))
+        breakers = self.dry_sequence_breakers
+        _check(
+            len(breakers) <= DRY_BREAKERS_MAX,
+            "dry_sequence_breakers",
+            f"takes at most {DRY_BREAKERS_MAX} strings",
+            len(breakers),
+        )
+        for i, text in enumerate(breakers):
+            _check(
+                len(text) <= DRY_BREAKER_LEN_MAX,
+                f"dry_sequence_breakers[{i}]",
+                f"must be at most {DRY_BREAKER_LEN_MAX} characters (llama.cpp's limit)",
                 len(text),
             )
         put("stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))

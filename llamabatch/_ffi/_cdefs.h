@@ -195,7 +195,11 @@ size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src,
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
 void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_chain_get(struct llama_sampler * chain, int32_t i);
+int32_t llama_sampler_chain_n(const struct llama_sampler * chain);
+void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_free(struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 struct llama_sampler * llama_sampler_init_greedy(void);
 struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
@@ -204,6 +208,13 @@ struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
+struct llama_sampler * llama_sampler_init_top_n_sigma(float n);
+struct llama_sampler * llama_sampler_init_xtc(float p, float t, size_t min_keep, uint32_t seed);
+struct llama_sampler * llama_sampler_init_mirostat(int32_t n_vocab, uint32_t seed, float tau, float eta, int32_t m);
+struct llama_sampler * llama_sampler_init_mirostat_v2(uint32_t seed, float tau, float eta);
+struct llama_sampler * llama_sampler_init_dry(const struct llama_vocab * vocab, float dry_multiplier, float dry_base,
+                                              int32_t dry_allowed_length, int32_t dry_penalty_last_n,
+                                              const char ** seq_breakers, size_t num_breakers);
 struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root);
 struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root, const char ** trigger_patterns, size_t num_trigger_patterns, const llama_token * trigger_tokens, size_t num_trigger_tokens);
 struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,

@@ -20,6 +20,7 @@ queue of such requests would hold all their parsers while waiting. Here:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -86,14 +87,22 @@ def check_vocabulary_ids(params: SamplingParams, n_vocab: int) -> None:
 
 
 def build_sampler(
-    model: Model, params: SamplingParams, index: int, n_ctx_seq: int, masks: GrammarMasks | None = None
+    model: Model,
+    params: SamplingParams,
+    index: int,
+    n_ctx_seq: int,
+    masks: GrammarMasks | None = None,
+    prompt: Sequence[int] = (),
 ) -> SamplerChain:
     """The sampler chain of completion ``index`` of a request (``seed + index``: completions
-    of one seeded request differ, reproducibly); a grammar's masks are kept in ``masks``."""
+    of one seeded request differ, reproducibly); a grammar's masks are kept in ``masks``; the
+    penalties and DRY see the end of ``prompt``, as in llama-server."""
     if params.seed is not None and index:
         params = replace(params, seed=(params.seed + index) % 2**32)
     limits = get_grammar_limits()
-    return SamplerChain(model, params, n_ctx=n_ctx_seq, max_live_stacks=limits.max_live_stacks, masks=masks)
+    return SamplerChain(
+        model, params, n_ctx=n_ctx_seq, max_live_stacks=limits.max_live_stacks, masks=masks, history=prompt
+    )
 
 
 def check_sampling(params: SamplingParams, n_vocab: int, *, n_parallel: int, max_mb: int) -> None:
@@ -142,7 +151,7 @@ class SamplerBuilder:
             return None
         try:
             request.sampler = build_sampler(
-                self.model, request.params, request.index, self.n_ctx_seq, self.masks
+                self.model, request.params, request.index, self.n_ctx_seq, self.masks, request.prompt_tokens
             )
         except Exception as exc:  # out of memory, or llama.cpp refusing what it took at submit
             return exc

@@ -13,7 +13,8 @@ Which rule a request gets (:func:`acceptance_rule`):
   the target's ``p`` at the next position. Every emitted token is then distributed exactly as the
   target alone would sample it.
 * ``"match"`` (everything else: grammars / JSON schemas, repetition / frequency / presence
-  penalties, ``typical_p``, ``min_tokens``, and every n-gram draft): the target samples each
+  penalties, ``typical_p``, ``min_tokens``, DRY, XTC, top-n-sigma, mirostat, and every n-gram
+  draft): the target samples each
   position with the request's own llama.cpp sampler chain, and the draft is accepted while the
   target's sample equals it. Also exact: each emitted token is the target's own sample.
 
@@ -41,20 +42,15 @@ __all__ = [
 ]
 
 AcceptanceRule = Literal["greedy", "sampled", "match"]
+#: the sampler stages whose distribution :func:`processed_probs` computes exactly
+_EXACT_STAGES = frozenset({"logit_bias", "top_k", "top_p", "min_p", "temperature", "dist"})
 
 
 def acceptance_rule(params: SamplingParams) -> AcceptanceRule:
     """The rule a draft-model draft of a request with ``params`` is verified by (module doc)."""
     if params.greedy:
         return "greedy"
-    exotic = (
-        params.effective_grammar is not None
-        or params.repeat_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-        or params.typical_p < 1.0
-        or params.min_tokens > 0
-    )
+    exotic = set(params.active_stages) - _EXACT_STAGES  # grammar, penalties, DRY, XTC, mirostat...
     return "match" if exotic else "sampled"
 
 

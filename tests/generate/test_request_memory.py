@@ -83,10 +83,10 @@ def test_a_bad_grammar_still_raises_at_submit(engine):
 def test_a_sampler_that_cannot_be_built_at_admission_ends_only_its_request(engine, monkeypatch):
     build = request_memory.build_sampler
 
-    def flaky(model, params, index, n_ctx_seq, masks=None):
+    def flaky(model, params, index, n_ctx_seq, masks=None, prompt=()):
         if index == 1:
             raise MemoryError("no memory for this parser")
-        return build(model, params, index, n_ctx_seq, masks)
+        return build(model, params, index, n_ctx_seq, masks, prompt)
 
     monkeypatch.setattr(request_memory, "build_sampler", flaky)
     params = SamplingParams(grammar="root ::= [a-z]+", n=3, max_tokens=3, temperature=1.0)
