@@ -322,14 +322,14 @@ class SamplingParams:
     )
     grammar: str | None = param(
         None,
-        request=Request(("grammar",), "str"),
+        request=Request(("grammar", "guided_grammar"), "str"),
         flag=Flag(("--grammar",), {"help": "a GBNF grammar (root rule: root)"}),
         stage="grammar",
         on=lambda p: p.effective_grammar is not None,
     )
     json_schema: Mapping[str, Any] | str | None = param(
         None,
-        request=Request(("json_schema",), "dict"),
+        request=Request(("json_schema", "guided_json"), "dict"),
         flag=Flag(("--json-schema",), {"help": "a JSON schema the output follows"}),
         stage="grammar",
         on=lambda p: p.effective_grammar is not None,
@@ -338,6 +338,22 @@ class SamplingParams:
         None,
         request=Request(("response_format",), "dict"),
         flag="--json-schema gives the command line's structured output",
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
+    #: vLLM's structured outputs besides JSON: the whole output matches this regular
+    #: expression (``guided_regex``), or is one of these strings (``guided_choice``)
+    regex: str | None = param(
+        None,
+        request=Request(("regex", "guided_regex"), "str"),
+        flag=Flag(("--regex",), {"help": "a regular expression the whole output matches"}),
+        stage="grammar",
+        on=lambda p: p.effective_grammar is not None,
+    )
+    choice: Sequence[str] | None = param(
+        None,
+        request=Request(("choice", "guided_choice"), "list"),
+        flag=Flag(("--choice",), {"action": "append", "help": "a string the output may be (repeatable)"}),
         stage="grammar",
         on=lambda p: p.effective_grammar is not None,
     )
@@ -476,10 +492,17 @@ class SamplingParams:
         put("grammar_triggers", _grammar_triggers(self.grammar_triggers))  # tool calls
         put("_lora_paths", lora_paths(self.lora))  # LoRARequest files, loaded on first use
         put("lora", lora_set(self.lora))
-        if self.json_schema is not None or self.response_format is not None:
+        if self.choice is not None:
+            put("choice", _strings("choice", self.choice))
+        if self.regex is not None:
+            put("regex", check_text("SamplingParams.regex", self.regex))
+        if any(v is not None for v in (self.json_schema, self.response_format, self.regex, self.choice)):
             from llamabatch.prompts.structured import resolve_grammar
 
-            put("_effective_grammar", resolve_grammar(self.grammar, self.json_schema, self.response_format))
+            made = resolve_grammar(
+                self.grammar, self.json_schema, self.response_format, regex=self.regex, choice=self.choice
+            )
+            put("_effective_grammar", made)
         else:
             put("_effective_grammar", self.grammar)
         if self.grammar_triggers and self.effective_grammar is None:  # tool calls

@@ -158,6 +158,17 @@ def _set_to_gbnf(ranges: Ranges) -> str:
     return alternatives[0] if len(alternatives) == 1 else "(" + " | ".join(alternatives) + ")"
 
 
+def _raw_set(ranges: Ranges) -> str:
+    """A set of characters as one GBNF class of the characters themselves."""
+    if not ranges:
+        raise PatternError("a character set that matches no character")
+    body = "".join(
+        _gbnf_class_char(lo) if lo == hi else f"{_gbnf_class_char(lo)}-{_gbnf_class_char(hi)}"
+        for lo, hi in ranges
+    )
+    return f"[{body}]"
+
+
 @dataclass
 class _Item:
     """A translated piece of the pattern: its GBNF ``text``; ``single`` when that is one GBNF
@@ -192,11 +203,14 @@ class _Translator:
     Every loop iteration consumes at least one character of the pattern and reports it (and
     the text it writes) to ``step``, so the work is linear in the pattern and the output."""
 
-    def __init__(self, pattern: str, max_nesting: int, step: Callable[[int], None]) -> None:
+    def __init__(
+        self, pattern: str, max_nesting: int, step: Callable[[int], None], raw: bool = False
+    ) -> None:
         self.src = pattern
         self.pos = 0
         self.max_nesting = max_nesting
         self.step = step
+        self.raw = raw  # the characters themselves, not their JSON encodings
 
     def fail(self, message: str) -> PatternError:
         return PatternError(f"{message} (at position {self.pos})")
@@ -406,10 +420,10 @@ class _Translator:
 
     def set_item(self, ranges: Ranges) -> _Item:
         if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
-            text = _json_text(ranges[0][0])
+            text = chr(ranges[0][0]) if self.raw else _json_text(ranges[0][0])
             return _Item(gbnf_literal(text), single=True, nullable=False, literal=text)
         self.step(len(ranges))
-        return _Item(_set_to_gbnf(ranges), single=True, nullable=False)
+        return _Item(_raw_set(ranges) if self.raw else _set_to_gbnf(ranges), single=True, nullable=False)
 
     def escape(self) -> _Item:
         ch = self.peek()
@@ -503,9 +517,10 @@ def _category(ch: str) -> Ranges:
     return _complement(base) if ch.isupper() else list(base)
 
 
-def pattern_to_gbnf(pattern: str, *, max_nesting: int, step: Callable[[int], None]) -> str:
-    """GBNF for the JSON text of a string's contents (without the quotes) matching ``pattern``.
+def pattern_to_gbnf(pattern: str, *, max_nesting: int, step: Callable[[int], None], raw: bool = False) -> str:
+    """GBNF for the JSON text of a string's contents (without the quotes) matching ``pattern``;
+    with ``raw``, for the text itself (a whole output constrained by a regular expression).
 
     ``step(n)`` is called as work is done (the caller's budget: it raises to stop the work).
     Raises :class:`PatternError` for what the grammar cannot express."""
-    return _Translator(pattern, max_nesting, step).translate()
+    return _Translator(pattern, max_nesting, step, raw).translate()

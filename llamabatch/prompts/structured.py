@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -21,6 +21,7 @@ from llamabatch.prompts.grammar_check import GrammarLimits, check_grammar, get_g
 from llamabatch.prompts.schema_grammar import JSON_OBJECT_GBNF, schema_to_gbnf
 
 __all__ = [
+    "check_pattern",
     "check_schema",
     "json_object_grammar",
     "json_schema_grammar",
@@ -143,7 +144,7 @@ def _check_keywords(node: Mapping[str, Any], path: str, root: Any, what: str, li
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(key, "must be a finite number")
     if "pattern" in node:
-        _check_pattern(node["pattern"], path, what, limits)
+        check_pattern(node["pattern"], path, what, limits)
     if "format" in node and not isinstance(node["format"], str):
         raise bad("format", "must be a string")
     if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
@@ -162,7 +163,10 @@ def _check_keywords(node: Mapping[str, Any], path: str, root: Any, what: str, li
         _check_ref(node["$ref"], path, root, what)
 
 
-def _check_pattern(pattern: Any, path: str, what: str, limits: GrammarLimits) -> None:
+def check_pattern(pattern: Any, path: str, what: str, limits: GrammarLimits) -> None:
+    """A pattern Python's ``re`` compiles, anchored at both ends, within the nesting and
+    repetition limits (``ValueError`` naming ``what`` and ``path``); what the grammar cannot
+    express the translator refuses later."""
     if not isinstance(pattern, str):
         raise ValueError(f"{what}: pattern at {path} must be a string, got {pattern!r:.60}")
     if not (pattern.startswith("^") and pattern.endswith("$")) or len(pattern) < 2:
@@ -303,31 +307,31 @@ def resolve_grammar(
     json_schema: Mapping[str, Any] | str | None,
     response_format: Mapping[str, Any] | None,
     *,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
     owner: str = "SamplingParams.",
 ) -> str | None:
-    """The one grammar that ``grammar``, ``json_schema`` and ``response_format`` ask for.
+    """The one grammar that ``grammar``, ``json_schema``, ``response_format``, ``regex`` and
+    ``choice`` ask for.
 
     At most one of them may constrain the output (``response_format={"type": "text"}``
     constrains nothing); two raise ``ValueError``."""
-    from_format = (
-        response_format_grammar(response_format, what=f"{owner}response_format")
-        if response_format is not None
-        else None
-    )
-    from_schema = (
-        json_schema_grammar(json_schema, what=f"{owner}json_schema") if json_schema is not None else None
-    )
-    given = [
-        name
-        for name, value in (
-            ("grammar", grammar),
-            ("json_schema", from_schema),
-            ("response_format", from_format),
-        )
-        if value is not None
-    ]
+    from llamabatch.prompts.text_grammar import choice_grammar, regex_grammar
+
+    made = {
+        "grammar": grammar,
+        "json_schema": None
+        if json_schema is None
+        else json_schema_grammar(json_schema, what=f"{owner}json_schema"),
+        "response_format": None
+        if response_format is None
+        else response_format_grammar(response_format, what=f"{owner}response_format"),
+        "regex": None if regex is None else regex_grammar(regex, what=f"{owner}regex"),
+        "choice": None if choice is None else choice_grammar(choice, what=f"{owner}choice"),
+    }
+    given = [name for name, value in made.items() if value is not None]
     if len(given) > 1:
         raise ValueError(
             f"{owner}{given[1]} conflicts with {owner}{given[0]}: give only one way to constrain the output"
         )
-    return grammar if grammar is not None else from_schema if from_schema is not None else from_format
+    return made[given[0]] if given else None
