@@ -78,7 +78,8 @@ CHAT = [{"role": "user", "content": "Name three fruits."}]
 
 
 def _chat(llm: LLM, **fields) -> list[int]:
-    return list(llm.chat(CHAT, SamplingParams(max_tokens=16, **fields), use_tqdm=False)[0].outputs[0].token_ids)
+    (result,) = llm.chat(CHAT, SamplingParams(max_tokens=16, **fields), use_tqdm=False)
+    return list(result.outputs[0].token_ids)
 
 
 def test_top_n_sigma_and_a_tiny_mirostat_target_are_greedy(smollm):
@@ -120,7 +121,8 @@ def test_samplers_keep_outputs_under_speculation():
     outs = []
     for spec in (None, {"method": "ngram"}):
         with LLM(model_path("tiny"), n_threads=1, speculative_config=spec) as llm:
-            outs.append(llm.generate(prompt, SamplingParams(**fields), use_tqdm=False)[0].outputs[0].token_ids)
+            (result,) = llm.generate(prompt, SamplingParams(**fields), use_tqdm=False)
+            outs.append(result.outputs[0].token_ids)
     assert outs[0] == outs[1]
 
 

@@ -14,8 +14,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from llamabatch.server import create_app  # noqa: E402
 from test_server import serve  # noqa: E402 (after the skips: it needs the server extra)
+
+from llamabatch.server import create_app  # noqa: E402
 
 KEY = "sk-props"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
