@@ -307,6 +307,13 @@ class SamplingParams:
         stage="min_tokens",
         on=lambda p: p.min_tokens > 0,
     )
+    #: the stop string that ended the output stays at its end (vLLM's field)
+    include_stop_str_in_output: bool = param(
+        False,
+        request=Request(("include_stop_str_in_output",), "bool"),
+        flag=Flag(("--include-stop-str",), {"action": "store_true", "help": "keep the matched stop string"}),
+        stage=None,
+    )
     ignore_eos: bool = param(
         False,
         request=Request(("ignore_eos",), "bool"),
@@ -474,6 +481,10 @@ class SamplingParams:
             self.min_tokens,
         )
         put("ignore_eos", _bool_field("ignore_eos", self.ignore_eos))
+        put(
+            "include_stop_str_in_output",
+            _bool_field("include_stop_str_in_output", self.include_stop_str_in_output),
+        )
         put("speculative", _bool_field("speculative", self.speculative))
         put("logit_bias", logit_bias_map(self.logit_bias))
         if self.grammar is not None:

@@ -14,16 +14,18 @@ from collections.abc import Sequence
 class StopMatcher:
     """Feeds text through, holding back what might begin a stop string."""
 
-    __slots__ = ("_held", "_max_len", "stops")
+    __slots__ = ("_held", "_max_len", "include", "stops")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = tuple(stops)
+        #: the matched stop string stays in the text (vLLM's ``include_stop_str_in_output``)
+        self.include = include
         self._max_len = max((len(s) for s in self.stops), default=0)
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Return (text safe to emit, the stop string matched or None). After a match, the
-        emitted text ends just before the stop string."""
+        emitted text ends just before the stop string (with ``include``, just after it)."""
         if not self.stops:
             return text, None
         buf = self._held + text
@@ -34,7 +36,7 @@ class StopMatcher:
                 first_at, first_stop = at, stop
         if first_stop is not None:
             self._held = ""
-            return buf[:first_at], first_stop
+            return buf[: first_at + (len(first_stop) if self.include else 0)], first_stop
         # Hold back the longest tail that is a proper prefix of some stop string.
         hold = 0
         for k in range(min(len(buf), self._max_len - 1), 0, -1):

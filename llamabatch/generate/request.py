@@ -123,7 +123,7 @@ class OutputState:
 
     def __init__(self, params: SamplingParams, *, streaming: bool, channel: Channel | None) -> None:
         self.detok = IncrementalDetokenizer()
-        self.stop_matcher = StopMatcher(params.stop)
+        self.stop_matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text_parts: list[str] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         #: per-token deltas wanted (off for callers that only wait for the result)

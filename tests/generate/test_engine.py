@@ -209,6 +209,11 @@ def test_stop_strings_are_cut_and_held_back(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.index(stop)]
     assert "".join(d.text for d in deltas) == out.text
+    kept = SamplingParams(max_tokens=30, temperature=0, stop=[stop, "zzzz"], include_stop_str_in_output=True)
+    deltas = list(llm.stream("stop here", kept))
+    out = deltas[-1].output
+    assert out.stop_reason == stop and out.text == free.text[: free.text.index(stop) + len(stop)]
+    assert "".join(d.text for d in deltas) == out.text
 
 
 def test_eos_and_ignore_eos(llm):
