@@ -42,9 +42,11 @@ __all__ = [
 ]
 
 #: the sampler stages in the order a request's chain applies them (llama.cpp's usual chain):
-#: logit bias, the penalties and DRY, grammar, the ``min_tokens`` mask, then either greedy or
-#: the truncations, XTC, temperature and a seeded draw (or mirostat, which draws itself)
+#: the allowed tokens, logit bias, the penalties and DRY, grammar, the ``min_tokens`` mask,
+#: then either greedy or the truncations, XTC, temperature and a seeded draw (or mirostat,
+#: which draws itself)
 STAGES = (
+    "allowed_tokens",
     "logit_bias",
     "penalties",
     "dry",

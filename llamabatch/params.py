@@ -22,6 +22,7 @@ from llamabatch import param_spec
 from llamabatch.param_spec import Flag, Range, Request, param
 from llamabatch.param_values import (
     FLOAT32_MAX,
+    LOGIT_BIAS_ENTRIES_MAX,
     LoRARequest,
     logit_bias_map,
     lora_paths,
@@ -320,6 +321,14 @@ class SamplingParams:
         flag=Flag(("--ignore-eos",), {"action": "store_true", "help": "go on past end-of-generation tokens"}),
         stage=None,
     )
+    #: vLLM's: only these tokens may be sampled (every other one is banned)
+    allowed_token_ids: Sequence[int] | None = param(
+        None,
+        request=Request(("allowed_token_ids",), "list"),
+        flag="token ids are a library and server option",
+        stage="allowed_tokens",
+        on=lambda p: p.allowed_token_ids is not None,
+    )
     logit_bias: Mapping[int, float] = param(
         default_factory=dict,
         request=Request(("logit_bias",), "dict", custom=True),
@@ -486,6 +495,15 @@ class SamplingParams:
             _bool_field("include_stop_str_in_output", self.include_stop_str_in_output),
         )
         put("speculative", _bool_field("speculative", self.speculative))
+        if self.allowed_token_ids is not None:
+            allowed = token_ids("allowed_token_ids", self.allowed_token_ids)
+            _check(
+                0 < len(allowed) <= LOGIT_BIAS_ENTRIES_MAX,
+                "allowed_token_ids",
+                f"must hold 1 to {LOGIT_BIAS_ENTRIES_MAX} token ids",
+                len(allowed),
+            )
+            put("allowed_token_ids", tuple(sorted(set(allowed))))
         put("logit_bias", logit_bias_map(self.logit_bias))
         if self.grammar is not None:
             _check(

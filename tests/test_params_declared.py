@@ -42,6 +42,7 @@ REQUEST_SAMPLES: dict[str, tuple[Any, Any]] = {
     "regex": ("[a-z]+", "[a-z]+"),
     "choice": (["yes", "no"], ("yes", "no")),
     "include_stop_str_in_output": (True, True),
+    "allowed_token_ids": ([9, 7, 9], (7, 9)),
     "dry_multiplier": (0.8, 0.8),
     "dry_base": (2.0, 2.0),
     "dry_allowed_length": (3, 3),

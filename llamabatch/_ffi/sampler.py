@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from llamabatch._ffi import BUILD, ffi, lib
 from llamabatch._ffi.model import Model
 from llamabatch.errors import GrammarDeadEnd
@@ -174,6 +176,20 @@ def _dry_sampler(model: Model, params: SamplingParams, n_ctx: int | None):
     return made
 
 
+def _allowed_tokens_sampler(allowed: Sequence[int], n_vocab: int):
+    """llama.cpp's logit-bias sampler banning every token but ``allowed`` (built with numpy:
+    a list of 49,152 pairs took 27 ms, this 0.5)."""
+    if max(allowed) >= n_vocab:
+        raise ValueError(f"SamplingParams.allowed_token_ids: token id {max(allowed)} >= n_vocab {n_vocab}")
+    banned = np.ones(n_vocab, dtype=bool)
+    banned[list(allowed)] = False
+    pairs = np.zeros(int(banned.sum()), dtype=[("token", "<i4"), ("bias", "<f4")])
+    pairs["token"] = np.flatnonzero(banned)
+    pairs["bias"] = -np.inf
+    array = ffi.cast("llama_logit_bias *", ffi.from_buffer(pairs))  # llama.cpp copies it
+    return lib.llama_sampler_init_logit_bias(n_vocab, len(pairs), array)
+
+
 #: the stages that are one llama.cpp sampler made from the params alone (and the seed)
 _STAGE_SAMPLERS: dict[str, Callable[[SamplingParams, int], Any]] = {
     "greedy": lambda p, seed: lib.llama_sampler_init_greedy(),
@@ -189,7 +205,9 @@ _STAGE_SAMPLERS: dict[str, Callable[[SamplingParams, int], Any]] = {
 #: mirostat 1.0's ``m``: the tokens its estimate of the distribution's shape reads (llama.cpp's)
 MIROSTAT_M = 100
 #: the stages :class:`SamplerChain` builds (the others are ``ENGINE_STAGES``)
-CHAIN_STAGES = frozenset({"logit_bias", "penalties", "dry", "grammar", "mirostat", *_STAGE_SAMPLERS})
+CHAIN_STAGES = frozenset(
+    {"allowed_tokens", "logit_bias", "penalties", "dry", "grammar", "mirostat", *_STAGE_SAMPLERS}
+)
 
 
 class SamplerChain:
@@ -242,7 +260,9 @@ class SamplerChain:
         n_vocab = model.n_vocab
         windows: dict[int, int] = {}  # the chain's samplers that see the history: their windows
         for stage in stages:  # in the chain's order (param_spec.STAGES)
-            if stage == "logit_bias":
+            if stage == "allowed_tokens":  # every other token banned, by llama.cpp's logit bias
+                self._add(_allowed_tokens_sampler(params.allowed_token_ids or (), n_vocab))
+            elif stage == "logit_bias":
                 for token in params.logit_bias:
                     if token >= n_vocab:
                         raise ValueError(f"SamplingParams.logit_bias: token id {token} >= n_vocab {n_vocab}")

@@ -78,9 +78,15 @@ def estimate_request_bytes(params: SamplingParams, n_parallel: int) -> int:
 
 
 def check_vocabulary_ids(params: SamplingParams, n_vocab: int) -> None:
-    """``ValueError`` naming the field when ``stop_token_ids`` or ``logit_bias`` holds a token
-    id outside the vocabulary (``SamplingParams`` cannot know its size)."""
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+    """``ValueError`` naming the field when ``stop_token_ids``, ``logit_bias`` or
+    ``allowed_token_ids`` holds a token id outside the vocabulary (``SamplingParams`` cannot
+    know its size)."""
+    allowed = params.allowed_token_ids or ()
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", allowed[-1:]),  # sorted: the largest
+    ):
         for token in ids:
             if token >= n_vocab:
                 raise ValueError(f"SamplingParams.{name}: token id {token} >= n_vocab {n_vocab}")

@@ -20,10 +20,14 @@ matches the pattern under either engine.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PatternError", "gbnf_literal", "pattern_to_gbnf"]
+from llamabatch.prompts.grammar_check import GrammarLimits
+
+__all__ = ["PatternError", "check_pattern", "gbnf_literal", "pattern_to_gbnf"]
 
 MAX_CODE_POINT = 0x10FFFF
 UNBOUNDED = -1
@@ -524,3 +528,45 @@ def pattern_to_gbnf(pattern: str, *, max_nesting: int, step: Callable[[int], Non
     ``step(n)`` is called as work is done (the caller's budget: it raises to stop the work).
     Raises :class:`PatternError` for what the grammar cannot express."""
     return _Translator(pattern, max_nesting, step, raw).translate()
+
+
+# {m}, {m,}, {m,n} quantifiers of a regular expression
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def check_pattern(pattern: Any, path: str, what: str, limits: GrammarLimits) -> None:
+    """A pattern Python's ``re`` compiles, anchored at both ends, within the nesting and
+    repetition limits (``ValueError`` naming ``what`` and ``path``); what the grammar cannot
+    express the translator refuses later."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"{what}: pattern at {path} must be a string, got {pattern!r:.60}")
+    if not (pattern.startswith("^") and pattern.endswith("$")) or len(pattern) < 2:
+        raise ValueError(f"{what}: pattern at {path} must start with ^ and end with $ (the whole string)")
+    depth = deepest = 0
+    escaped = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > limits.max_nesting:
+        raise ValueError(
+            f"{what}: pattern at {path} nests {deepest} groups, above the limit of {limits.max_nesting} "
+            "(GrammarLimits.max_nesting)"
+        )
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise ValueError(f"{what}: pattern at {path} is not a valid regular expression: {exc}") from None
+    for match in _QUANTIFIER.finditer(pattern):
+        for digits in match.groups():
+            if digits and (len(digits) > 9 or int(digits) > limits.max_repetition):
+                raise ValueError(
+                    f"{what}: the quantifier {match.group(0)} in pattern at {path} exceeds the limit of "
+                    f"{limits.max_repetition} (GrammarLimits.max_repetition)"
+                )

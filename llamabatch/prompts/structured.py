@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 from llamabatch.prompts.grammar_check import GrammarLimits, check_grammar, get_grammar_limits
 from llamabatch.prompts.schema_grammar import JSON_OBJECT_GBNF, schema_to_gbnf
+from llamabatch.prompts.schema_regex import check_pattern
 
 __all__ = [
-    "check_pattern",
     "check_schema",
     "json_object_grammar",
     "json_schema_grammar",
@@ -45,8 +44,6 @@ _SCHEMA_KEYS = frozenset(
 )
 _SCHEMA_MAP_KEYS = frozenset(("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"))
 _SCHEMA_LIST_KEYS = frozenset(("anyOf", "oneOf", "allOf", "prefixItems"))
-# {m}, {m,}, {m,n} quantifiers of a regular expression
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def check_schema(schema: Any, *, what: str = "json_schema", limits: GrammarLimits | None = None) -> None:
@@ -161,44 +158,6 @@ def _check_keywords(node: Mapping[str, Any], path: str, root: Any, what: str, li
             raise bad(key, "must be an object")
     if "$ref" in node:
         _check_ref(node["$ref"], path, root, what)
-
-
-def check_pattern(pattern: Any, path: str, what: str, limits: GrammarLimits) -> None:
-    """A pattern Python's ``re`` compiles, anchored at both ends, within the nesting and
-    repetition limits (``ValueError`` naming ``what`` and ``path``); what the grammar cannot
-    express the translator refuses later."""
-    if not isinstance(pattern, str):
-        raise ValueError(f"{what}: pattern at {path} must be a string, got {pattern!r:.60}")
-    if not (pattern.startswith("^") and pattern.endswith("$")) or len(pattern) < 2:
-        raise ValueError(f"{what}: pattern at {path} must start with ^ and end with $ (the whole string)")
-    depth = deepest = 0
-    escaped = False
-    for ch in pattern:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth -= 1
-    if deepest > limits.max_nesting:
-        raise ValueError(
-            f"{what}: pattern at {path} nests {deepest} groups, above the limit of {limits.max_nesting} "
-            "(GrammarLimits.max_nesting)"
-        )
-    try:
-        re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:
-        raise ValueError(f"{what}: pattern at {path} is not a valid regular expression: {exc}") from None
-    for match in _QUANTIFIER.finditer(pattern):
-        for digits in match.groups():
-            if digits and (len(digits) > 9 or int(digits) > limits.max_repetition):
-                raise ValueError(
-                    f"{what}: the quantifier {match.group(0)} in pattern at {path} exceeds the limit of "
-                    f"{limits.max_repetition} (GrammarLimits.max_repetition)"
-                )
 
 
 def _check_ref(ref: Any, path: str, root: Any, what: str) -> None:

@@ -15,8 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from llamabatch.prompts.grammar_check import check_grammar, get_grammar_limits
 from llamabatch.prompts.schema_grammar import conversion_budget
-from llamabatch.prompts.schema_regex import PatternError, gbnf_literal, pattern_to_gbnf
-from llamabatch.prompts.structured import check_pattern
+from llamabatch.prompts.schema_regex import PatternError, check_pattern, gbnf_literal, pattern_to_gbnf
 
 __all__ = ["MAX_CHOICES", "choice_grammar", "regex_grammar"]
 

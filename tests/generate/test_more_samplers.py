@@ -126,6 +126,16 @@ def test_samplers_keep_outputs_under_speculation():
     assert outs[0] == outs[1]
 
 
+def test_allowed_token_ids_are_all_that_is_sampled(looping):
+    llm, prompt = looping
+    allowed = [5, 9, 11, 300]
+    for fields in (GREEDY, {"temperature": 1.5, "top_k": 0, "seed": 4, "max_tokens": 24}):
+        out = _run(llm, prompt, **fields, allowed_token_ids=allowed)
+        assert len(out) == 24 and set(out) <= set(allowed)
+    with pytest.raises(ValueError, match=r"SamplingParams\.allowed_token_ids: token id 10000000 >= n_vocab"):
+        _run(llm, prompt, **GREEDY, allowed_token_ids=[1, 10**7])
+
+
 @pytest.mark.parametrize(
     ("fields", "name"),
     [
@@ -139,6 +149,8 @@ def test_samplers_keep_outputs_under_speculation():
         ({"mirostat": 3}, "mirostat"),
         ({"mirostat_eta": float("nan")}, "mirostat_eta"),
         ({"top_n_sigma": -2.0}, "top_n_sigma"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ],
 )
 def test_bad_values_name_their_field(fields, name):
