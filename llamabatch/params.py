@@ -62,6 +62,20 @@ DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 DRY_BREAKERS_MAX, DRY_BREAKER_LEN_MAX = 16, 40
 #: ``stop_token_ids`` entries
 STOP_TOKEN_IDS_MAX = 1024
+
+
+def _bounded_strings(
+    name: str, value: object, max_items: int, max_len: int, hint: str = ""
+) -> tuple[str, ...]:
+    """``value`` as non-empty strings (``_strings``), at most ``max_items`` of at most ``max_len``
+    characters each."""
+    texts = _strings(name, value)
+    _check(len(texts) <= max_items, name, f"takes at most {max_items} strings", len(texts))
+    for i, text in enumerate(texts):
+        _check(len(text) <= max_len, f"{name}[{i}]", f"must be at most {max_len} characters{hint}", len(text))
+    return texts
+
+
 #: lazy-grammar trigger words: at most this many, each at most this long (tool calls)
 MAX_TRIGGERS, MAX_TRIGGER_LEN = 16, 256
 
@@ -452,30 +466,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or not limits.optional:
                 put(name, _in_range(name, value, limits))
-        put("stop", _strings("stop", self.stop))
-        _check(len(self.stop) <= STOP_MAX, "stop", f"takes at most {STOP_MAX} strings", len(self.stop))
-        for i, text in enumerate(self.stop):
-            _check(
-                len(text) <= STOP_LEN_MAX,
-                f"stop[{i}]",
-                f"must be at most {STOP_LEN_MAX} characters",
-                len(text),
-            )
-        put("dry_sequence_breakers", _strings("dry_sequence_breakers", self.dry_sequence_breakers))
-        breakers = self.dry_sequence_breakers
-        _check(
-            len(breakers) <= DRY_BREAKERS_MAX,
+        put("stop", _bounded_strings("stop", self.stop, STOP_MAX, STOP_LEN_MAX))
+        breakers = _bounded_strings(
             "dry_sequence_breakers",
-            f"takes at most {DRY_BREAKERS_MAX} strings",
-            len(breakers),
+            self.dry_sequence_breakers,
+            DRY_BREAKERS_MAX,
+            DRY_BREAKER_LEN_MAX,
+            " (llama.cpp's limit)",
         )
-        for i, text in enumerate(breakers):
-            _check(
-                len(text) <= DRY_BREAKER_LEN_MAX,
-                f"dry_sequence_breakers[{i}]",
-                f"must be at most {DRY_BREAKER_LEN_MAX} characters (llama.cpp's limit)",
-                len(text),
-            )
+        put("dry_sequence_breakers", breakers)
         put("stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))
         _check(
             len(self.stop_token_ids) <= STOP_TOKEN_IDS_MAX,
