@@ -24,6 +24,7 @@ ctypedef struct slot_t:
     int64_t arrival      # start() counter, for FIFO prefill order
     int32_t n_draft      # speculative draft tokens set after the decode token (hist[n_hist:])
     int32_t fill_draft   # draft tokens of this slot in the last fill / commit
+    int32_t score_chunk  # > 0: every prompt row is an output (prompt log-probabilities), this many a tick at most
 
 
 cdef class SlotRecord:

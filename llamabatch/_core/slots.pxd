@@ -42,6 +42,7 @@ cdef class SlotTable(SlotRecord):
     cdef int32_t n_decode_tokens
     cdef int32_t n_prefill_tokens
     cdef readonly int32_t n_draft_tokens   # draft tokens in the last fill (speculative decoding)
+    cdef readonly int32_t n_score_rows     # prompt rows with logits in the last fill (prompt log-probabilities)
     # drafts keep a tick's query rows per KV stream under this (0: no bound): from 64 rows a
     # stream, CPU flash attention on an f16/f32 cache takes a tiled kernel that rounds otherwise
     # than the one-row kernel of a decode without drafts, and near-tie tokens would flip

@@ -58,8 +58,9 @@ class SlotTable(SlotRecord):
     ) -> None: ...
 
     # -- the state machine
-    def start(self, slot: int, prompt_tokens: _Tokens, n_past: int = 0) -> None:
-        """IDLE -> PREFILL; ``PromptTooLong`` if the prompt exceeds ``n_ctx_seq``."""
+    def start(self, slot: int, prompt_tokens: _Tokens, n_past: int = 0, score_chunk: int = 0) -> None:
+        """IDLE -> PREFILL; ``PromptTooLong`` if the prompt exceeds ``n_ctx_seq``. ``score_chunk``:
+        every prompt row computed has logits (prompt log-probabilities), at most that many a tick."""
     def accept(self, slot: int, token: int) -> None:
         """Append a sampled token: AWAIT_SAMPLE -> DECODE."""
     def set_draft(self, slot: int, tokens: _Tokens) -> int: ...
@@ -67,6 +68,9 @@ class SlotTable(SlotRecord):
     def reject(self, slot: int, n: int) -> None: ...
     @property
     def n_draft_tokens(self) -> int: ...
+    @property
+    def n_score_rows(self) -> int:
+        """Prompt rows with logits in the last fill (``start(score_chunk=...)``)."""
     def finish(self, slot: int, keep: bool = False) -> None:
         """End the slot's request, from any busy state: -> IDLE."""
     def _transition(self, slot: int, state: SlotState | int) -> None:

@@ -193,7 +193,7 @@ cdef class SlotTable(SlotRecord):
             raise RuntimeError("the KV record cannot change while a fill is pending")
         return 0
 
-    def start(self, int32_t slot, prompt_tokens, int32_t n_past=0):
+    def start(self, int32_t slot, prompt_tokens, int32_t n_past=0, int32_t score_chunk=0):
         """Start a request in an IDLE slot: IDLE -> PREFILL.
 
         ``prompt_tokens``: any int32 buffer or sequence of ints. ``n_past > 0``: tokens
@@ -201,6 +201,7 @@ cdef class SlotTable(SlotRecord):
         continue at ``n_past`` and only ``prompt_tokens[n_past:]`` is computed. At least the
         last prompt token is always computed (``0 <= n_past <= len - 1``). Raises
         ``PromptTooLong`` (a ``ValueError``) if the prompt exceeds ``n_ctx_seq``.
+        ``score_chunk > 0``: each prompt row computed has logits (``n_score_rows``), <= that a tick.
         """
         self.check_not_planning()
         self.check_slot(slot)
@@ -215,6 +216,8 @@ cdef class SlotTable(SlotRecord):
             raise PromptTooLong(
                 "prompt of %d tokens does not fit the %d-token context of a slot" % (n, self.n_ctx_seq)
             )
+        if score_chunk < 0:
+            raise ValueError("score_chunk must be >= 0, got %d" % score_chunk)
         if n_past < 0 or n_past > n - 1:
             raise ValueError("n_past must be in 0..%d (the last prompt token is always computed), got %d"
                              % (n - 1, n_past))
@@ -228,6 +231,7 @@ cdef class SlotTable(SlotRecord):
         s.n_hist = <int32_t> n
         s.n_past = n_past
         s.reused_tokens = n_past
+        s.score_chunk = score_chunk
         s.fill_n = 0
         self.kv.touch_seq(slot)
         self.transition(slot, ST_PREFILL)
@@ -314,6 +318,7 @@ cdef class SlotTable(SlotRecord):
         s.fill_n = 0
         s.n_draft = 0
         s.fill_draft = 0
+        s.score_chunk = 0
         self.transition(slot, ST_IDLE)
         s.n_past = n
         s.n_hist = n
@@ -339,6 +344,8 @@ cdef class SlotTable(SlotRecord):
         for j in range(self.n_fifo):
             i = self.fifo[j]
             self.s_pending[j] = self.slots[i].n_prompt - self.slots[i].n_past
+            if self.slots[i].score_chunk and self.s_pending[j] > self.slots[i].score_chunk:
+                self.s_pending[j] = self.slots[i].score_chunk  # its rows' logits are bounded
         p.n_decode = nd
         p.decode_slots = self.s_decode
         p.n_prefill = self.n_fifo
@@ -396,7 +403,7 @@ cdef class SlotTable(SlotRecord):
         """Write the (valid) plan in s_plan_* to the batch, in ``batch_order``, and record it
         as the pending fill; DECODE slots with a draft get draft tokens from the budget the
         plan left spare."""
-        cdef int32_t e, w, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0, d, ndr = 0
+        cdef int32_t e, w, j, s, k, idx = 0, n_out = 0, nd = 0, npf = 0, max_rank = -1, p0, d, ndr = 0, nsc = 0
         cdef int32_t spare = budget, below = self.draft_rows_below, d_max = C_MAX_DRAFT
         cdef slot_t * sl
         cdef int32_t * tok = batch.c.token
@@ -410,6 +417,9 @@ cdef class SlotTable(SlotRecord):
             self.slots[j].fill_n = 0
             self.slots[j].fill_draft = 0
         for e in range(n):
+            k = self.slots[self.s_plan_slot[e]].score_chunk  # (a Python strategy's plan too)
+            if k and self.s_plan_n[e] > k:
+                self.s_plan_n[e] = k
             spare -= self.s_plan_n[e]
         if below > 0:  # drafts must not move a stream's rows onto the tiled kernel (see .pxd)
             d_max = max(below - 2, 0)  # a decode row and its drafts
@@ -458,6 +468,9 @@ cdef class SlotTable(SlotRecord):
                     n_out += 1
             else:
                 npf += k
+                if sl.score_chunk:  # every row: the log-probability of the prompt's next token
+                    memset(lg + idx, 1, k)
+                    nsc += k
                 if p0 + k == sl.n_prompt:  # the last prompt token: its logits start sampling
                     lg[idx + k - 1] = 1
                     self.out_slot_[n_out] = s
@@ -470,6 +483,7 @@ cdef class SlotTable(SlotRecord):
         self.n_decode_tokens = nd
         self.n_prefill_tokens = npf
         self.n_draft_tokens = ndr
+        self.n_score_rows = nsc
         self.next_cursor = self.rr_cursor
         if nd < n_decode_cand and max_rank >= 0:  # some left out: they come first next tick
             self.next_cursor = self.s_decode[max_rank] + 1
@@ -580,6 +594,7 @@ cdef class SlotTable(SlotRecord):
         self.n_plan = 0
         self.n_outputs = 0
         self.n_draft_tokens = 0
+        self.n_score_rows = 0
         self.n_decode_tokens = 0
         self.n_prefill_tokens = 0
         self.fill_pending = False
