@@ -87,7 +87,8 @@ class CompletionOutput:
     block, when the model thinks.
     ``logprobs``, when asked for, holds one dict
     per generated token mapping token id to log-probability (the sampled token and the N
-    most likely ones).
+    most likely ones); ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``, on the first
+    completion of a prompt) one per prompt token, ``None`` for the first.
     """
 
     request_id: int
@@ -104,6 +105,7 @@ class CompletionOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
     error_type: type[Exception] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class RequestOutput:
 
     ``prompt`` is the prompt text (``None`` for a token-id prompt); ``metrics`` are the
     timings of the first completion; ``finished`` is True once every completion ended.
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one dict per prompt token
+    (token id to log-probability: the prompt's token and the N most likely), ``None`` for the
+    first, as vLLM's.
     """
 
     request_id: int
@@ -120,6 +125,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: Timings | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)  # not frozen: one is made per streamed token, and frozen init is slow

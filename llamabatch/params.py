@@ -107,7 +107,9 @@ class SamplingParams:
     suppresses end-of-generation tokens and ``stop_token_ids`` until that many tokens have
     been generated. ``logprobs=N`` reports, per generated token, the log-probability
     of the sampled token and of the N most likely ones under the model's raw
-    distribution. ``grammar`` is a GBNF grammar (root rule ``root``). ``json_schema`` (a
+    distribution; ``prompt_logprobs=N`` does the same for each prompt token (the first has
+    none), computing the whole prompt again. ``grammar`` is a GBNF grammar (root rule
+    ``root``). ``json_schema`` (a
     dict or JSON string) constrains the output to JSON values the schema accepts, and
     ``response_format`` takes OpenAI's ``{"type": "json_object"}``, ``{"type":
     "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type": "text"}``;
@@ -391,6 +393,13 @@ class SamplingParams:
         None,
         range=Range(int, 0, 100, hint=" or None", optional=True),
         request=Request(("logprobs", "top_logprobs"), "int", custom=True),
+        flag="the command line prints text, not log-probabilities",
+        stage=None,
+    )
+    prompt_logprobs: int | None = param(
+        None,
+        range=Range(int, 0, 100, hint=" or None", optional=True),
+        request=Request(("prompt_logprobs",), "int"),
         flag="the command line prints text, not log-probabilities",
         stage=None,
     )

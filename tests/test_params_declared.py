@@ -54,6 +54,7 @@ REQUEST_SAMPLES: dict[str, tuple[Any, Any]] = {
     "mirostat": (2, 2),
     "mirostat_tau": (3.0, 3.0),
     "mirostat_eta": (0.2, 0.2),
+    "prompt_logprobs": (5, 5),
 }
 #: a flag's text for each field with a ``generate`` flag, and the field's value it gives
 CLI_SAMPLES: dict[str, tuple[str, Any]] = {

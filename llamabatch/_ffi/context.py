@@ -382,6 +382,15 @@ class Context:
         buf = ffi.buffer(ptr, 4 * n_rows * self.model.n_vocab)
         return np.frombuffer(buf, dtype=np.float32).reshape(n_rows, self.model.n_vocab)
 
+    def logits_block(self, i: int, n_rows: int) -> np.ndarray:
+        """The logits of batch indices ``i .. i + n_rows - 1``, every one an output of the last
+        decode, as an ``(n_rows, n_vocab)`` view (outputs are stored in batch order)."""
+        ptr = lib.llama_get_logits_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise IndexError(f"no logits at batch index {i}")
+        buf = ffi.buffer(ptr, 4 * n_rows * self.model.n_vocab)
+        return np.frombuffer(buf, dtype=np.float32).reshape(n_rows, self.model.n_vocab)
+
     def logits_view(self, i: int) -> np.ndarray:
         """The logits at batch index ``i`` of the last decode, as a view (no copy: valid
         until the next decode)."""

@@ -44,6 +44,7 @@ from llamabatch._ffi.model import Model
 from llamabatch._ffi.sampler import SamplingError
 from llamabatch.config import EngineConfig
 from llamabatch.errors import QueueFull
+from llamabatch.generate import prompt_logprobs
 from llamabatch.generate.admission import TickLimit, Verdict, order_prefill
 from llamabatch.generate.compaction import compact
 from llamabatch.generate.decode_costs import fit_decode_costs
@@ -346,7 +347,11 @@ class EngineCore:
         reused = placement.reused_tokens
         if self.vision:  # an image the reused prefix ends inside may be computed again
             reused = self.vision.prefill(self, slot, request, reused)
-        self.table.start(slot, tokens, reused)
+        chunk = prompt_logprobs.score_chunk(request, self._n_vocab)
+        if chunk and reused:  # a reused token has no logits: score the prompt from its start
+            self.kv.trim(slot, 0)
+            reused = 0
+        self.table.start(slot, tokens, reused, chunk)
         self.slots.assign(slot, request)
         request.transition(RequestStatus.RUNNING)
         self.admission.admitted(request)
@@ -522,6 +527,8 @@ class EngineCore:
     def _sample_outputs(self) -> None:
         """Sample every output of the tick: plain greedy requests take the argmax of their
         logits row (numpy, no copy), the others run their own llama.cpp sampler chain."""
+        if self.table.n_score_rows:
+            prompt_logprobs.record(self)
         if self.table.n_draft_tokens and self.spec is not None:
             return self.spec.sample_tick(self)
         outputs = self.table.outputs()  # [(slot, batch index)], in batch order
@@ -530,7 +537,7 @@ class EngineCore:
         greedy_rows = [row for row, (slot, _) in enumerate(outputs) if running[slot].fast_greedy]
         greedy: dict[int, int] = {}
         if greedy_rows:
-            logits = self.context.logits_rows(len(outputs))
+            logits = prompt_logprobs.output_logits(self.context, self.table, outputs)
             if len(greedy_rows) < len(outputs):
                 logits = logits[greedy_rows]
             greedy = dict(zip(greedy_rows, logits.argmax(axis=1).tolist(), strict=True))

@@ -232,6 +232,16 @@ class EngineHost:
         params = lora_params(self.core.lora, params, spec.get("method") if spec else None)
         media = media_prompt(self.vision, prompt, self.n_ctx_seq, params.max_tokens)
         tokens, text = (media.tokens, media.text) if media is not None else self.prompt_tokens(prompt, params)
+        if params.prompt_logprobs is not None:
+            if media is not None:
+                raise ValueError("SamplingParams.prompt_logprobs: not for a prompt with images")
+            check_sampling(
+                params,
+                self.model.n_vocab,
+                n_parallel=self.n_parallel,
+                max_mb=self.config.max_request_memory_mb,
+                n_prompt=len(tokens),
+            )
         requests: list[Request] = []
         for i in range(params.n):
             request = Request(

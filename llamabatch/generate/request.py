@@ -119,13 +119,26 @@ class OutputState:
     event, and the finished ``CompletionOutput`` (vLLM's ``RequestState`` of its output
     processor). The engine feeds it; the driver publishes what it made."""
 
-    __slots__ = ("_done", "channel", "detok", "logprobs", "output", "stop_matcher", "streaming", "text_parts")
+    __slots__ = (
+        "_done",
+        "channel",
+        "detok",
+        "logprobs",
+        "output",
+        "prompt_logprobs",
+        "stop_matcher",
+        "streaming",
+        "text_parts",
+    )
 
     def __init__(self, params: SamplingParams, *, streaming: bool, channel: Channel | None) -> None:
         self.detok = IncrementalDetokenizer()
         self.stop_matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text_parts: list[str] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        #: ``SamplingParams.prompt_logprobs``: one entry per prompt token, filled as the
+        #: prompt is computed (set by ``Request`` for a prompt's first completion only)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         #: per-token deltas wanted (off for callers that only wait for the result)
         self.streaming = streaming
         self.channel = channel
@@ -179,6 +192,7 @@ class OutputState:
             error=request.error,
             stop_reason=request.stop_reason,
             error_type=request.error_type,
+            prompt_logprobs=self.prompt_logprobs,
         )
         return self.output
 
@@ -313,6 +327,8 @@ class Request:
         #: the class of the exception that ended the request (``GrammarDeadEnd``: its own doing)
         self.error_type: type[Exception] | None = None
         self.state = OutputState(params, streaming=streaming, channel=channel)
+        if params.prompt_logprobs is not None and self.kind is RequestKind.COMPLETION:
+            self.state.prompt_logprobs = [None] * len(prompt_tokens)  # (followers copy its KV)
         #: plain greedy, no other sampler stage on (no state in the chain): the engine takes
         #: the argmax of the row itself
         self.fast_greedy = params.active_stages == ("greedy",)
@@ -454,6 +470,7 @@ def request_output(requests: list[Request]) -> RequestOutput:
         outputs=outputs,  # type: ignore[arg-type]
         finished=True,
         metrics=outputs[0].timings,  # type: ignore[union-attr]
+        prompt_logprobs=first.state.prompt_logprobs,
     )
 
 

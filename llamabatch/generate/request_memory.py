@@ -65,16 +65,20 @@ def grammar_parser_bytes(grammar: str) -> int:
     return 2 * n_bytes + 16 * stats.n_elements + 48 * stats.n_rules + stacks
 
 
-def estimate_request_bytes(params: SamplingParams, n_parallel: int) -> int:
+def estimate_request_bytes(params: SamplingParams, n_parallel: int, n_prompt: int = 0) -> int:
     """The memory a request of ``params`` may hold at once: a grammar parser per running
-    completion (at most ``n_parallel`` run together: a waiting completion has none), and every
-    completion's output of ``max_tokens`` tokens with its log-probabilities."""
+    completion (at most ``n_parallel`` run together: a waiting completion has none), every
+    completion's output of ``max_tokens`` tokens with its log-probabilities, and those of the
+    ``n_prompt`` prompt tokens (``prompt_logprobs``)."""
     grammar = params.effective_grammar
     parsers = 0 if grammar is None else min(params.n, n_parallel) * grammar_parser_bytes(grammar)
     per_token = TOKEN_BYTES
     if params.logprobs is not None:
         per_token += LOGPROBS_DICT_BYTES + LOGPROB_ENTRY_BYTES * (params.logprobs + 1)
-    return parsers + params.n * params.max_tokens * per_token
+    prompt = 0
+    if params.prompt_logprobs is not None:
+        prompt = n_prompt * (LOGPROBS_DICT_BYTES + LOGPROB_ENTRY_BYTES * (params.prompt_logprobs + 1))
+    return parsers + params.n * params.max_tokens * per_token + prompt
 
 
 def check_vocabulary_ids(params: SamplingParams, n_vocab: int) -> None:
@@ -111,18 +115,26 @@ def build_sampler(
     )
 
 
-def check_sampling(params: SamplingParams, n_vocab: int, *, n_parallel: int, max_mb: int) -> None:
-    """The submit-time checks of a request's sampling before its prompt is read: token ids
-    against the vocabulary (``ValueError`` naming the field), the estimated memory against
+def check_sampling(
+    params: SamplingParams, n_vocab: int, *, n_parallel: int, max_mb: int, n_prompt: int = 0
+) -> None:
+    """The submit-time checks of a request's sampling before its prompt is read (again with
+    its ``n_prompt`` tokens when it asks for ``prompt_logprobs``): token ids against the
+    vocabulary (``ValueError`` naming the field), the estimated memory against
     ``max_request_memory_mb`` (``RequestTooLarge``)."""
     check_vocabulary_ids(params, n_vocab)
-    size = estimate_request_bytes(params, n_parallel)
+    size = estimate_request_bytes(params, n_parallel, n_prompt)
     if size > max_mb * MIB:
         grammar = params.effective_grammar
         raise RequestTooLarge(
             f"the request may take about {-(-size // MIB)} MiB, above max_request_memory_mb={max_mb}: "
             f"n={params.n} completions of up to max_tokens={params.max_tokens} tokens, "
             f"logprobs={params.logprobs}"
+            + (
+                ""
+                if not n_prompt
+                else f", prompt_logprobs={params.prompt_logprobs} of {n_prompt} prompt tokens"
+            )
             + ("" if grammar is None else f", a grammar of {len(grammar)} characters")
             + "; ask for fewer completions (n), tokens (max_tokens) or logprobs"
         )

@@ -54,6 +54,7 @@ from llamabatch._ffi.sampler import SamplingError
 from llamabatch.generate.cost_model import TickFeatures, most_within
 from llamabatch.generate.draft_cuts import cut_at_ends, text_drafts
 from llamabatch.generate.draft_model import Draft, DraftJob
+from llamabatch.generate.prompt_logprobs import output_logits
 from llamabatch.generate.request import RequestKind
 from llamabatch.generate.spec_accept import acceptance_rule
 from llamabatch.generate.spec_config import validate_speculative_config
@@ -430,7 +431,7 @@ class Speculator:
         running: list[Any] = core.slots.requests
         logits = None
         if any(running[s].fast_greedy for s, _ in outputs):
-            logits = core.context.logits_rows(len(outputs))
+            logits = output_logits(core.context, core.table, outputs)
         try:
             self._sample_rows(core, outputs, running, logits, time.perf_counter())
         finally:
