@@ -29,6 +29,7 @@ from llamabatch.server.protocol import (
     generation_error,
     new_id,
     now,
+    prompt_logprobs_json,
     sampling_params,
     usage,
 )
@@ -77,6 +78,10 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
     priority = client_policy.request_priority(request, body, params.n)  # --client-priority, per-client share
     client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
+    if stream and params.prompt_logprobs is not None:
+        raise bad_request(
+            "a prompt's log-probabilities are not streamed: ask with 'stream': false", param="prompt_logprobs"
+        )
     if stream:
         gen = await primed(generate_all(llm, [prompt], params, priority, client), request.receive)
         return EventStream(chat_events(server, gen, params, top or 0, include_usage, setup, request))
@@ -103,17 +108,24 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
             )
         n_completion = sum(o.usage.completion_tokens for o in result.outputs)
         first = result.outputs[0].usage
-        return dumps_json(
-            {
-                "id": new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": now(),
-                "model": server.model_name,
-                "choices": choices,
-                # the engine's count: an M-RoPE image counts its embeddings, not its positions
-                "usage": usage(first.prompt_tokens, n_completion, first.reused_tokens),
-            }
-        )
+        response = {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": server.model_name,
+            "choices": choices,
+            # the engine's count: an M-RoPE image counts its embeddings, not its positions
+            "usage": usage(first.prompt_tokens, n_completion, first.reused_tokens),
+        }
+        if result.prompt_logprobs is not None:  # vLLM's
+            assert server.token_text is not None
+            response["prompt_logprobs"] = prompt_logprobs_json(
+                server.token_text,
+                result.prompt_token_ids,
+                result.prompt_logprobs,
+                params.prompt_logprobs or 0,
+            )
+        return dumps_json(response)
 
     return Response(await run_step(request, ENCODE, answer), media_type="application/json")
 

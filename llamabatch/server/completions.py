@@ -5,6 +5,7 @@ the request."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from llamabatch.server.protocol import (
     generation_error,
     new_id,
     now,
+    prompt_logprobs_json,
     sampling_params,
     usage,
 )
@@ -66,12 +68,20 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     )
     prepare.check_queue_room(llm, len(prompts), params.n)
     echo = body.get("echo", "bool", False)
+    echo_logprobs = echo and logprobs is not None  # the prompt's tokens too (lm-evaluation-harness)
+    if echo_logprobs and params.prompt_logprobs is None:
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     if body.get("suffix", "str"):
         raise bad_request("'suffix' is not supported", param="suffix")
     best_of = body.get("best_of", "int")
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
     stream, include_usage = server.stream_options(body)
+    if stream and params.prompt_logprobs is not None:
+        name = "prompt_logprobs" if "prompt_logprobs" in body else "echo"
+        raise bad_request(
+            "a prompt's log-probabilities are not streamed: ask with 'stream': false", param=name
+        )
     priority = client_policy.request_priority(request, body, len(prompts) * params.n)  # --client-priority
     client = client_policy.client_key(request)  # clients take turns in the engine's queue
     body.warn_unknown()
@@ -100,20 +110,29 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
             n_prompt += len(result.prompt_token_ids)
             cached += result.outputs[0].usage.reused_tokens
             prefix = texts[p] if texts is not None else ""
+            scores = result.prompt_logprobs
             for out in result.outputs:
                 n_completion += out.usage.completion_tokens
                 lp = None
-                if logprobs is not None and out.logprobs is not None:
-                    assert server.token_text is not None
+                assert server.token_text is not None
+                if echo_logprobs and scores is not None and out.logprobs is not None:
+                    lp = completion_logprobs_json(
+                        server.token_text, result.prompt_token_ids + out.token_ids, scores + out.logprobs, 0
+                    )
+                elif logprobs is not None and out.logprobs is not None:
                     lp = completion_logprobs_json(server.token_text, out.token_ids, out.logprobs, len(prefix))
-                choices.append(
-                    {
-                        "index": p * params.n + out.index,
-                        "text": prefix + out.text,
-                        "logprobs": lp,
-                        "finish_reason": finish_reason(out.finish_reason),
-                    }
-                )
+                choice = {
+                    "index": p * params.n + out.index,
+                    "text": prefix + out.text,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+                if "prompt_logprobs" in body and scores is not None:  # vLLM's
+                    n_top = params.prompt_logprobs or 0
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        server.token_text, result.prompt_token_ids, scores, n_top
+                    )
+                choices.append(choice)
         return dumps_json(
             {
                 "id": new_id("cmpl"),
@@ -125,7 +144,11 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
             }
         )
 
-    small = logprobs is None and small_work(out.text for result in results for out in result.outputs)
+    small = (
+        logprobs is None
+        and params.prompt_logprobs is None
+        and small_work(out.text for result in results for out in result.outputs)
+    )
     return Response(await run_step(request, ENCODE, answer, small=small), media_type="application/json")
 
 

@@ -398,19 +398,54 @@ def chat_logprobs(
 def completion_logprobs(
     token_text: TokenText,
     token_ids: Sequence[int],
-    logprobs: Sequence[Mapping[int, float]],
+    logprobs: Sequence[Mapping[int, float] | None],
     offset: int,
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object (``text_offset`` starting at ``offset``)."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """The legacy completions ``logprobs`` object (``text_offset`` starting at ``offset``); a
+    ``None`` entry (an echoed prompt's first token) has null log-probabilities."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token, dist in zip(token_ids, logprobs, strict=False):
         text = token_text(token)[0]
         tokens.append(text)
-        token_logprobs.append(_lp(dist.get(token, -math.inf)))
-        top.append({token_text(t)[0]: _lp(v) for t, v in sorted(dist.items(), key=lambda kv: -kv[1])})
+        if dist is None:
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            token_logprobs.append(_lp(dist.get(token, -math.inf)))
+            top.append({token_text(t)[0]: _lp(v) for t, v in sorted(dist.items(), key=lambda kv: -kv[1])})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs_json(
+    token_text: TokenText,
+    token_ids: Sequence[int],
+    logprobs: Sequence[Mapping[int, float] | None],
+    top_n: int,
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (``None`` for the first), token id (a
+    string) to ``{"logprob", "rank", "decoded_token"}``. Each dict holds the ``top_n`` most
+    likely tokens, best first (ranks 1..top_n), then the prompt's token if not among them
+    (its rank unknown: null)."""
+    out: list[dict[str, Any] | None] = []
+    for dist in logprobs[: len(token_ids)]:
+        out.append(
+            None
+            if dist is None
+            else {
+                str(t): {
+                    "logprob": _lp(v),
+                    "rank": r + 1 if r < top_n else None,
+                    "decoded_token": token_text(t)[0],
+                }
+                for r, (t, v) in enumerate(dist.items())
+            }
+        )
+    return out
 
 
 def encode_embedding(vector: Any, encoding_format: str) -> Any:
