@@ -40,7 +40,7 @@ from starlette.routing import Route
 from llamabatch import LLM, Embedder
 from llamabatch.embed.reranker import Reranker
 from llamabatch.runtime.metrics import PrometheusListener
-from llamabatch.server import chat, completions, embeddings, models, rerank, tokenize
+from llamabatch.server import chat, completions, embeddings, llama_completion, models, rerank, tokenize
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits
 from llamabatch.server.lora import applied_lora
@@ -131,10 +131,12 @@ def create_app(
         Route("/apply-template", ep(handler(tokenize.apply_template)), methods=["POST"]),
         Route("/props", ep(handler(models.props)), methods=["GET"]),
     ]
+    for path in ("/completion", "/completions"):  # llama-server's own (not OpenAI's) answers
+        routes.append(Route(path, ep(handler(llama_completion.completion)), methods=["POST"]))
+    routes.append(Route("/v1/completions", ep(handler(completions.completions)), methods=["POST"]))
     for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
         routes += [
             Route(f"{prefix}/models", ep(handler(models.models)), methods=["GET"]),
-            Route(f"{prefix}/completions", ep(handler(completions.completions)), methods=["POST"]),
             Route(f"{prefix}/chat/completions", ep(handler(chat.chat_completions)), methods=["POST"]),
             Route(f"{prefix}/embeddings", ep(handler(embeddings.embeddings)), methods=["POST"]),
             Route(f"{prefix}/rerank", ep(handler(rerank.rerank)), methods=["POST"]),

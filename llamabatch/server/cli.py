@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "main"]
 DESCRIPTION = (
     "Serve a GGUF model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
     "/v1/embeddings, /v1/models), /v1/rerank (--rerank-model), plus /health, /metrics (Prometheus), "
-    "/tokenize and /detokenize. "
+    "/tokenize and /detokenize, and llama-server's /completion, /apply-template and /props. "
     "Needs: pip install 'llamabatch[server]'."
 )
 

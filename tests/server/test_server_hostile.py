@@ -140,13 +140,19 @@ _REPRODUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(_REPRODUCTIONS))
-def test_the_issue_reproductions_get_a_clean_answer(server, name):
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        (name, path)
+        for name, body in sorted(_REPRODUCTIONS.items())
+        for path in (("/v1/chat/completions",) if "messages" in body else ("/v1/completions", "/completion"))
+    ],
+)
+def test_the_issue_reproductions_get_a_clean_answer(server, name, path):
     """Each of issue 26's crashing or exhausting requests gets a 4xx or a correct 200, and the
     server keeps answering (the grammar and penalty checks are SamplingParams'; here they
-    must hold through HTTP)."""
+    must hold through HTTP, OpenAI's completions and llama-server's ``/completion`` alike)."""
     body = _REPRODUCTIONS[name]
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     t0 = time.perf_counter()
     r = post(server, path, json.dumps(body))
     took = time.perf_counter() - t0
@@ -166,7 +172,7 @@ def test_the_issue_reproductions_get_a_clean_answer(server, name):
     ids=["deep-array", "deep-field", "truncated", "bad-utf8"],
 )
 def test_unparsable_bodies_are_400_without_traceback(server, body):
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/completion"):
         r = post(server, path, body.encode("latin-1"))
         assert r.status_code == 400, r.text
         assert error_of(r)["type"] == "invalid_request_error"
