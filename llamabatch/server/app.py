@@ -40,7 +40,16 @@ from starlette.routing import Route
 from llamabatch import LLM, Embedder
 from llamabatch.embed.reranker import Reranker
 from llamabatch.runtime.metrics import PrometheusListener
-from llamabatch.server import chat, completions, embeddings, llama_completion, models, rerank, tokenize
+from llamabatch.server import (
+    anthropic,
+    chat,
+    completions,
+    embeddings,
+    llama_completion,
+    models,
+    rerank,
+    tokenize,
+)
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
 from llamabatch.server.limits import EdgeGuard, ServerLimits
 from llamabatch.server.lora import applied_lora
@@ -134,6 +143,8 @@ def create_app(
     for path in ("/completion", "/completions"):  # llama-server's own (not OpenAI's) answers
         routes.append(Route(path, ep(handler(llama_completion.completion)), methods=["POST"]))
     routes.append(Route("/v1/completions", ep(handler(completions.completions)), methods=["POST"]))
+    routes.append(Route("/v1/messages", ep(handler(anthropic.messages)), methods=["POST"]))
+    routes.append(Route("/v1/messages/count_tokens", ep(handler(anthropic.count_tokens)), methods=["POST"]))
     for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
         routes += [
             Route(f"{prefix}/models", ep(handler(models.models)), methods=["GET"]),
@@ -161,7 +172,7 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(cors_origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
             )
         )
 

@@ -49,17 +49,15 @@ if TYPE_CHECKING:
     from llamabatch.server.state import OpenAIServer
 
 
-async def chat_completions(server: OpenAIServer, request: Request) -> Any:
-    body = await server.read_body(request, "/v1/chat/completions")
+async def prepare_chat(
+    server: OpenAIServer, request: Request, body: Body, logprobs: int | None = None
+) -> tuple[Any, ChatSetup]:
+    """A chat body's prompt (tokens, or with its images) and ``ChatSetup`` (its sampling
+    parameters, tool grammars and the answer's reader), built in worker threads: Jinja and
+    the tokenizer, then grammar building, are CPU work. Shared with ``/v1/messages``."""
     llm = server.need_llm()
     chat = read_chat_request(body, server.chat_template)
-    # in worker threads: Jinja and the tokenizer, then grammar building, are CPU work
     rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
-    tokens, prompt = rendered.tokens, rendered.prompt  # the prompt: tokens, or with its images
-    want_logprobs = body.get("logprobs", "bool", False)
-    top = body.get("top_logprobs", "int", minimum=0, maximum=20)
-    if top is not None and not want_logprobs:
-        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params = await run_step(
         request,
         prepare.params_pool(body),
@@ -67,13 +65,24 @@ async def chat_completions(server: OpenAIServer, request: Request) -> Any:
         body,
         lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
         chat=True,
-        prompt_tokens=len(tokens),
+        prompt_tokens=len(rendered.tokens),
         n_ctx_seq=llm.n_ctx_seq,
-        logprobs=(top or 0) if want_logprobs else None,
+        logprobs=logprobs,
     )
     setup = await run_step(request, prepare.params_pool(body), prepare.chat_setup, rendered, params)
+    prepare.check_queue_room(llm, 1, setup.params.n)
+    return rendered.prompt, setup
+
+
+async def chat_completions(server: OpenAIServer, request: Request) -> Any:
+    body = await server.read_body(request, "/v1/chat/completions")
+    llm = server.need_llm()
+    want_logprobs = body.get("logprobs", "bool", False)
+    top = body.get("top_logprobs", "int", minimum=0, maximum=20)
+    if top is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    prompt, setup = await prepare_chat(server, request, body, (top or 0) if want_logprobs else None)
     params = setup.params
-    prepare.check_queue_room(llm, 1, params.n)
     stream, include_usage = server.stream_options(body)
     priority = client_policy.request_priority(request, body, params.n)  # --client-priority, per-client share
     client = client_policy.client_key(request)  # clients take turns in the engine's queue

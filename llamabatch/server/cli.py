@@ -24,7 +24,8 @@ __all__ = ["add_arguments", "main"]
 DESCRIPTION = (
     "Serve a GGUF model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
     "/v1/embeddings, /v1/models), /v1/rerank (--rerank-model), plus /health, /metrics (Prometheus), "
-    "/tokenize and /detokenize, and llama-server's /completion, /apply-template and /props. "
+    "/tokenize and /detokenize, llama-server's /completion, /apply-template and /props, and "
+    "Anthropic's /v1/messages. "
     "Needs: pip install 'llamabatch[server]'."
 )
 
@@ -49,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("LLAMABATCH_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $LLAMABATCH_API_KEY); not on /health, /metrics",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $LLAMABATCH_API_KEY); "
+        "not on /health, /metrics",
     )
     parser.add_argument("--served-model-name", help="the model id clients see (default: the file's stem)")
     parser.add_argument("--embedding-model-name", help="the embedding model's id (default: the file's stem)")

@@ -90,12 +90,12 @@ class OpenAIServer:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(
                 401,
-                "Incorrect API key provided (send 'Authorization: Bearer <key>').",
+                "Incorrect API key provided (send 'Authorization: Bearer <key>' or 'x-api-key: <key>').",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
