@@ -19,7 +19,6 @@ from starlette.responses import Response
 from llamabatch import SamplingParams
 from llamabatch.chat import ChatRequest, ChatSetup, ChatStream, assistant_message
 from llamabatch.server import client_policy, prepare
-from llamabatch.server.lora import request_lora
 from llamabatch.server.offload import ENCODE, PREPARE, run_step
 from llamabatch.server.protocol import (
     Body,
@@ -30,7 +29,6 @@ from llamabatch.server.protocol import (
     new_id,
     now,
     prompt_logprobs_json,
-    sampling_params,
     usage,
 )
 from llamabatch.server.streaming import (
@@ -58,16 +56,8 @@ async def prepare_chat(
     llm = server.need_llm()
     chat = read_chat_request(body, server.chat_template)
     rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
-    params = await run_step(
-        request,
-        prepare.params_pool(body),
-        sampling_params,
-        body,
-        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
-        chat=True,
-        prompt_tokens=len(rendered.tokens),
-        n_ctx_seq=llm.n_ctx_seq,
-        logprobs=logprobs,
+    params = await prepare.request_params(
+        server, request, body, chat=True, prompt_tokens=len(rendered.tokens), logprobs=logprobs
     )
     setup = await run_step(request, prepare.params_pool(body), prepare.chat_setup, rendered, params)
     prepare.check_queue_room(llm, 1, setup.params.n)

@@ -14,7 +14,6 @@ from starlette.responses import Response
 
 from llamabatch import SamplingParams
 from llamabatch.server import client_policy, prepare
-from llamabatch.server.lora import request_lora
 from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     bad_request,
@@ -24,7 +23,6 @@ from llamabatch.server.protocol import (
     new_id,
     now,
     prompt_logprobs_json,
-    sampling_params,
     usage,
 )
 from llamabatch.server.streaming import (
@@ -52,19 +50,15 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         request, PREPARE, prepare.tokenize_prompts, llm, prompts, small=small_work(prompts)
     )
     logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
-    pool = prepare.params_pool(body)
-    params = await run_step(
+    params = await prepare.request_params(
+        server,
         request,
-        pool,
-        sampling_params,
         body,
-        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
         chat=False,
         prompt_tokens=max(map(len, token_prompts)),
-        n_ctx_seq=llm.n_ctx_seq,
         logprobs=logprobs,
         # no grammar, schema or tools, and a short body: checking the fields is quick
-        small=pool == PREPARE and small_work([await request.body()]),
+        small=prepare.params_pool(body) == PREPARE and small_work([await request.body()]),
     )
     prepare.check_queue_room(llm, len(prompts), params.n)
     echo = body.get("echo", "bool", False)

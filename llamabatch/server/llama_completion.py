@@ -31,7 +31,6 @@ from starlette.responses import Response
 from llamabatch import SamplingParams
 from llamabatch.outputs import CompletionOutput
 from llamabatch.server import client_policy, prepare
-from llamabatch.server.lora import request_lora
 from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     Body,
@@ -39,7 +38,6 @@ from llamabatch.server.protocol import (
     bad_request,
     completion_prompts,
     generation_error,
-    sampling_params,
 )
 from llamabatch.server.streaming import (
     EventStream,
@@ -83,20 +81,18 @@ async def completion(server: OpenAIServer, request: Request) -> Any:
     )
     n_probs = body.get("n_probs", "int", 0, minimum=0, maximum=100)
     n_predict = _n_predict(body)
-    room = llm.n_ctx_seq - max(map(len, token_prompts))
+    longest = max(map(len, token_prompts))
+    room = llm.n_ctx_seq - longest
     body.data["max_tokens"] = max(1, room if n_predict < 0 else min(n_predict, room))  # (the one read)
     body.data.pop("n", None)  # one completion a prompt (llama-server has no "n")
     if isinstance(body.data.get("logit_bias"), list):
         body.data["logit_bias"] = _bias_pairs(body.data["logit_bias"], llm)
-    params = await run_step(
+    params = await prepare.request_params(
+        server,
         request,
-        prepare.params_pool(body),
-        sampling_params,
         body,
-        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
         chat=False,
         prompt_tokens=max(map(len, token_prompts)),
-        n_ctx_seq=llm.n_ctx_seq,
         logprobs=n_probs or None,
     )
     assert server.token_text is not None  # (set with the engine)

@@ -18,8 +18,9 @@ from llamabatch.generate.llm_engine import prompt_bytes_bound
 from llamabatch.params import SamplingParams
 from llamabatch.prompts.chat_template import chat_prompt_tokens
 from llamabatch.prompts.inputs import check_token_ids
-from llamabatch.server.offload import GRAMMAR, PREPARE
-from llamabatch.server.protocol import Body, bad_request, encode_embedding
+from llamabatch.server.lora import request_lora
+from llamabatch.server.offload import GRAMMAR, PREPARE, run_step
+from llamabatch.server.protocol import Body, bad_request, encode_embedding, sampling_params
 from llamabatch.server.streaming import dumps_json
 
 __all__ = [
@@ -48,6 +49,33 @@ def params_pool(body: Body) -> str:
     the body holds a grammar, schema or tools (so that hostile ones queue behind each other,
     never in front of plain requests), else ``PREPARE``."""
     return GRAMMAR if any(name in body for name in GRAMMAR_FIELDS) else PREPARE
+
+
+async def request_params(
+    server: Any,
+    request: Any,
+    body: Body,
+    *,
+    chat: bool,
+    prompt_tokens: int,
+    logprobs: int | None,
+    small: bool = False,
+) -> SamplingParams:
+    """A request's ``SamplingParams`` (``sampling_params``: its fields, its adapters), built in
+    the pool ``params_pool`` chooses (``small``: quick enough for the event loop)."""
+    llm = server.need_llm()
+    return await run_step(
+        request,
+        params_pool(body),
+        sampling_params,
+        body,
+        lora=request_lora(body, list(llm.lora_adapters()), server.lora_applied),
+        chat=chat,
+        prompt_tokens=prompt_tokens,
+        n_ctx_seq=llm.n_ctx_seq,
+        logprobs=logprobs,
+        small=small,
+    )
 
 
 def check_queue_room(llm: LLM, n_prompts: int, n: int) -> None:

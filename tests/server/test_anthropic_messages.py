@@ -5,11 +5,10 @@ the chat pipeline's: the same as ``/v1/chat/completions`` for the same greedy re
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from llamabatch import LLM, testing
+from llamabatch import LLM
 from llamabatch.server.anthropic import to_chat_body
 
 anthropic = pytest.importorskip("anthropic")
@@ -21,9 +20,6 @@ from test_server import serve  # noqa: E402 (after the skips: it needs the serve
 from llamabatch.server import create_app  # noqa: E402
 
 KEY = "sk-anthropic"
-TEMPLATE = (
-    Path(__file__).parents[1] / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
-).read_text()
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -36,11 +32,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> Iterator[LLM]:
-    """The tiny model with Qwen 2.5's chat template: its tool calls are read (Hermes format)."""
-    path = tmp_path_factory.mktemp("qwen-template") / "tiny-qwen.gguf"
-    testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=TEMPLATE)
-    with LLM(path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
+def llm(tiny_qwen_path) -> Iterator[LLM]:
+    with LLM(tiny_qwen_path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
         yield llm
 
 

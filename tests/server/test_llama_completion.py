@@ -5,22 +5,13 @@ answer's shape, whole and streamed, on the tiny model. The text is the engine's:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
-
-from llamabatch import LLM
-from llamabatch.gguf.testing import model_path
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from test_server import serve  # noqa: E402 (after the skips: it needs the server extra)
-
-from llamabatch.server import create_app  # noqa: E402
-
-KEY = "sk-llama-completion"
 FIELDS = {
     "index", "content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated",
     "generation_settings", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word",
@@ -32,53 +23,33 @@ TIMINGS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    with LLM(model_path("tiny"), n_ctx=2048, n_parallel=2, n_threads=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def base_url(llm) -> Iterator[str]:
-    with serve(create_app(llm, model_name="tiny", api_key=KEY)) as url:
-        yield url
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-
-
-def test_an_answer_in_llama_servers_shape(base_url, llm):
+def test_an_answer_in_llama_servers_shape(served):
     body = {"prompt": "Once upon a time", "n_predict": 6, "temperature": 0, "return_tokens": True}
-    r = _post(f"{base_url}/completion", body)
+    r = served.post("/completion", body)
     assert r.status_code == 200, r.text
     d = r.json()
     assert set(d) == FIELDS and set(d["timings"]) == TIMINGS
     assert d["stop"] is True and d["stop_type"] == "limit" and d["tokens_predicted"] == 6
-    assert len(d["tokens"]) == 6 and llm.detokenize(d["tokens"]).strip() == d["content"].strip()
-    prompt = llm.tokenize("Once upon a time")
+    assert len(d["tokens"]) == 6 and served.llm.detokenize(d["tokens"]).strip() == d["content"].strip()
+    prompt = served.llm.tokenize("Once upon a time")
     assert d["tokens_evaluated"] == len(prompt) and d["tokens_cached"] == len(prompt) + 5
     assert d["generation_settings"]["n_predict"] == 6 and d["generation_settings"]["temperature"] == 0
     assert d["model"] == "tiny" and d["prompt"].endswith("Once upon a time")  # (BOS and all)
-    oai = _post(
-        f"{base_url}/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
-    )
+    oai = served.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})
     assert oai.json()["choices"][0]["text"] == d["content"]
-    again = _post(f"{base_url}/completions", {**body, "return_tokens": False}).json()
+    again = served.post("/completions", {**body, "return_tokens": False}).json()
     assert again["content"] == d["content"] and again["tokens"] == []  # /completions: the same
     assert again["timings"]["cache_n"] == len(prompt) - 1  # the prefix cache
 
 
-def test_stop_words_probabilities_and_streaming(base_url, llm):
-    whole = _post(f"{base_url}/completion", {"prompt": "Hello", "n_predict": 12, "temperature": 0}).json()
+def test_stop_words_probabilities_and_streaming(served):
+    whole = served.post("/completion", {"prompt": "Hello", "n_predict": 12, "temperature": 0}).json()
     word = whole["content"].split()[-1]
     body = {"prompt": "Hello", "n_predict": 12, "temperature": 0, "stop": [word]}
-    d = _post(f"{base_url}/completion", body).json()
+    d = served.post("/completion", body).json()
     assert d["stop_type"] == "word" and d["stopping_word"] == word
     assert word not in d["content"] and whole["content"].startswith(d["content"])
-    d = _post(
-        f"{base_url}/completion", {"prompt": "Hello", "n_predict": 3, "temperature": 0, "n_probs": 2}
-    ).json()
+    d = served.post("/completion", {"prompt": "Hello", "n_predict": 3, "temperature": 0, "n_probs": 2}).json()
     probs = d["completion_probabilities"]
     assert len(probs) == 3 and all(len(p["top_logprobs"]) == 2 for p in probs)
     assert all(
@@ -87,9 +58,9 @@ def test_stop_words_probabilities_and_streaming(base_url, llm):
     assert probs[0]["top_logprobs"][0]["logprob"] == pytest.approx(probs[0]["logprob"])  # greedy: the best
     with httpx.stream(
         "POST",
-        f"{base_url}/completion",
+        f"{served.url}/completion",
         json={"prompt": "Hello", "n_predict": 12, "temperature": 0, "stream": True},
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers=served.auth,
     ) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] is True
@@ -98,18 +69,18 @@ def test_stop_words_probabilities_and_streaming(base_url, llm):
     assert sum(len(e["tokens"]) for e in events[:-1]) == 12 and events[-1]["timings"]["predicted_n"] == 12
 
 
-def test_llama_server_request_forms(base_url, llm):
-    hello = llm.tokenize("Hello", add_special=False)
-    mixed = _post(f"{base_url}/completion", {"prompt": [*hello, " world"], "n_predict": 2, "temperature": 0})
-    text = _post(f"{base_url}/completion", {"prompt": "Hello world", "n_predict": 2, "temperature": 0})
+def test_llama_server_request_forms(served):
+    hello = served.llm.tokenize("Hello", add_special=False)
+    mixed = served.post("/completion", {"prompt": [*hello, " world"], "n_predict": 2, "temperature": 0})
+    text = served.post("/completion", {"prompt": "Hello world", "n_predict": 2, "temperature": 0})
     assert mixed.status_code == 200 and mixed.json()["tokens_evaluated"] == len(
-        hello + llm.tokenize(" world", add_special=False)
+        hello + served.llm.tokenize(" world", add_special=False)
     )
     assert text.status_code == 200
-    many = _post(f"{base_url}/completion", {"prompt": ["Hi", "Bye"], "n_predict": 2, "temperature": 0}).json()
+    many = served.post("/completion", {"prompt": ["Hi", "Bye"], "n_predict": 2, "temperature": 0}).json()
     assert [d["index"] for d in many] == [0, 1]
-    best = _post(
-        f"{base_url}/completion", {"prompt": "Hi", "n_predict": 1, "temperature": 0, "return_tokens": True}
+    best = served.post(
+        "/completion", {"prompt": "Hi", "n_predict": 1, "temperature": 0, "return_tokens": True}
     )
     token = best.json()["tokens"][0]
     banned = {
@@ -119,10 +90,10 @@ def test_llama_server_request_forms(base_url, llm):
         "return_tokens": True,
         "logit_bias": [[token, False]],
     }
-    assert _post(f"{base_url}/completion", banned).json()["tokens"][0] != token
+    assert served.post("/completion", banned).json()["tokens"][0] != token
     only = {"prompt": "Hi", "n_predict": 2, "response_fields": ["content", "timings/prompt_n", "missing"]}
-    assert set(_post(f"{base_url}/completion", only).json()) == {"content", "timings/prompt_n"}
-    evaluated = _post(f"{base_url}/completion", {"prompt": "Hi there", "n_predict": 0}).json()
+    assert set(served.post("/completion", only).json()) == {"content", "timings/prompt_n"}
+    evaluated = served.post("/completion", {"prompt": "Hi there", "n_predict": 0}).json()
     assert evaluated["content"] == "" and evaluated["tokens_predicted"] == 0
 
 
@@ -137,6 +108,6 @@ def test_llama_server_request_forms(base_url, llm):
         ({"prompt": "word " * 5000}, "prompt"),
     ],
 )
-def test_bad_fields_are_400s_naming_them(base_url, body, param):
-    r = _post(f"{base_url}/completion", body)
+def test_bad_fields_are_400s_naming_them(served, body, param):
+    r = served.post("/completion", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -5,38 +5,14 @@ completions and chat; both equal ``SamplingParams(prompt_logprobs=N)`` in proces
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from llamabatch import LLM, SamplingParams
-from llamabatch.gguf.testing import model_path
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
-
-from test_server import serve  # noqa: E402 (after the skips: it needs the server extra)
-
-from llamabatch.server import create_app  # noqa: E402
-
-KEY = "sk-prompt-logprobs"
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    with LLM(model_path("tiny"), n_ctx=2048, n_parallel=2, n_threads=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def base_url(llm) -> Iterator[str]:
-    with serve(create_app(llm, model_name="tiny", api_key=KEY)) as url:
-        yield url
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
 
 def _in_process(llm: LLM, prompt: list[int], n: int) -> list:
@@ -44,16 +20,16 @@ def _in_process(llm: LLM, prompt: list[int], n: int) -> list:
     return llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(base_url, llm):
-    prompt = llm.tokenize("The quick brown fox jumps over the lazy dog")
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(served):
+    prompt = served.llm.tokenize("The quick brown fox jumps over the lazy dog")
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
-    r = _post(f"{base_url}/v1/completions", body)
+    r = served.post("/v1/completions", body)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     n = len(prompt)
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    expected = _in_process(llm, prompt, 1)
+    expected = _in_process(served.llm, prompt, 1)
     for i in range(1, n):  # lm-eval: token_logprobs[ctxlen:-1], top_logprobs for is_greedy
         assert lp["token_logprobs"][i] == pytest.approx(expected[i][prompt[i]], abs=1e-4)
         assert len(lp["top_logprobs"][i]) in (1, 2)
@@ -63,11 +39,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(base_url, llm)
     assert "".join(lp["tokens"]) == text
 
 
-def test_vllm_prompt_logprobs_on_completions_and_chat(base_url, llm):
-    prompt = llm.tokenize("Once upon a time there was")
+def test_vllm_prompt_logprobs_on_completions_and_chat(served):
+    prompt = served.llm.tokenize("Once upon a time there was")
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3, "n": 2}
-    choices = _post(f"{base_url}/v1/completions", body).json()["choices"]
-    expected = _in_process(llm, prompt, 3)
+    choices = served.post("/v1/completions", body).json()["choices"]
+    expected = _in_process(served.llm, prompt, 3)
     for choice in choices:  # every choice of the prompt carries them
         scores = choice["prompt_logprobs"]
         assert scores[0] is None and len(scores) == len(prompt)
@@ -79,24 +55,22 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(base_url, llm):
             assert all(isinstance(e["decoded_token"], str) for e in entry.values())
     assert choices[0]["logprobs"] is None  # (no echo: the legacy object is not asked for)
     messages = [{"role": "user", "content": "hi"}]
-    r = _post(
-        f"{base_url}/v1/chat/completions", {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
-    )
+    r = served.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0})
     scores = r.json()["prompt_logprobs"]
     assert len(scores) == r.json()["usage"]["prompt_tokens"] and scores[0] is None
     assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] is None for entry in scores[1:])
 
 
-def test_prompt_logprobs_are_not_streamed_and_are_bounded(base_url, llm):
-    prompt = llm.tokenize("Hello there")
+def test_prompt_logprobs_are_not_streamed_and_are_bounded(served):
+    prompt = served.llm.tokenize("Hello there")
     echo = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "stream": True}
-    r = _post(f"{base_url}/v1/completions", echo)
+    r = served.post("/v1/completions", echo)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    r = _post(f"{base_url}/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
+    r = served.post("/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     chat = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True}
-    assert _post(f"{base_url}/v1/chat/completions", chat).status_code == 400
-    r = _post(f"{base_url}/v1/completions", {"prompt": prompt, "prompt_logprobs": 101})
+    assert served.post("/v1/chat/completions", chat).status_code == 400
+    r = served.post("/v1/completions", {"prompt": prompt, "prompt_logprobs": 101})
     assert r.status_code == 400 and "prompt_logprobs" in r.text
-    r = _post(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 1, "echo": True})
+    r = served.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "echo": True})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None  # echo alone: text only

@@ -23,7 +23,6 @@ from test_server import serve  # noqa: E402 (after the skips: it needs the serve
 from llamabatch.server import create_app  # noqa: E402
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
-TEMPLATE = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
@@ -40,10 +39,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> Iterator[LLM]:
-    path = tmp_path_factory.mktemp("qwen-template") / "tiny-qwen.gguf"
-    testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=TEMPLATE)
-    with LLM(path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
+def llm(tiny_qwen_path) -> Iterator[LLM]:
+    with LLM(tiny_qwen_path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
         yield llm
 
 
