@@ -48,6 +48,7 @@ from llamabatch.server import (
     llama_completion,
     models,
     rerank,
+    responses,
     tokenize,
 )
 from llamabatch.server.client_policy import ClientPolicy, ClientShare
@@ -142,9 +143,13 @@ def create_app(
     ]
     for path in ("/completion", "/completions"):  # llama-server's own (not OpenAI's) answers
         routes.append(Route(path, ep(handler(llama_completion.completion)), methods=["POST"]))
-    routes.append(Route("/v1/completions", ep(handler(completions.completions)), methods=["POST"]))
-    routes.append(Route("/v1/messages", ep(handler(anthropic.messages)), methods=["POST"]))
-    routes.append(Route("/v1/messages/count_tokens", ep(handler(anthropic.count_tokens)), methods=["POST"]))
+    for path, endpoint in (
+        ("/v1/completions", completions.completions),
+        ("/v1/responses", responses.responses),
+        ("/v1/messages", anthropic.messages),
+        ("/v1/messages/count_tokens", anthropic.count_tokens),
+    ):
+        routes.append(Route(path, ep(handler(endpoint)), methods=["POST"]))
     for prefix in ("/v1", ""):  # llama.cpp's server answers without /v1 too
         routes += [
             Route(f"{prefix}/models", ep(handler(models.models)), methods=["GET"]),

@@ -25,7 +25,7 @@ DESCRIPTION = (
     "Serve a GGUF model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
     "/v1/embeddings, /v1/models), /v1/rerank (--rerank-model), plus /health, /metrics (Prometheus), "
     "/tokenize and /detokenize, llama-server's /completion, /apply-template and /props, and "
-    "Anthropic's /v1/messages. "
+    "OpenAI's /v1/responses and Anthropic's /v1/messages. "
     "Needs: pip install 'llamabatch[server]'."
 )
 
