@@ -135,6 +135,7 @@ def create_app(
 
     routes = [
         Route("/health", ep(handler(models.health), auth=False), methods=["GET"]),
+        Route("/v1/health", ep(handler(models.health), auth=False), methods=["GET"]),  # (llama-server's too)
         Route("/metrics", ep(handler(models.metrics_endpoint), auth=False), methods=["GET"]),
         Route("/tokenize", ep(handler(tokenize.tokenize)), methods=["POST"]),
         Route("/detokenize", ep(handler(tokenize.detokenize)), methods=["POST"]),
@@ -156,6 +157,7 @@ def create_app(
             Route(f"{prefix}/chat/completions", ep(handler(chat.chat_completions)), methods=["POST"]),
             Route(f"{prefix}/embeddings", ep(handler(embeddings.embeddings)), methods=["POST"]),
             Route(f"{prefix}/rerank", ep(handler(rerank.rerank)), methods=["POST"]),
+            Route(f"{prefix}/reranking", ep(handler(rerank.rerank)), methods=["POST"]),  # llama-server
         ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -126,6 +126,7 @@ def _sse_events(lines: list[str]) -> list[str]:
 
 def test_health_models_and_404(base_url, client):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base_url}/v1/health").json() == {"status": "ok"}  # (llama-server's path too)
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     response = httpx.get(f"{base_url}/v1/nothing")

@@ -70,14 +70,16 @@ def test_rerank_matches_transformers(base_url: str) -> None:
         assert abs(x["relevance_score"] - expected[x["index"]]) < 1e-3
         assert x["document"] == {"text": docs[x["index"]]}
     assert body["usage"]["prompt_tokens"] == sum(len(REFERENCE["input_ids"][i]) for i in range(2))
-    # /rerank (no /v1), top_n, Jina's {"text": ...} documents, no documents returned
-    r = httpx.post(
-        f"{base_url}/rerank",
-        json={"query": query, "documents": [{"text": d} for d in docs], "top_n": 1},
-    )
-    assert r.status_code == 200 and r.json()["results"] == [
-        {"index": order[0], "relevance_score": pytest.approx(expected[order[0]], abs=1e-3)}
-    ]
+    # /rerank (no /v1) and llama-server's /reranking names, top_n, Jina's {"text": ...}
+    # documents, no documents returned
+    for path in ("/rerank", "/reranking", "/v1/reranking"):
+        r = httpx.post(
+            f"{base_url}{path}",
+            json={"query": query, "documents": [{"text": d} for d in docs], "top_n": 1},
+        )
+        assert r.status_code == 200 and r.json()["results"] == [
+            {"index": order[0], "relevance_score": pytest.approx(expected[order[0]], abs=1e-3)}
+        ]
 
 
 @pytest.mark.parametrize(
