@@ -147,6 +147,11 @@ llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
 llama_token llama_vocab_sep(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_mid(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,

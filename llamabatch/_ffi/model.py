@@ -180,6 +180,15 @@ class Model:
         self.eot: int = lib.llama_vocab_eot(self._vocab)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self._vocab))
         self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(self._vocab))
+        #: fill-in-the-middle tokens (prefix, suffix, middle, repository, file separator; -1:
+        #: none), which ``/infill`` needs (``prompts/infill.py``)
+        self.fim: dict[str, int] = {
+            "pre": lib.llama_vocab_fim_pre(self._vocab),
+            "suf": lib.llama_vocab_fim_suf(self._vocab),
+            "mid": lib.llama_vocab_fim_mid(self._vocab),
+            "rep": lib.llama_vocab_fim_rep(self._vocab),
+            "sep": lib.llama_vocab_fim_sep(self._vocab),
+        }
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ __all__ = [
     "BYTE_TOKEN_OFFSET",
     "CHATML_TEMPLATE",
     "EOS_ID",
+    "FIM_IDS",
     "FORMAT_VERSION",
     "IM_END_ID",
     "IM_START_ID",
@@ -100,6 +101,9 @@ WeightDType = Literal["F32", "F16", "Q8_0"]
 
 _ROPE_FREQ_BASE = 10000.0
 _RMS_EPS = 1e-5
+#: ``write_llama_gguf(fim=True)``'s fill-in-the-middle tokens: byte tokens 0xF8..0xFC, which no
+#: UTF-8 text tokenizes to
+FIM_IDS = {name: BYTE_TOKEN_OFFSET + 0xF8 + i for i, name in enumerate(("pre", "suf", "mid", "rep", "sep"))}
 #: Target standard deviation of the output logits (greedy tokens well separated, not saturated).
 _LOGIT_STD = 4.0
 #: Scale of the output rows of special and byte tokens (see _damp_special_rows).
@@ -311,6 +315,7 @@ def write_llama_gguf(
     *,
     chat_template: str | None = CHATML_TEMPLATE,
     rope_sections: tuple[int, int, int, int] | None = None,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight Llama GGUF for ``spec`` to ``path`` and return the path.
 
@@ -319,6 +324,8 @@ def write_llama_gguf(
     ``chat_template`` becomes ``tokenizer.chat_template`` (ChatML by default; None: no template).
     ``rope_sections`` (rotation pairs per M-RoPE section: temporal, height, width, unused)
     makes it a Qwen2-VL text model (architecture ``qwen2vl``, same tensors as Llama's).
+    ``fim``: fill-in-the-middle tokens (:data:`FIM_IDS`: byte tokens no UTF-8 text holds), as a
+    code model has them for ``/infill``.
     """
     import gguf
 
@@ -351,6 +358,9 @@ def write_llama_gguf(
             writer.add_rope_dimension_sections(list(rope_sections))
 
         add_test_vocab(writer, spec.n_vocab)
+        if fim:
+            for key, token in FIM_IDS.items():
+                writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"FIM_{key.upper()}_ID"), token)
         writer.add_add_space_prefix(True)
         if chat_template is not None:
             writer.add_chat_template(chat_template)

@@ -144,6 +144,7 @@ def create_app(
     ]
     for path in ("/completion", "/completions"):  # llama-server's own (not OpenAI's) answers
         routes.append(Route(path, ep(handler(llama_completion.completion)), methods=["POST"]))
+    routes.append(Route("/infill", ep(handler(llama_completion.infill)), methods=["POST"]))
     for path, endpoint in (
         ("/v1/completions", completions.completions),
         ("/v1/responses", responses.responses),

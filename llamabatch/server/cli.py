@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "main"]
 DESCRIPTION = (
     "Serve a GGUF model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
     "/v1/embeddings, /v1/models), /v1/rerank (--rerank-model), plus /health, /metrics (Prometheus), "
-    "/tokenize and /detokenize, llama-server's /completion, /apply-template and /props, and "
+    "/tokenize and /detokenize, llama-server's /completion, /infill, /apply-template and /props, and "
     "OpenAI's /v1/responses and Anthropic's /v1/messages. "
     "Needs: pip install 'llamabatch[server]'."
 )

@@ -30,9 +30,11 @@ from starlette.responses import Response
 
 from llamabatch import SamplingParams
 from llamabatch.outputs import CompletionOutput
+from llamabatch.prompts.infill import InfillUnsupported, infill_tokens
 from llamabatch.server import client_policy, prepare
 from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
+    APIError,
     Body,
     TokenText,
     bad_request,
@@ -79,6 +81,69 @@ async def completion(server: OpenAIServer, request: Request) -> Any:
     token_prompts = await run_step(
         request, PREPARE, prepare.tokenize_prompts, llm, prompts, small=small_work(prompts)
     )
+    return await _complete(server, request, body, token_prompts)
+
+
+async def infill(server: OpenAIServer, request: Request) -> Any:
+    """llama-server's ``POST /infill``: ``input_prefix`` and ``input_suffix`` (the code around
+    the cursor; required), ``input_extra`` (other files: ``[{"filename", "text"}]``) and
+    ``prompt`` (text the middle starts with), laid out by ``prompts/infill.py``; the rest as
+    ``/completion``. A model without fill-in-the-middle tokens gets a 501."""
+    body = await server.read_body(request, "/infill")
+    llm = server.need_llm()
+    texts = {name: body.get(name, "str") for name in ("input_prefix", "input_suffix")}
+    for name, text in texts.items():
+        if text is None:
+            raise bad_request(f"'{name}' is required", param=name)
+        prepare.prompt_fits(llm, text, name)
+    extra = _extra(body.get("input_extra", "list", []), llm)
+    prompt = body.get("prompt", "str", "")
+    n_predict = _n_predict(body)
+    model = llm.model
+
+    def tokens() -> list[int]:
+        try:
+            return infill_tokens(
+                model.fim,
+                lambda text: model.tokenize(text, add_special=False, parse_special=False),
+                texts["input_prefix"],
+                texts["input_suffix"],
+                extra=extra,
+                prompt=prompt,
+                bos=model.bos if model.add_bos else -1,
+                n_batch=llm.config.n_batch,
+                n_predict=max(n_predict, 0),
+                n_ctx=llm.n_ctx_seq,
+            )
+        except InfillUnsupported as exc:
+            raise APIError(
+                501, f"infill is not supported by this model: {exc}", type="not_supported_error"
+            ) from None
+
+    return await _complete(server, request, body, [await run_step(request, PREPARE, tokens)])
+
+
+def _extra(chunks: list[Any], llm: LLM) -> list[tuple[str, str]]:
+    """``input_extra``: ``{"filename": str, "text": str}`` chunks."""
+    out = []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise bad_request(
+                f'\'input_extra[{i}]\' must be {{"filename": string, "text": string}}', param="input_extra"
+            )
+        filename = chunk.get("filename", "tmp")
+        if not isinstance(filename, str):
+            raise bad_request(f"'input_extra[{i}].filename' must be a string", param="input_extra")
+        prepare.prompt_fits(llm, filename + chunk["text"], "input_extra")
+        out.append((filename, chunk["text"]))
+    return out
+
+
+async def _complete(
+    server: OpenAIServer, request: Request, body: Body, token_prompts: list[list[int]]
+) -> Any:
+    """Generate for ``token_prompts`` and answer in llama-server's shapes."""
+    llm = server.need_llm()
     n_probs = body.get("n_probs", "int", 0, minimum=0, maximum=100)
     n_predict = _n_predict(body)
     longest = max(map(len, token_prompts))
@@ -106,7 +171,7 @@ async def completion(server: OpenAIServer, request: Request) -> Any:
         server.model_name,
     )
     stream = body.get("stream", "bool", False)
-    priority = client_policy.request_priority(request, body, len(prompts) * params.n)
+    priority = client_policy.request_priority(request, body, len(token_prompts) * params.n)
     client = client_policy.client_key(request)
     body.read.update(_MOOT_FIELDS)
     body.warn_unknown()

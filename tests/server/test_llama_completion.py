@@ -8,6 +8,9 @@ import json
 
 import pytest
 
+from llamabatch import LLM, testing
+from llamabatch.prompts.infill import infill_tokens
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -111,3 +114,56 @@ def test_llama_server_request_forms(served):
 def test_bad_fields_are_400s_naming_them(served, body, param):
     r = served.post("/completion", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def fim_url(tmp_path_factory):
+    """The tiny model with fill-in-the-middle tokens (a code model's), served."""
+    from test_server import serve
+
+    from llamabatch.server import create_app
+
+    path = testing.write_llama_gguf(
+        tmp_path_factory.mktemp("fim") / "tiny-fim.gguf", testing.PRESETS["tiny"], fim=True
+    )
+    with LLM(path, n_ctx=4096, n_batch=512, n_parallel=1, n_threads=1) as llm, serve(create_app(llm)) as url:
+        yield url, llm
+
+
+def test_infill_fills_in_the_middle(fim_url):
+    url, llm = fim_url
+    body = {
+        "input_prefix": "def add(a, b):\n    ",
+        "input_suffix": "\n\nprint(add(1, 2))\n",
+        "input_extra": [{"filename": "util.py", "text": "x = 1\n"}],
+        "prompt": "return",
+        "n_predict": 4,
+        "temperature": 0,
+    }
+    d = httpx.post(f"{url}/infill", json=body, timeout=60).json()
+    ids = [testing.FIM_IDS[k] for k in ("pre", "suf", "mid", "rep", "sep")]
+    expected = infill_tokens(
+        llm.model.fim,
+        lambda text: llm.tokenize(text, add_special=False),
+        body["input_prefix"],
+        body["input_suffix"],
+        extra=[("util.py", "x = 1\n")],
+        prompt="return",
+        bos=llm.model.bos,
+        n_batch=512,
+        n_predict=4,
+        n_ctx=llm.n_ctx_seq,
+    )
+    assert d["tokens_evaluated"] == len(expected) and d["tokens_predicted"] == 4
+    assert all(token in expected for token in ids)  # the other file is in: the context has room
+    completion = httpx.post(f"{url}/completion", json={"prompt": expected, "n_predict": 4, "temperature": 0})
+    assert d["content"] == completion.json()["content"]  # the same prompt, the same text
+    r = httpx.post(f"{url}/infill", json={"input_prefix": "a"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_suffix"
+    r = httpx.post(f"{url}/infill", json={**body, "input_extra": [{"filename": 3, "text": ""}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_extra"
+
+
+def test_infill_needs_a_model_with_fim_tokens(served):
+    r = served.post("/infill", {"input_prefix": "a", "input_suffix": "b"})
+    assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"]
