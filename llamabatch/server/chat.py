@@ -52,7 +52,8 @@ async def prepare_chat(
 ) -> tuple[Any, ChatSetup]:
     """A chat body's prompt (tokens, or with its images) and ``ChatSetup`` (its sampling
     parameters, tool grammars and the answer's reader), built in worker threads: Jinja and
-    the tokenizer, then grammar building, are CPU work. Shared with ``/v1/messages``."""
+    the tokenizer, then grammar building, are CPU work. Shared with ``/v1/messages`` and
+    ``/v1/responses``."""
     llm = server.need_llm()
     chat = read_chat_request(body, server.chat_template)
     rendered = await run_step(request, PREPARE, prepare.render_chat_request, llm, chat)
