@@ -5,8 +5,9 @@ A request is translated onto the chat pipeline (``chat.prepare_chat``): ``system
 blocks (``text``, ``image``, ``thinking``, ``tool_use``, ``tool_result``), ``tools`` with
 their ``input_schema``, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
 ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, ``temperature``,
-``top_p``, ``top_k``, ``stream``. The answer comes back as content blocks: ``thinking``
-(the model's reasoning), ``text``, ``tool_use`` (``input``: the call's arguments), with
+``top_p``, ``top_k``, ``stream``, ``thinking`` (``enabled`` or ``disabled``: the chat
+template's ``enable_thinking``, which Qwen3's read). The answer comes back as content blocks:
+``thinking`` (the model's reasoning), ``text``, ``tool_use`` (``input``: the call's arguments), with
 ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; streamed, as
 Anthropic's events (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``,
 ``message_delta``, ``message_stop``). Errors are Anthropic's ``{"type": "error", ...}``.
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 #: the fields translated; the others (``max_tokens``, ``temperature``, ``stream``, ...) are
 #: read as the chat body's own, or warned about as unknown
-_TRANSLATED = ("system", "messages", "stop_sequences", "tools", "tool_choice")
+_TRANSLATED = ("system", "messages", "stop_sequences", "tools", "tool_choice", "thinking")
 _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -79,6 +80,15 @@ def to_chat_body(data: Mapping[str, Any]) -> dict[str, Any]:
         )
         if choice.get("disable_parallel_tool_use") is True:
             body["parallel_tool_calls"] = False
+    thinking = data.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        # the templates of models that think on request (Qwen3's) read enable_thinking
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        kwargs.setdefault("enable_thinking", thinking["type"] == "enabled")
+        body["chat_template_kwargs"] = kwargs
+    elif thinking is not None:
+        raise bad_request("'thinking' must be {'type': 'enabled' or 'disabled'}", param="thinking")
     return body
 
 

@@ -199,3 +199,7 @@ def test_the_translation_onto_a_chat_body():
         body["stop"] == ["END"] and body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
     )
     assert body["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+    thinking = to_chat_body(
+        {"messages": [{"role": "user", "content": "q"}], "max_tokens": 1, "thinking": {"type": "disabled"}}
+    )
+    assert thinking["chat_template_kwargs"] == {"enable_thinking": False}  # (Qwen3's templates read it)
