@@ -50,6 +50,12 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         request, PREPARE, prepare.tokenize_prompts, llm, prompts, small=small_work(prompts)
     )
     logprobs = body.get("logprobs", "int", minimum=0, maximum=20)
+    echo = body.get("echo", "bool", False)
+    # max_tokens 0 with echo: the prompt scored, nothing generated (OpenAI's legacy scoring,
+    # as vLLM takes it); one token is generated and left out of the answer
+    prompt_only = echo and body.data.get("max_tokens") == 0 and not isinstance(body.data["max_tokens"], bool)
+    if prompt_only:
+        body.data["max_tokens"] = 1
     params = await prepare.request_params(
         server,
         request,
@@ -61,7 +67,6 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
         small=prepare.params_pool(body) == PREPARE and small_work([await request.body()]),
     )
     prepare.check_queue_room(llm, len(prompts), params.n)
-    echo = body.get("echo", "bool", False)
     echo_logprobs = echo and logprobs is not None  # the prompt's tokens too (lm-evaluation-harness)
     if echo_logprobs and params.prompt_logprobs is None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
@@ -71,6 +76,8 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' is not supported (other than equal to 'n')", param="best_of")
     stream, include_usage = server.stream_options(body)
+    if stream and prompt_only:
+        raise bad_request("'max_tokens' 0 (the prompt only) is not streamed", param="max_tokens")
     if stream and params.prompt_logprobs is not None:
         name = "prompt_logprobs" if "prompt_logprobs" in body else "echo"
         raise bad_request(
@@ -106,18 +113,21 @@ async def completions(server: OpenAIServer, request: Request) -> Any:
             prefix = texts[p] if texts is not None else ""
             scores = result.prompt_logprobs
             for out in result.outputs:
-                n_completion += out.usage.completion_tokens
+                tokens, dists, text = out.token_ids, out.logprobs, out.text
+                if prompt_only:
+                    tokens, dists, text = [], ([] if dists is not None else None), ""
+                n_completion += len(tokens)
                 lp = None
                 assert server.token_text is not None
-                if echo_logprobs and scores is not None and out.logprobs is not None:
+                if echo_logprobs and scores is not None and dists is not None:
                     lp = completion_logprobs_json(
-                        server.token_text, result.prompt_token_ids + out.token_ids, scores + out.logprobs, 0
+                        server.token_text, result.prompt_token_ids + tokens, scores + dists, 0
                     )
-                elif logprobs is not None and out.logprobs is not None:
-                    lp = completion_logprobs_json(server.token_text, out.token_ids, out.logprobs, len(prefix))
+                elif logprobs is not None and dists is not None:
+                    lp = completion_logprobs_json(server.token_text, tokens, dists, len(prefix))
                 choice = {
                     "index": p * params.n + out.index,
-                    "text": prefix + out.text,
+                    "text": prefix + text,
                     "logprobs": lp,
                     "finish_reason": finish_reason(out.finish_reason),
                 }

@@ -74,3 +74,24 @@ def test_prompt_logprobs_are_not_streamed_and_are_bounded(served):
     assert r.status_code == 400 and "prompt_logprobs" in r.text
     r = served.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "echo": True})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None  # echo alone: text only
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(served):
+    prompt = served.llm.tokenize("The quick brown fox")
+    body = {"prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True}
+    r = served.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    lp = choice["logprobs"]
+    assert (
+        len(lp["tokens"]) == len(prompt)
+        and lp["token_logprobs"][0] is None
+        and usage["completion_tokens"] == 0
+    )
+    assert choice["text"] == "".join(lp["tokens"])  # the prompt, nothing after it
+    expected = _in_process(served.llm, prompt, 1)
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [expected[i][prompt[i]] for i in range(1, len(prompt))], abs=1e-4
+    )
+    assert served.post("/v1/completions", {**body, "stream": True}).json()["error"]["param"] == "max_tokens"
+    assert served.post("/v1/completions", {**body, "echo": False}).status_code == 400  # 0 needs echo
