@@ -153,12 +153,7 @@ async def _complete(
     if isinstance(body.data.get("logit_bias"), list):
         body.data["logit_bias"] = _bias_pairs(body.data["logit_bias"], llm)
     params = await prepare.request_params(
-        server,
-        request,
-        body,
-        chat=False,
-        prompt_tokens=max(map(len, token_prompts)),
-        logprobs=n_probs or None,
+        server, request, body, chat=False, prompt_tokens=longest, logprobs=n_probs or None
     )
     assert server.token_text is not None  # (set with the engine)
     answer = _Answer(
