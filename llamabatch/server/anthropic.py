@@ -27,7 +27,7 @@ from llamabatch.chat.answer import ContentDelta, ReasoningDelta, ToolCallArgumen
 from llamabatch.outputs import CompletionOutput
 from llamabatch.server import client_policy
 from llamabatch.server.chat import prepare_chat, read_chat_request
-from llamabatch.server.offload import PREPARE, run_step
+from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.prepare import render_chat_request
 from llamabatch.server.protocol import Body, bad_request, generation_error, new_id
 from llamabatch.server.streaming import (
@@ -207,7 +207,7 @@ async def count_tokens(server: OpenAIServer, request: Request) -> Any:
     try:
         raw = await server.read_body(request, "/v1/messages/count_tokens")
         data = {**raw.data, "max_tokens": raw.data.get("max_tokens", 1)}
-        body = Body(to_chat_body(data), "/v1/messages/count_tokens")
+        body = Body(await run_step(request, PREPARE, to_chat_body, data), "/v1/messages/count_tokens")
         llm = server.need_llm()
         chat = read_chat_request(body, server.chat_template)
         rendered = await run_step(request, PREPARE, render_chat_request, llm, chat)
@@ -218,7 +218,8 @@ async def count_tokens(server: OpenAIServer, request: Request) -> Any:
 
 async def _messages_answer(server: OpenAIServer, request: Request) -> Any:
     raw = await server.read_body(request, "/v1/messages")
-    body = Body(to_chat_body(raw.data), "/v1/messages")
+    small = small_work([await request.body()])  # (the translation walks every block)
+    body = Body(await run_step(request, PREPARE, to_chat_body, raw.data, small=small), "/v1/messages")
     llm = server.need_llm()
     prompt, setup = await prepare_chat(server, request, body)
     params = setup.params
@@ -252,7 +253,8 @@ async def _messages_answer(server: OpenAIServer, request: Request) -> Any:
         **_stop(out),
         "usage": _usage(out),
     }
-    return Response(dumps_json(answer), media_type="application/json")
+    encoded = await run_step(request, ENCODE, dumps_json, answer, small=small_work([out.text]))
+    return Response(encoded, media_type="application/json")
 
 
 def _input(arguments: str) -> Any:

@@ -76,7 +76,8 @@ _SETTINGS = {
 async def completion(server: OpenAIServer, request: Request) -> Any:
     body = await server.read_body(request, "/completion")
     llm = server.need_llm()
-    prompts = _prompts(body, llm)
+    small = small_work([await request.body()])  # (mixed prompts are tokenized here)
+    prompts = await run_step(request, PREPARE, _prompts, body, llm, small=small)
     prepare.check_queue_room(llm, len(prompts), 1)
     token_prompts = await run_step(
         request, PREPARE, prepare.tokenize_prompts, llm, prompts, small=small_work(prompts)
@@ -150,8 +151,8 @@ async def _complete(
     room = llm.n_ctx_seq - longest
     body.data["max_tokens"] = max(1, room if n_predict < 0 else min(n_predict, room))  # (the one read)
     body.data.pop("n", None)  # one completion a prompt (llama-server has no "n")
-    if isinstance(body.data.get("logit_bias"), list):
-        body.data["logit_bias"] = _bias_pairs(body.data["logit_bias"], llm)
+    if isinstance(body.data.get("logit_bias"), list):  # (their texts are tokenized)
+        body.data["logit_bias"] = await run_step(request, PREPARE, _bias_pairs, body.data["logit_bias"], llm)
     params = await prepare.request_params(
         server, request, body, chat=False, prompt_tokens=longest, logprobs=n_probs or None
     )

@@ -26,6 +26,7 @@ from llamabatch.chat.answer import ContentDelta, ReasoningDelta, ToolCallArgumen
 from llamabatch.outputs import CompletionOutput
 from llamabatch.server import client_policy
 from llamabatch.server.chat import prepare_chat
+from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import Body, bad_request, generation_error, new_id, now
 from llamabatch.server.streaming import EventStream, dumps_json, generate_all, primed, until_disconnect
 
@@ -155,7 +156,8 @@ def _text(parts: Any, where: str) -> str:
 
 async def responses(server: OpenAIServer, request: Request) -> Any:
     raw = await server.read_body(request, "/v1/responses")
-    body = Body(to_chat_body(raw.data), "/v1/responses")
+    small = small_work([await request.body()])  # (the translation walks every item)
+    body = Body(await run_step(request, PREPARE, to_chat_body, raw.data, small=small), "/v1/responses")
     llm = server.need_llm()
     prompt, setup = await prepare_chat(server, request, body)
     params = setup.params
@@ -185,8 +187,11 @@ async def responses(server: OpenAIServer, request: Request) -> Any:
         request.receive, server.collect(llm, [prompt], params, priority, client)
     )
     server.raise_for_errors(result.outputs)
-    answer = _response(head, setup.finish_output(result.outputs[0]))
-    return Response(dumps_json(answer), media_type="application/json")
+    out = setup.finish_output(result.outputs[0])
+    encoded = await run_step(
+        request, ENCODE, lambda: dumps_json(_response(head, out)), small=small_work([out.text])
+    )
+    return Response(encoded, media_type="application/json")
 
 
 def _items(out: CompletionOutput) -> list[dict[str, Any]]:
