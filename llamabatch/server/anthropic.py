@@ -25,8 +25,7 @@ from starlette.responses import Response
 from llamabatch.chat import ChatSetup
 from llamabatch.chat.answer import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallHead
 from llamabatch.outputs import CompletionOutput
-from llamabatch.server import client_policy
-from llamabatch.server.chat import prepare_chat, read_chat_request
+from llamabatch.server.chat import read_chat_request, translated_chat
 from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.prepare import render_chat_request
 from llamabatch.server.protocol import Body, bad_request, generation_error, new_id
@@ -217,19 +216,10 @@ async def count_tokens(server: OpenAIServer, request: Request) -> Any:
 
 
 async def _messages_answer(server: OpenAIServer, request: Request) -> Any:
-    raw = await server.read_body(request, "/v1/messages")
-    small = small_work([await request.body()])  # (the translation walks every block)
-    body = Body(await run_step(request, PREPARE, to_chat_body, raw.data, small=small), "/v1/messages")
-    llm = server.need_llm()
-    prompt, setup = await prepare_chat(server, request, body)
-    params = setup.params
-    stream = body.get("stream", "bool", False)
-    priority = client_policy.request_priority(request, body, params.n)
-    client = client_policy.client_key(request)
-    body.get("metadata", "dict")
-    body.warn_unknown()
-    model = server.model_name
-    if stream:
+    chat = await translated_chat(server, request, "/v1/messages", to_chat_body)
+    llm, prompt, setup, params = server.need_llm(), chat.prompt, chat.setup, chat.setup.params
+    priority, client, model = chat.priority, chat.client, server.model_name
+    if chat.stream:
         gen = await primed(generate_all(llm, [prompt], params, priority, client), request.receive)
         return EventStream(_events(gen, setup, model, len(prompt) if isinstance(prompt, list) else 0))
     (result,) = await until_disconnect(

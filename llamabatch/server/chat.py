@@ -10,7 +10,8 @@ The handlers take the ``OpenAIServer`` (the engines, names, key, metrics) and th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -19,7 +20,7 @@ from starlette.responses import Response
 from llamabatch import SamplingParams
 from llamabatch.chat import ChatRequest, ChatSetup, ChatStream, assistant_message
 from llamabatch.server import client_policy, prepare
-from llamabatch.server.offload import ENCODE, PREPARE, run_step
+from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
 from llamabatch.server.protocol import (
     Body,
     bad_request,
@@ -63,6 +64,37 @@ async def prepare_chat(
     setup = await run_step(request, prepare.params_pool(body), prepare.chat_setup, rendered, params)
     prepare.check_queue_room(llm, 1, setup.params.n)
     return rendered.prompt, setup
+
+
+@dataclass(frozen=True)
+class TranslatedChat:
+    """A request of another chat API (``/v1/messages``, ``/v1/responses``) on this pipeline:
+    its own body (``data``), the chat body, prompt and setup, and how it runs."""
+
+    data: dict[str, Any]
+    body: Body
+    prompt: Any
+    setup: ChatSetup
+    stream: bool
+    priority: int
+    client: str | None
+
+
+async def translated_chat(
+    server: OpenAIServer, request: Request, endpoint: str, translate: Callable[[Any], dict[str, Any]]
+) -> TranslatedChat:
+    """Read a body of another chat API, translate it to a chat body (in a worker pool unless
+    small: the translation walks every item) and prepare it as ``/v1/chat/completions`` does."""
+    raw = await server.read_body(request, endpoint)
+    small = small_work([await request.body()])
+    body = Body(await run_step(request, PREPARE, translate, raw.data, small=small), endpoint)
+    prompt, setup = await prepare_chat(server, request, body)
+    stream = body.get("stream", "bool", False)
+    priority = client_policy.request_priority(request, body, setup.params.n)
+    client = client_policy.client_key(request)
+    body.get("metadata", "dict")  # (the client's own)
+    body.warn_unknown()
+    return TranslatedChat(raw.data, body, prompt, setup, stream, priority, client)
 
 
 async def chat_completions(server: OpenAIServer, request: Request) -> Any:

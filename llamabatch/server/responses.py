@@ -24,10 +24,9 @@ from starlette.responses import Response
 from llamabatch.chat import ChatSetup
 from llamabatch.chat.answer import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallHead
 from llamabatch.outputs import CompletionOutput
-from llamabatch.server import client_policy
-from llamabatch.server.chat import prepare_chat
-from llamabatch.server.offload import ENCODE, PREPARE, run_step, small_work
-from llamabatch.server.protocol import Body, bad_request, generation_error, new_id, now
+from llamabatch.server.chat import translated_chat
+from llamabatch.server.offload import ENCODE, run_step, small_work
+from llamabatch.server.protocol import bad_request, generation_error, new_id, now
 from llamabatch.server.streaming import EventStream, dumps_json, generate_all, primed, until_disconnect
 
 if TYPE_CHECKING:
@@ -155,32 +154,25 @@ def _text(parts: Any, where: str) -> str:
 
 
 async def responses(server: OpenAIServer, request: Request) -> Any:
-    raw = await server.read_body(request, "/v1/responses")
-    small = small_work([await request.body()])  # (the translation walks every item)
-    body = Body(await run_step(request, PREPARE, to_chat_body, raw.data, small=small), "/v1/responses")
-    llm = server.need_llm()
-    prompt, setup = await prepare_chat(server, request, body)
-    params = setup.params
-    stream = body.get("stream", "bool", False)
-    priority = client_policy.request_priority(request, body, params.n)
-    client = client_policy.client_key(request)
-    body.warn_unknown()
+    chat = await translated_chat(server, request, "/v1/responses", to_chat_body)
+    raw, llm, prompt, setup, params = chat.data, server.need_llm(), chat.prompt, chat.setup, chat.setup.params
+    priority, client = chat.priority, chat.client
     head = {
         "id": new_id("resp"),
         "object": "response",
         "created_at": now(),
         "model": server.model_name,
-        "instructions": raw.data.get("instructions"),
-        "max_output_tokens": raw.data.get("max_output_tokens"),
+        "instructions": raw.get("instructions"),
+        "max_output_tokens": raw.get("max_output_tokens"),
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "tools": raw.data.get("tools", []),
-        "tool_choice": raw.data.get("tool_choice", "auto"),
-        "parallel_tool_calls": raw.data.get("parallel_tool_calls", True),
-        "metadata": raw.data.get("metadata") or {},
+        "tools": raw.get("tools", []),
+        "tool_choice": raw.get("tool_choice", "auto"),
+        "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+        "metadata": raw.get("metadata") or {},
         "error": None,
     }
-    if stream:
+    if chat.stream:
         gen = await primed(generate_all(llm, [prompt], params, priority, client), request.receive)
         return EventStream(_events(gen, setup, head))
     (result,) = await until_disconnect(
