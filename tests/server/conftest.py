@@ -46,12 +46,13 @@ def served() -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen_path(tmp_path_factory) -> Path:
-    """The tiny model carrying Qwen 2.5's real chat template: its tool calls are read (the
-    Hermes format is detected)."""
+def tiny_qwen_llm(tmp_path_factory) -> Iterator[LLM]:
+    """The tiny model carrying Qwen 2.5's real chat template (its tool calls are read: the
+    Hermes format is detected), 2 slots of 2,048 tokens."""
     template = (
         Path(__file__).parents[1] / "data" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
     ).read_text()
     path = tmp_path_factory.mktemp("qwen-template") / "tiny-qwen.gguf"
     testing.write_llama_gguf(path, testing.PRESETS["tiny"], chat_template=template)
-    return path
+    with LLM(path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
+        yield llm

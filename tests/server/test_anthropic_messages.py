@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from llamabatch import LLM
 from llamabatch.server.anthropic import to_chat_body
 
 anthropic = pytest.importorskip("anthropic")
@@ -32,14 +31,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_qwen_path) -> Iterator[LLM]:
-    with LLM(tiny_qwen_path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def base_url(llm) -> Iterator[str]:
-    with serve(create_app(llm, model_name="tiny", api_key=KEY)) as url:
+def base_url(tiny_qwen_llm) -> Iterator[str]:
+    with serve(create_app(tiny_qwen_llm, model_name="tiny", api_key=KEY)) as url:
         yield url
 
 

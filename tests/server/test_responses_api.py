@@ -6,11 +6,9 @@ greedy request."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
-from llamabatch import LLM
 from llamabatch.server.responses import to_chat_body
 
 openai = pytest.importorskip("openai")
@@ -33,14 +31,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_qwen_path) -> Iterator[LLM]:
-    with LLM(tiny_qwen_path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def client(llm):
-    with serve(create_app(llm, model_name="tiny")) as url:
+def client(tiny_qwen_llm):
+    with serve(create_app(tiny_qwen_llm, model_name="tiny")) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 

@@ -7,7 +7,6 @@ message is accepted and rendered."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_qwen_path) -> Iterator[LLM]:
-    with LLM(tiny_qwen_path, n_ctx=4096, n_parallel=2, n_threads=1) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def client(llm):
-    with serve(create_app(llm, model_name="tiny")) as url:
+def client(tiny_qwen_llm):
+    with serve(create_app(tiny_qwen_llm, model_name="tiny")) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -102,7 +95,7 @@ def test_forced_tool_calls_streamed(client, tool_choice):
     assert (call["name"], call["arguments"]) == (expected.function.name, expected.function.arguments)
 
 
-def test_follow_up_turn_with_the_tool_result(client, llm):
+def test_follow_up_turn_with_the_tool_result(client, tiny_qwen_llm):
     first = client.chat.completions.create(
         model="tiny",
         messages=ASK,
@@ -121,7 +114,7 @@ def test_follow_up_turn_with_the_tool_result(client, llm):
     ]
     follow = client.chat.completions.create(model="tiny", messages=conversation, tools=TOOLS, max_tokens=8)
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    rendered = llm.apply_chat_template(conversation, tools=TOOLS)
+    rendered = tiny_qwen_llm.apply_chat_template(conversation, tools=TOOLS)
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
     arguments = json.loads(call.function.arguments)
     assert f'{{"name": "{call.function.name}", "arguments": {json.dumps(arguments)}}}' in rendered
